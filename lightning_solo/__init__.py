@@ -1,0 +1,15 @@
+"""lightning_solo: data-parallel training on 1..N GPUs that is correct and fast by default.
+
+Importing the package registers the strategy names ``"solo_ddp"`` and ``"solo_ddp_notebook"`` with
+Lightning, so ``Trainer(strategy="solo_ddp")`` works as well as ``Trainer(strategy=SoloDDP())``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_solo.decision import Decision
+from lightning_solo.strategy import SoloDDP
+
+SoloDDP.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["Decision", "SoloDDP", "__version__"]

@@ -1,0 +1,1 @@
+"""Callbacks: one public callback per module."""

@@ -1,0 +1,26 @@
+"""The record of a choice lightning_solo made on the user's behalf.
+
+Every automatic choice (unused parameters, SyncBN, precision, lr scale, comm hook, ...) is made in one
+function that returns a :class:`Decision`; the strategy and callbacks keep them, and the run summary
+prints them. Nothing is decided silently, nothing twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What was chosen for ``setting`` and why."""
+
+    setting: str
+    value: Any
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.setting} = {self.value!r} ({self.reason})"
