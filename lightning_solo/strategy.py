@@ -15,7 +15,6 @@ This module is wiring only: each decision is made by a function in its own modul
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from typing import Any, Literal
@@ -54,18 +53,9 @@ def resolve_start_method(start_method: str) -> Decision:
     return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
 
 
-def cpu_threads_per_process(num_local_processes: int) -> Decision:
-    """Split the CPU cores between local ranks instead of letting each rank take all of them."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return Decision("cpu_threads", int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS is set")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, num_local_processes))
-    return Decision("cpu_threads", threads, f"{cores} cores shared by {num_local_processes} local processes")
-
-
 class SoloDDP(DDPStrategy):
-    """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context, CPU
-    threads split between ranks, nccl on CUDA and gloo on CPU.
+    """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
+    nccl on CUDA and gloo on CPU.
 
     Args:
         gradient_as_bucket_view: let gradients alias DDP's buckets (saves one copy of the gradients).
@@ -128,10 +118,10 @@ class SoloDDP(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.root_device.type == "cpu":
-            threads = self._decide(cpu_threads_per_process(self.num_processes))
-            torch.set_num_threads(threads.value)
         super().setup_environment()
+        if self.root_device.type == "cpu":
+            # Lightning's launchers already split the cores between local ranks; record what is in force.
+            self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
         self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
 
     def settings(self) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""What every image datamodule here shares: per-device batch size, loaders, and their validation."""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Base: subclasses fill ``self.train_set``/``self.val_set`` in ``setup`` and set ``num_classes``.
+
+    ``batch_size`` is per device: the global batch is ``batch_size × devices × nodes × accumulation``.
+    Lightning adds the ``DistributedSampler`` under DDP, so the loaders here stay plain.
+    """
+
+    num_classes: int
+
+    def __init__(self, batch_size: int = 32, num_workers: int = 0, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.batch_size = _positive_int("batch_size", batch_size)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        assert dataset is not None, "setup() has not run"
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

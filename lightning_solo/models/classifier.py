@@ -1,0 +1,128 @@
+"""ImageClassifier: any torchvision classification model as a LightningModule.
+
+Example::
+
+    from functools import partial
+    import torch
+    model = ImageClassifier("resnet50", num_classes=10, stem="cifar",
+                            optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+
+The optimizer and scheduler are factories (Hydra ``_partial_: true``) so the module owns no config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., Any]
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def build_backbone(arch: str, num_classes: int, stem: Literal["imagenet", "cifar"] = "imagenet",
+                   weights: str | None = None) -> nn.Module:
+    """``torchvision.models.get_model(arch)``; ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and
+    max-pool for a 3×3/stride-1 conv, which is what 32×32 images need."""
+    available = torchvision.models.list_models(module=torchvision.models)
+    if arch not in available:
+        raise ValueError(f"unknown torchvision model {arch!r}; classification models are: {', '.join(available)}")
+    if stem not in ("imagenet", "cifar"):
+        raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
+    if weights is not None:  # pretrained heads have 1000 classes; replace the head after loading
+        net = torchvision.models.get_model(arch, weights=weights)
+        _replace_head(net, num_classes)
+    else:
+        net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if stem == "cifar":
+        if not (hasattr(net, "conv1") and hasattr(net, "maxpool")):
+            raise ValueError(f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none")
+        net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    return net
+
+
+def _replace_head(net: nn.Module, num_classes: int) -> None:
+    for name in ("fc", "head", "heads", "classifier"):
+        head = getattr(net, name, None)
+        if isinstance(head, nn.Linear):
+            setattr(net, name, nn.Linear(head.in_features, num_classes))
+            return
+        if isinstance(head, nn.Sequential) and isinstance(head[-1], nn.Linear):
+            head[-1] = nn.Linear(head[-1].in_features, num_classes)
+            return
+    raise ValueError("cannot find a linear classification head to resize; use weights=null")
+
+
+class ImageClassifier(L.LightningModule):
+    """Cross-entropy classifier over ``build_backbone(arch, ...)`` with torchmetrics accuracy.
+
+    Logs ``train/loss``, ``val/loss`` and ``val/acc`` (accuracy over the whole validation set, all ranks).
+    ``channels_last`` stores activations NHWC, which speeds up AMP convolutions on GPUs.
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet18",
+        num_classes: int = 10,
+        stem: Literal["imagenet", "cifar"] = "cifar",
+        weights: str | None = None,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_interval: Literal["step", "epoch"] = "epoch",
+        channels_last: bool = False,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.model = build_backbone(arch, num_classes, stem, weights)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.optimizer_factory = optimizer or default_optimizer
+        self.scheduler_factory = scheduler
+        if scheduler_interval not in ("step", "epoch"):
+            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+        self.scheduler_interval = scheduler_interval
+        self.channels_last = channels_last
+        self.label_smoothing = label_smoothing
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.model(x)
+
+    @override
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.label_smoothing)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.val_acc.update(logits, y)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+
+    @override
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}

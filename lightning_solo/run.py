@@ -1,0 +1,93 @@
+"""The runner: ``python -m lightning_solo.run [group=option ...] [+experiment=NAME]``.
+
+``train(cfg)`` is a plain function (importable, testable); ``main`` is the thin Hydra wrapper. The path
+of a run: check the config and the machine → build datamodule, model, strategy, callbacks, loggers and
+Trainer from the config → fit → summary. Lightning's popen launcher re-runs this command for ranks
+1..N-1 with ``hydra.run.dir`` set to rank 0's, so every rank composes the same config and writes into
+one run directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_solo.config_check import check_config
+from lightning_solo.preflight import check_devices, check_world_size_env, refuse_multirun_relaunch
+
+
+def config_path() -> str:
+    """Where the configs are. Deterministic, so that relaunched ranks find the same ones:
+    ``$LIGHTNING_SOLO_CONFIG_DIR``, else the checkout's ``conf/``, else the copy inside the wheel."""
+    env = os.environ.get("LIGHTNING_SOLO_CONFIG_DIR")
+    if env:
+        return str(Path(env).expanduser().resolve())
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return str(checkout)
+    return "pkg://lightning_solo.conf"
+
+
+def instantiate_group(group: DictConfig | None) -> list[Any]:
+    """Build every named entry with a ``_target_`` (``callbacks:``/``logger:`` dicts)."""
+    if not group:
+        return []
+    return [hydra.utils.instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
+    import lightning as L
+
+    from lightning_solo.callbacks.run_summary import RunSummary
+
+    check_config(cfg)
+    par = cfg.parallelism
+    check_devices(par.accelerator, par.devices, par.num_nodes, dry_run_hint=_dry_run_hint(cfg))
+    check_world_size_env(par.devices, par.num_nodes)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    summary = RunSummary()
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer,
+        accelerator=par.accelerator,
+        devices=par.devices,
+        num_nodes=par.num_nodes,
+        precision=par.precision,
+        strategy=hydra.utils.instantiate(par.strategy),
+        callbacks=[*instantiate_group(cfg.get("callbacks")), summary],
+        logger=instantiate_group(cfg.get("logger")) or False,
+    )
+    refuse_multirun_relaunch(trainer)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("resume"))
+    metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if summary.summary is not None:
+        metrics["summary"] = summary.summary
+    return metrics
+
+
+def _dry_run_hint(cfg: DictConfig) -> str | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    overrides = list(HydraConfig.get().overrides.task)
+    return "python -m lightning_solo.run " + " ".join([*overrides, "+dryrun=cpu"])
+
+
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    value = metrics.get("val/acc")
+    return float(value) if value is not None else None
+
+
+if __name__ == "__main__":
+    main()

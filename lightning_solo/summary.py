@@ -1,0 +1,106 @@
+"""The end-of-run summary: one dict (saved as JSON) and a readable table, built from the trainer.
+
+Every number here is read from the running objects, not from the config: world size and batch sizes
+from the trainer and its dataloader, settings and decisions from the strategy and callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+
+def per_device_batch_size(trainer: L.Trainer) -> int | None:
+    loader = trainer.train_dataloader
+    if loader is None:
+        return None
+    size = getattr(loader, "batch_size", None)
+    if size is None and getattr(loader, "batch_sampler", None) is not None:
+        size = getattr(loader.batch_sampler, "batch_size", None)
+    return size
+
+
+def global_batch_size(trainer: L.Trainer) -> int | None:
+    per_device = per_device_batch_size(trainer)
+    if per_device is None:
+        return None
+    return per_device * trainer.world_size * trainer.accumulate_grad_batches
+
+
+def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
+    owners = [trainer.strategy, trainer.precision_plugin, *trainer.callbacks]
+    found: list[dict[str, Any]] = []
+    for owner in owners:
+        for decision in (getattr(owner, "decisions", None) or {}).values():
+            found.append(decision.as_dict())
+    return found
+
+
+def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
+    strategy = trainer.strategy
+    settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    ckpt = trainer.checkpoint_callback
+    return {
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "accelerator": type(trainer.accelerator).__name__,
+        "precision": trainer.precision,
+        "strategy": type(strategy).__name__,
+        "strategy_settings": settings,
+        "decisions": collect_decisions(trainer),
+        "advice": list(getattr(strategy, "advice", []) or []),
+        "per_device_batch": per_device_batch_size(trainer),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "global_batch": global_batch_size(trainer),
+        "lr": lr,
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        **timing,
+        "metrics": metrics,
+        "val_acc": metrics.get("val/acc"),
+        "checkpoint_last": getattr(ckpt, "last_model_path", None) or None,
+        "checkpoint_best": getattr(ckpt, "best_model_path", None) or None,
+        "log_dir": trainer.log_dir,
+        "output_dir": trainer.default_root_dir,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    rows = [
+        ("world size", f"{summary['world_size']} ({summary['num_nodes']} node(s), {summary['accelerator']})"),
+        ("strategy", summary["strategy"]),
+        *((f"  {k}", fmt(v)) for k, v in summary["strategy_settings"].items()),
+        ("precision", summary["precision"]),
+        ("batch per device", fmt(summary["per_device_batch"])),
+        ("global batch", f"{summary['global_batch']} (accumulate {summary['accumulate_grad_batches']})"),
+        ("learning rate", ", ".join(f"{k} {fmt(v)}" for k, v in summary["lr"].items()) or "-"),
+        ("steps / epochs", f"{summary['global_step']} / {summary['epochs']}"),
+        ("train time", f"{fmt(summary.get('train_seconds', 0.0))} s"),
+        ("throughput", f"{fmt(summary.get('samples_per_second', 0.0))} samples/s (all ranks)"),
+        ("val accuracy", fmt(summary["val_acc"]) if summary["val_acc"] is not None else "-"),
+        ("checkpoint", summary["checkpoint_last"] or summary["checkpoint_best"] or "-"),
+        ("logs", summary["log_dir"] or "-"),
+    ]
+    rows += [("decision", f"{d['setting']} = {d['value']!r}: {d['reason']}") for d in summary["decisions"]]
+    rows += [("advice", line) for line in summary["advice"]]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "=" * 30 + " lightning_solo run summary " + "=" * 30]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("=" * 88)
+    return "\n".join(lines)
+
+
+def save_summary(summary: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str))
+    return path
