@@ -35,9 +35,9 @@ def check_config(cfg: DictConfig) -> None:
         except OmegaConfBaseException as err:
             where = getattr(err, "full_key", None) or key
             raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from err
+    _check_parallelism(container.get("parallelism") or {})  # first: its keys feed the strategy's
     for path, node in _target_nodes(container):
         _check_node(path, node)
-    _check_parallelism(container.get("parallelism") or {})
 
 
 def _target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:

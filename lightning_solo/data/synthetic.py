@@ -28,7 +28,7 @@ class SyntheticImages(Dataset):
         num_classes: int = 10,
         image_size: int = 32,
         channels: int = 3,
-        noise: float = 0.5,
+        noise: float = 1.5,
         seed: int = 0,
         split_offset: int = 0,
     ) -> None:
@@ -71,7 +71,7 @@ class SyntheticDataModule(ImageDataModule):
         channels: int = 3,
         train_size: int = 4096,
         val_size: int = 1024,
-        noise: float = 0.5,
+        noise: float = 1.5,
         seed: int = 0,
         batch_size: int = 32,
         num_workers: int = 0,

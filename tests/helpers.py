@@ -1,0 +1,39 @@
+"""Shared helpers for config and CLI tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+
+
+@contextmanager
+def composed(overrides: list[str], output_dir: Path):
+    """The runner's config as Hydra would compose it, with ``${hydra:...}`` resolvable."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+            cfg = compose("config", overrides=[*overrides, f"hydra.runtime.output_dir={output_dir}"],
+                          return_hydra_config=True)
+            HydraConfig().set_config(cfg)
+            yield cfg
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float, module: str = "lightning_solo.run",
+            python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    return subprocess.run([python, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,50 @@
+"""Fit a tiny model on 2 CPU processes with the popen launcher (re-runs this script for rank 1).
+
+    python tests/scripts/tiny_fit.py string|instance OUT_DIR
+
+Each rank writes its parameter vector to OUT_DIR/rank<k>.pt; rank 0 also writes the strategy type.
+"""
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_solo
+from lightning_solo import SoloDDP
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main(mode: str, out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    strategy = "solo_ddp" if mode == "string" else SoloDDP()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Tiny()
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    rank = trainer.global_rank
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach(), out / f"rank{rank}.pt")
+    if rank == 0:
+        (out / "strategy.txt").write_text(
+            f"{type(trainer.strategy).__name__} {trainer.world_size} {trainer.global_step} {lightning_solo.__file__}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

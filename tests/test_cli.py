@@ -1,0 +1,91 @@
+"""The runner end to end, in subprocesses (Lightning's popen launcher re-runs the command per rank)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torchvision
+
+from tests.helpers import REPO, run_cli
+
+pytestmark = [pytest.mark.cli, pytest.mark.multiproc]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_default_run_end_to_end(tmp_path):
+    started = time.perf_counter()
+    proc = run_cli(["trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=580)
+    wall = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "lightning_solo run summary" in proc.stdout + proc.stderr
+    runs = list((tmp_path / "outputs" / "train").iterdir())
+    assert len(runs) == 1, f"expected one run directory (children share rank 0's), got {runs}"
+    run = runs[0]
+    assert len(list(tmp_path.rglob(".hydra"))) == 1
+    assert (run / "train_ddp_process_1.log").exists(), "rank 1 must log into rank 0's run directory"
+    summary = json.loads((run / "summary.json").read_text())
+    print(f"default run: wall {wall:.1f} s, val/acc {summary['val_acc']:.4f}, "
+          f"{summary['samples_per_second']:.1f} samples/s")
+    assert summary["world_size"] == 2 and summary["global_batch"] == 64
+    assert summary["val_acc"] >= 0.90
+    ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
+    net = torchvision.models.get_model("resnet18", num_classes=10)
+    net.conv1 = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    net.maxpool = torch.nn.Identity()
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    net.load_state_dict(state)
+
+
+@pytest.mark.timeout(240)
+def test_resnet_4gpu_cpu_dry_run(tmp_path):
+    proc = run_cli(["+experiment=resnet_4gpu", "+dryrun=cpu", "hydra.run.dir=run",
+                    "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert summary["global_step"] == 3
+    assert summary["precision"] == "bf16-mixed"
+    assert {f"train_ddp_process_{k}.log" for k in (1, 2, 3)} <= {p.name for p in (tmp_path / "run").iterdir()}
+
+
+@pytest.mark.timeout(120)
+def test_resnet_4gpu_without_gpus_stops_with_a_clear_message(tmp_path):
+    proc = run_cli(["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100)
+    assert proc.returncode != 0
+    assert "asks for 4 GPU(s)" in proc.stderr and "+dryrun=cpu" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_fails_before_any_worker_starts(tmp_path):
+    # The other bad-input cases are checked in-process in test_configs.py; this one shows the CLI path.
+    proc = run_cli(["trainer.max_epochs=abc", "hydra.run.dir=run"], cwd=tmp_path, timeout=100)
+    assert proc.returncode != 0
+    assert "trainer.max_epochs" in proc.stderr
+    assert not list(tmp_path.rglob("train_ddp_process_*.log"))
+
+
+@pytest.mark.timeout(120)
+def test_multirun_with_relaunching_launcher_is_refused(tmp_path):
+    proc = run_cli(["-m", "trainer.max_epochs=1,2", "hydra.sweep.dir=sweep"], cwd=tmp_path, timeout=100)
+    assert proc.returncode != 0
+    assert "multirun" in proc.stderr.lower() and "popen" in proc.stderr
+    assert not list(tmp_path.rglob("train_ddp_process_*.log"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["string", "instance"])
+def test_trainer_trains_two_processes_with_solo_ddp(mode, tmp_path):
+    env_cmd = [sys.executable, str(REPO / "tests" / "scripts" / "tiny_fit.py"), mode, str(tmp_path)]
+    proc = subprocess.run(env_cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    name, world, steps, _ = (tmp_path / "strategy.txt").read_text().split()
+    assert (name, world, steps) == ("SoloDDP", "2", "8")  # 64 samples / 2 ranks / batch 8 × 2 epochs
+    p0, p1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(p0, p1), "DDP must keep the replicas identical"

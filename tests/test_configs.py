@@ -1,0 +1,90 @@
+"""Every config composes, builds, and bad input fails before any worker starts, naming the key."""
+
+from __future__ import annotations
+
+import hydra
+import pytest
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf.errors import ConfigKeyError
+
+from lightning_solo.config_check import ConfigError, check_config
+from lightning_solo.preflight import PreflightError, check_devices, check_world_size_env
+from tests.helpers import CONF, composed
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_there_are_experiments():
+    assert "resnet_4gpu" in EXPERIMENTS
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_builds(experiment, tmp_path):
+    with composed([f"+experiment={experiment}", "+dryrun=cpu"], tmp_path) as cfg:
+        check_config(cfg)
+        dm = hydra.utils.instantiate(cfg.data)
+        model = hydra.utils.instantiate(cfg.model)
+        strategy = hydra.utils.instantiate(cfg.parallelism.strategy)
+        assert dm.num_classes == model.hparams.num_classes
+        assert type(strategy).__name__ == "SoloDDP"
+
+
+def test_resnet_4gpu_is_what_it_says(tmp_path):
+    with composed(["+experiment=resnet_4gpu"], tmp_path) as cfg:
+        assert cfg.model.arch == "resnet50"
+        assert cfg.parallelism.devices == 4 and cfg.parallelism.accelerator == "gpu"
+        assert cfg.parallelism.precision == "bf16-mixed"
+        assert cfg.data._target_.endswith("CIFAR10DataModule")
+
+
+@pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger"])
+def test_every_group_option_composes(group, tmp_path):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        overrides = [f"{group}={option}"]
+        if option == "image_folder":
+            overrides += ["data.root=/nonexistent", "data.num_classes=3"]
+        with composed(overrides, tmp_path) as cfg:
+            check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("trainer.max_epochs=abc", "trainer.max_epochs"),
+        ("+trainer.max_epoch=3", "trainer.max_epoch"),
+        ("data.batch_size=1.5", "data.batch_size"),
+        ("+model.optimizer.momentm=0.1", "model.optimizer.momentm"),
+        ("model.stem=foo", "model.stem"),
+        ("parallelism.precision=17", "parallelism.precision"),
+        ("+parallelism.devics=3", "parallelism.devics"),
+        ("parallelism.strategy.timeout=soon", "parallelism.strategy.timeout"),
+    ],
+)
+def test_bad_values_name_the_key(override, named, tmp_path):
+    with composed([override], tmp_path) as cfg, pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        check_config(cfg)
+
+
+def test_misspelled_key_and_unknown_option_fail_at_composition(tmp_path):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, HydraException), match="max_epoch"):
+        with composed(["trainer.max_epoch=3"], tmp_path):
+            pass
+    with pytest.raises(ConfigCompositionException, match="resnet999"):
+        with composed(["model=resnet999"], tmp_path):
+            pass
+
+
+def test_device_preflight():
+    with pytest.raises(PreflightError, match="asks for 4 GPU"):
+        check_devices("gpu", 4, 1, dry_run_hint="+dryrun=cpu")
+    with pytest.raises(PreflightError, match="num_nodes"):
+        check_devices("cpu", 2, 0)
+    check_devices("cpu", 4, 1)  # more gloo processes than cores is allowed (the dry run uses it)
+
+
+def test_world_size_env_must_match(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(PreflightError, match="WORLD_SIZE=3"):
+        check_world_size_env(2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_world_size_env(2, 2)
