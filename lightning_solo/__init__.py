@@ -6,10 +6,17 @@ Lightning, so ``Trainer(strategy="solo_ddp")`` works as well as ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_solo.checkpoint_io import SoloCheckpointIO, resolve_ckpt_path
+from lightning_solo.comm import CommHook
 from lightning_solo.decision import Decision
+from lightning_solo.precision import SoloMixedPrecision
 from lightning_solo.strategy import SoloDDP
+from lightning_solo.syncbn import SoloSyncBatchNorm
 
 SoloDDP.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["Decision", "SoloDDP", "__version__"]
+__all__ = [
+    "CommHook", "Decision", "SoloCheckpointIO", "SoloDDP", "SoloMixedPrecision", "SoloSyncBatchNorm",
+    "__version__", "resolve_ckpt_path",
+]

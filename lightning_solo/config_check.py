@@ -98,6 +98,8 @@ def _check_parallelism(par: dict) -> None:
             close = difflib.get_close_matches(key, sorted(allowed), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"parallelism.{key}: unknown option.{hint} Accepted: {', '.join(sorted(allowed))}")
+        if key == "precision" and value == "auto":
+            continue  # SoloDDP's own rule (bf16 / fp16 / fp32 by device); the Trainer does not know "auto"
         if key != "strategy" and key in hints and not _matches(value, hints[key]):
             raise ConfigError(
                 f"parallelism.{key}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})"

@@ -16,6 +16,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from lightning_solo.checkpoint_io import resolve_ckpt_path
 from lightning_solo.config_check import check_config
 from lightning_solo.preflight import check_devices, check_world_size_env, refuse_multirun_relaunch
 
@@ -55,22 +56,35 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
     summary = RunSummary()
+    # When the strategy takes the precision (SoloDDP does: parallelism.strategy.precision), it alone
+    # decides; the Trainer gets none, so "auto" and real fp16 on CPU reach SoloDDP unchanged.
+    trainer_precision = None if "precision" in par.strategy else par.precision
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         accelerator=par.accelerator,
         devices=par.devices,
         num_nodes=par.num_nodes,
-        precision=par.precision,
+        precision=trainer_precision,
         strategy=hydra.utils.instantiate(par.strategy),
         callbacks=[*instantiate_group(cfg.get("callbacks")), summary],
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     refuse_multirun_relaunch(trainer)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("resume"))
+    # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start)
+    ckpt_path = resolve_ckpt_path(cfg.get("resume"), checkpoint_dir(trainer))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if summary.summary is not None:
         metrics["summary"] = summary.summary
     return metrics
+
+
+def checkpoint_dir(trainer) -> str | None:
+    """The first checkpoint callback's directory: where ``resume=auto`` looks."""
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            return str(callback.dirpath)
+    return None
 
 
 def _dry_run_hint(cfg: DictConfig) -> str | None:

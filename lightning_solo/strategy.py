@@ -20,10 +20,20 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_solo import comm, resume, syncbn
+from lightning_solo import precision as amp
+from lightning_solo.advice import ddp_advice
+from lightning_solo.checkpoint_io import SoloCheckpointIO
 from lightning_solo.decision import Decision
+from lightning_solo.launcher import SoloLauncher
+from lightning_solo.unused import UnusedParameters
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
@@ -59,8 +69,43 @@ class SoloDDP(DDPStrategy):
 
     Args:
         gradient_as_bucket_view: let gradients alias DDP's buckets (saves one copy of the gradients).
-        start_method: ``"auto"`` (fork in notebooks, popen in scripts), or one of Lightning's launchers.
+        find_unused_parameters: ``"auto"`` (default), ``True`` or ``False``. ``"auto"``: DDP's fast path, decided
+            from the first steps' evidence; parameters that never get a gradient are named in one warning
+            and excluded from synchronisation, a varying set switches to ``True``, and a safety net keeps a
+            parameter that first goes unused later from crashing or hanging the run. See
+            :mod:`lightning_solo.unused`. The end-of-fit advice from DDP's logging data is in ``self.advice``.
+        start_method: ``"auto"`` (fork in notebooks, popen in scripts), or one of Lightning's launchers. With
+            fork/spawn/forkserver, the notebook gets the fit's state back (true ``global_step``, callback state,
+            decisions) and can fit again on the same Trainer: see :mod:`lightning_solo.launcher`.
         timeout: collective timeout, a ``timedelta`` or seconds.
+        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint_io.SoloCheckpointIO` (atomic, fsynced,
+            manifest-verified files, ``weights_only=True`` loads). Every checkpoint also carries the training
+            sampler's position and every rank's RNG states, so a mid-epoch resume continues exactly
+            (:mod:`lightning_solo.resume`).
+        sync_batchnorm: ``True``, ``False`` or ``"auto"``: synchronise BatchNorm statistics over the global
+            batch with a backend-agnostic SyncBN (works on CPU/gloo), reverted to the original classes
+            after fit. ``"auto"`` turns it on when there is BatchNorm, more than one process and a
+            per-device batch below ``sync_batchnorm_threshold`` (see :func:`lightning_solo.syncbn.decide`).
+            ``Trainer(sync_batchnorm=True)`` counts as ``True``.
+        sync_batchnorm_threshold: per-device batch size below which ``"auto"`` synchronises.
+        precision: ``"auto"``, ``"bf16-mixed"``, ``"16-mixed"`` (fp16 + GradScaler, real fp16 on CPU too),
+            ``"32-true"``, or ``None`` to leave it to ``Trainer(precision=...)``. ``"auto"``: bf16 on GPUs that
+            support it, fp16 on GPUs that don't, fp32 on CPU. A different explicit ``Trainer(precision=...)``
+            raises ``ValueError`` (``"auto"`` defers to it; the Trainer's ``"32-true"`` counts as unset, being
+            its default); see :func:`lightning_solo.precision.resolve_precision`.
+        scaler: GradScaler settings for 16-mixed: ``init_scale``, ``growth_factor`` (> 1), ``backoff_factor``
+            (in (0, 1)), ``growth_interval`` (>= 1). On resume the saved scale is kept and these factors apply.
+        skip_lr_on_overflow: hold step-interval LR schedulers on a step skipped for inf/nan gradients.
+        comm_hook: gradient communication, registered on every device (gloo/CPU too, unlike Lightning):
+            ``None`` (exact all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` (its state is checkpointed and
+            restored), or ``"post_local_sgd"`` (local steps, parameters averaged every ``local_sgd_period``
+            steps after ``local_sgd_warmup`` synchronous ones; the model is averaged once more at the end of
+            fit). See :class:`lightning_solo.comm.CommHook`. Lightning's ``ddp_comm_hook=`` callables are
+            also registered on every device.
+        powersgd_rank: PowerSGD's matrix approximation rank.
+        powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
+        local_sgd_period: post-local-SGD: steps between parameter averages.
+        local_sgd_warmup: post-local-SGD: synchronous steps before local steps start.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -76,12 +121,38 @@ class SoloDDP(DDPStrategy):
         precision_plugin=None,
         *,
         gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool | Literal["auto"] = "auto",
         start_method: StartMethod = "auto",
         timeout: timedelta | float | int = timedelta(minutes=30),
         process_group_backend: str | None = None,
+        sync_batchnorm: bool | Literal["auto"] = "auto",
+        sync_batchnorm_threshold: int = 32,
+        precision: str | None = None,
+        scaler: dict[str, float] | None = None,
+        skip_lr_on_overflow: bool = False,
+        comm_hook: str | None = None,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        local_sgd_period: int = 4,
+        local_sgd_warmup: int = 100,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = resolve_start_method(start_method)
+        unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
+        comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
+        comm_hooks = comm.CommHook(
+            comm_hook,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+            local_sgd_period=local_sgd_period,
+            local_sgd_warmup=local_sgd_warmup,
+        )
+        if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError("pass either comm_hook= or Lightning's ddp_comm_hook= to SoloDDP, not both")
+        syncbn.validate(sync_batchnorm, sync_batchnorm_threshold)
+        precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow)
+        if precision is not None and precision_plugin is not None:
+            raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
         if not isinstance(timeout, timedelta):
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
@@ -90,20 +161,36 @@ class SoloDDP(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else SoloCheckpointIO(),
+            precision_plugin=precision_plugin if precision_plugin is not None else amp.pending_plugin(precision_options),
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=launcher.value,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=unused.initial,
             **ddp_kwargs,
         )
         self.decisions: dict[str, Decision] = {}
         self._decide(launcher)
+        self._sync_batchnorm = sync_batchnorm
+        self._sync_batchnorm_threshold = sync_batchnorm_threshold
+        self._precision_options = precision_options
+        self._comm = comm_hooks
+        self._barrier_group = None
+        self._unused = unused
+        self._decide(unused.decision)
+        self.advice: list[str] = []
 
     def _decide(self, decision: Decision) -> Decision:
         self.decisions[decision.setting] = decision
         return decision
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            return super()._configure_launcher()
+        # fork/spawn/forkserver: the parent gets the fit's state back and can fit again (lightning_solo.launcher).
+        self._launcher = SoloLauncher(self, start_method=self._start_method)
 
     @classmethod
     @override
@@ -116,13 +203,140 @@ class SoloDDP(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, start_method=start_method)
 
+    # Lightning's connector assigns Trainer(sync_batchnorm=...)'s plugin, or None, to `_layer_sync`
+    # unconditionally, and its TorchSyncBatchNorm fails on CPU: keep the request, and give
+    # DDPStrategy.setup/teardown the plugin chosen in `setup` instead.
+    @property
+    def _layer_sync(self):
+        return getattr(self, "_solo_layer_sync", None)
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin) -> None:
+        self._requested_layer_sync = plugin
+
+    @override
+    def setup(self, trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            decision, self._solo_layer_sync = syncbn.plan(
+                trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._requested_layer_sync
+            )
+            self._decide(decision)
+        super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
+
     @override
     def setup_environment(self) -> None:
+        # The device is known now: replace the placeholder precision plugin before anything uses it.
+        self.precision_plugin, decisions = amp.settle_precision(
+            self.precision_plugin, self._precision_options, self.lightning_module.trainer, self.root_device
+        )
+        for decision in decisions:
+            self._decide(decision)
         super().setup_environment()
         if self.root_device.type == "cpu":
             # Lightning's launchers already split the cores between local ranks; record what is in force.
             self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
         self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
+        if self._barrier_group is None:  # a group creation is a collective: once per process
+            self._barrier_group = comm.barrier_group(self._timeout)
+        self._decide(comm.barrier_decision(self._barrier_group, self._timeout))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Made after setup, while restoring a checkpoint (e.g. the GradScaler kept across a resume).
+        for decision in getattr(self.precision_plugin, "decisions", {}).values():
+            self._decide(decision)
+
+    # Exact mid-epoch resume (lightning_solo.resume): a resumable training sampler, its position and every
+    # rank's RNG saved in each checkpoint (all ranks run save_checkpoint), replayed after a restore.
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.training:
+            return dataloader
+        dataloader, decision = resume.make_resumable(dataloader)
+        self._decide(decision)
+        sampler = getattr(dataloader, "sampler", None)
+        self._train_sampler = sampler if isinstance(sampler, resume.ResumableSampler) else None
+        if (planned := resume.plan(getattr(self, "_resume_record", None), trainer, self._train_sampler)) is not None:
+            self._decide(planned)
+        self._resume_record = None
+        return dataloader
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            checkpoint[resume.RESUME_KEY] = resume.capture(trainer, getattr(self, "_train_sampler", None))
+        if "optimizer_states" in checkpoint:  # a full checkpoint; a collective for PowerSGD (all ranks are here)
+            if hook_state := self._comm.state_dict():
+                checkpoint[comm.CHECKPOINT_KEY] = hook_state
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_record = checkpoint.get(resume.RESUME_KEY)
+        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY))  # applied when the hook is registered
+        return checkpoint
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
+        if self._comm.name is None and self._ddp_comm_hook is not None:
+            _register_ddp_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper)
+            name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
+            self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
+            return
+        self._decide(self._comm.register(self.model, local_world_size=self.num_processes))
+        if self._comm.averaging_period is not None:
+            # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
+            self._ddp_comm_state = self._comm.state
+            self._model_averaging_period = self._comm.averaging_period
+
+    @override
+    def _enable_model_averaging(self) -> None:
+        super()._enable_model_averaging()
+        self._comm.attach_averager(self._model_averager)  # restores its step count on resume
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        # Before clipping and the optimizer step: complete a reduction DDP left unfinished, gather evidence.
+        self._unused.after_backward(self.model, self._barrier_group)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # A batch boundary: the policy's decision is the same on every rank (it is made from all-reduced
+        # evidence), so every rank re-wraps here together (DDP's constructor is a collective).
+        if self._unused.at_boundary(self.model):
+            module = self._unused.unwrap(self.model, keep_grads=not self.lightning_module.automatic_optimization)
+            self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
+            self.model = self._setup_model(module)
+            self._register_ddp_hooks()
+        if self.decisions.get("find_unused_parameters") is not self._unused.decision:
+            self._decide(self._unused.decision)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._unused.finish(self.model)
+        self._decide(self._unused.decision)
+        if isinstance(self.model, DistributedDataParallel):
+            self.advice = ddp_advice(self.model, self._unused)
+            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
+        if self._model_averager is not None:
+            # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
+            self._comm.average_parameters(self.lightning_module)
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
+        if self._barrier_group is None or not torch.distributed.is_initialized():
+            return super().barrier(name, *args, **kwargs)
+        comm.monitored_barrier(name, self._timeout, self._barrier_group)
 
     def settings(self) -> dict[str, Any]:
         """The effective DDP settings, for the run summary."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -32,7 +33,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        result = fn(rank, world_size, *args)
+        # Plain pickle, not torch's shared-memory reduction: a tensor must outlive the rank that made it.
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
         queue.put((rank, "error", traceback.format_exc()))
@@ -54,7 +56,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             rank, status, payload = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -33,9 +33,8 @@ class RunSummary(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_seconds, self._samples = 0.0, 0
-        self._fit_started = time.perf_counter()
+        self._train_started = time.perf_counter()
         self._lr = {}
-        self._note_lr(trainer, "lr_start")
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -47,20 +46,21 @@ class RunSummary(L.Callback):
             self._train_seconds += time.perf_counter() - self._batch_started
         inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
         self._samples += len(inputs) * trainer.world_size
-        self._note_lr(trainer, "lr_peak", peak=True)
-
-    def _note_lr(self, trainer: L.Trainer, key: str, peak: bool = False) -> None:
-        if not trainer.optimizers:
-            return
-        lr = float(trainer.optimizers[0].param_groups[0]["lr"])
-        self._lr[key] = max(lr, self._lr.get(key, lr)) if peak else lr
 
     @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._note_lr(trainer, "lr_final")
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Read here, not at batch end: this is the lr the step uses (a scheduler callback may change it after).
+        lr = float(optimizer.param_groups[0]["lr"])
+        self._lr.setdefault("first_step", lr)
+        self._lr["peak"] = max(lr, self._lr.get("peak", lr))
+        self._lr["last_step"] = lr
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # on_fit_end, not on_train_end: the strategy's end-of-training advice and decisions exist by now.
         timing = {
             "train_seconds": self._train_seconds,
-            "wall_seconds": time.perf_counter() - self._fit_started,
+            "wall_seconds": time.perf_counter() - getattr(self, "_train_started", time.perf_counter()),
             "samples_seen": self._samples,
             "samples_per_second": self._samples / self._train_seconds if self._train_seconds else 0.0,
         }

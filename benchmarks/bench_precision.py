@@ -1,0 +1,177 @@
+"""Peak memory and throughput of fp32 vs bf16-mixed vs 16-mixed for torchvision ResNet-18.
+
+Each (round, precision) runs in a fresh subprocess, through a Lightning Trainer with the plugin SoloDDP
+would install (``Precision()`` for 32-true, :class:`SoloMixedPrecision` otherwise). Precisions are
+interleaved and their order rotates every round; the figures are medians over rounds.
+
+Memory:
+* CPU: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the fresh process, which is why each measurement
+  gets its own process (tracemalloc does not see torch's allocator). ``peak`` is the whole process;
+  ``train`` is the peak minus the high-water mark just before ``fit`` (model, data and libraries loaded).
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` right before ``fit``.
+
+Usage::
+
+    python benchmarks/bench_precision.py                              # CPU, small images (this machine)
+    python benchmarks/bench_precision.py --device cuda --image-size 224 --batch-size 128 --steps 30 \
+        --warmup 5 --channels-last
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ALL_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import lightning as L
+    import torch
+    import torchvision
+    from lightning.pytorch.plugins.precision import Precision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_solo.precision import SoloMixedPrecision, to_channels_last
+
+    torch.manual_seed(0)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torchvision.models.resnet18(num_classes=10)
+            if args.channels_last:
+                to_channels_last(self.model)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if args.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            return torch.nn.functional.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.start = self.end = 0.0
+
+        def _now(self) -> float:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == args.warmup:
+                self.start = self._now()
+
+        def on_train_end(self, trainer, pl_module):
+            self.end = self._now()
+
+    n = args.batch_size * (args.warmup + args.steps)
+    data = TensorDataset(torch.randn(n, 3, args.image_size, args.image_size), torch.randint(0, 10, (n,)))
+    loader = DataLoader(data, batch_size=args.batch_size)
+    plugin = Precision() if args.precision == "32-true" else SoloMixedPrecision(args.precision, args.device)
+    clock, model = Clock(), Net()
+    trainer = L.Trainer(
+        accelerator=args.device,
+        devices=1,
+        plugins=[plugin],
+        max_steps=args.warmup + args.steps,
+        callbacks=[clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, loader)
+    out = {
+        "precision": args.precision,
+        "imgs_per_s": args.batch_size * args.steps / (clock.end - clock.start),
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "train_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb) / 1024,
+    }
+    if args.device == "cuda":
+        out["peak_mb"] = out["train_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precisions", default=",".join(ALL_PRECISIONS), help=f"comma list of {ALL_PRECISIONS}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps timed")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="OMP threads per worker (default: all cores)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--precision", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+
+    precisions = args.precisions.split(",")
+    bad = [x for x in precisions if x not in ALL_PRECISIONS]
+    if bad:
+        raise ValueError(f"unknown precision(s) {bad}; accepted: {ALL_PRECISIONS}")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    passthrough = [
+        f"--device={args.device}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--batch-size={args.batch_size}",
+        f"--image-size={args.image_size}",
+        *(["--channels-last"] if args.channels_last else []),
+    ]
+    results: dict[str, list[dict]] = {x: [] for x in precisions}
+    for r in range(args.rounds):
+        order = precisions[r % len(precisions) :] + precisions[: r % len(precisions)]
+        for prec in order:
+            cmd = [sys.executable, __file__, "--worker", "--precision", prec, *passthrough]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"worker {prec} failed:\n{proc.stderr[-3000:]}")
+            res = json.loads(line[len("RESULT ") :])
+            results[prec].append(res)
+            print(
+                f"round {r} {prec:>10}: {res['imgs_per_s']:8.1f} img/s  peak {res['peak_mb']:8.1f} MB  "
+                f"train {res['train_mb']:8.1f} MB",
+                flush=True,
+            )
+
+    base = {k: statistics.median(x[k] for x in results[precisions[0]]) for k in ("imgs_per_s", "train_mb")}
+    print(
+        f"\nResNet-18, {args.device}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+        f"channels_last={args.channels_last}, medians of {args.rounds} interleaved rounds "
+        f"(ratios vs {precisions[0]}):"
+    )
+    print("| precision | img/s | speed vs fp32 | peak MB | train MB | train memory vs fp32 |")
+    print("|---|---|---|---|---|---|")
+    for prec in precisions:
+        med = {
+            k: statistics.median(x[k] for x in results[prec]) for k in ("imgs_per_s", "peak_mb", "train_mb")
+        }
+        print(
+            f"| {prec} | {med['imgs_per_s']:.1f} | {med['imgs_per_s'] / base['imgs_per_s']:.2f}x | "
+            f"{med['peak_mb']:.0f} | {med['train_mb']:.0f} | {med['train_mb'] / base['train_mb']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Step-time overhead of SoloSyncBatchNorm against plain BatchNorm, 2 CPU processes over gloo.
+
+Both variants are DDP-wrapped copies of the same model in the same process group. Steps alternate
+A, B, A, B, ... so that load on the machine hits both alike; after warm-up the median step time of each
+is taken per round, and the figure is the median over rounds of the per-round ratio.
+
+    python benchmarks/bench_syncbn.py                      # resnet18 (32x32) and a BN-heavy small net
+    python benchmarks/bench_syncbn.py --rounds 5 --steps 10 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_solo import syncbn  # noqa: E402
+
+
+def small_net() -> nn.Module:
+    """Little compute per BN layer: the case where synchronising costs the most, relatively."""
+    layers, channels = [], 3
+    for out in (16, 16, 32, 32, 64, 64):
+        layers += [nn.Conv2d(channels, out, 3, padding=1), nn.BatchNorm2d(out), nn.ReLU()]
+        channels = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+
+
+MODELS = {
+    "resnet18": lambda: torchvision.models.get_model("resnet18", num_classes=10),
+    "small_bn_net": small_net,
+}
+
+
+def _step(ddp, opt, x, y) -> float:
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    results = {}
+    for name in args.models:
+        base = MODELS[name]()
+        variants = {"plain": copy.deepcopy(base), "synced": syncbn.convert(copy.deepcopy(base))}
+        runs = {}
+        for key, model in variants.items():
+            ddp = nn.parallel.DistributedDataParallel(model)
+            runs[key] = (ddp, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        x = torch.randn(args.batch, 3, args.size, args.size)
+        y = torch.randint(0, 10, (args.batch,))
+        for key in runs:  # warm-up
+            for _ in range(2):
+                _step(*runs[key], x, y)
+        ratios, medians = [], {"plain": [], "synced": []}
+        for _ in range(args.rounds):
+            times = {"plain": [], "synced": []}
+            for _ in range(args.steps):
+                for key in ("plain", "synced"):
+                    times[key].append(_step(*runs[key], x, y))
+            round_medians = {k: statistics.median(v) for k, v in times.items()}
+            for key, value in round_medians.items():
+                medians[key].append(value)
+            ratios.append(round_medians["synced"] / round_medians["plain"])
+        results[name] = dict(
+            plain_ms=1e3 * statistics.median(medians["plain"]),
+            synced_ms=1e3 * statistics.median(medians["synced"]),
+            ratio=statistics.median(ratios),
+            ratio_min=min(ratios),
+            ratio_max=max(ratios),
+            bn_layers=sum(isinstance(m, nn.BatchNorm2d) for m in base.modules()),
+        )
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batch", type=int, default=16, help="per-process batch")
+    parser.add_argument("--size", type=int, default=32, help="image side")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="steps of each variant per round")
+    args = parser.parse_args()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+
+    print(f"2 CPU processes (gloo), per-process batch {args.batch}, {args.size}x{args.size} inputs, "
+          f"{args.rounds} rounds x {args.steps} interleaved steps")  # fmt: skip
+    print(f"{'model':<14}{'BN layers':>10}{'plain ms':>11}{'synced ms':>11}{'ratio':>8}  (min-max over rounds)")
+    for name, r in results.items():
+        print(
+            f"{name:<14}{r['bn_layers']:>10}{r['plain_ms']:>11.1f}{r['synced_ms']:>11.1f}{r['ratio']:>8.3f}"
+            f"  ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""End-of-fit advice from DDP's own logging data: unused parameters, ``static_graph``, comm hook, buckets.
+
+DDP records what it saw (``DistributedDataParallel._get_ddp_logging_data()``: unused-parameter bytes, the
+comm hook, bucket sizes, sampled backward compute and communication times) but nobody reads it.
+:func:`ddp_advice` turns it into a few lines, each a fact and, where there is one, the setting to change.
+:class:`~lightning_solo.SoloDDP` calls it at the end of fit and keeps the lines in ``strategy.advice``.
+
+Example::
+
+    ddp = trainer.strategy.model                 # while fitting, e.g. in on_train_end
+    for line in ddp_advice(ddp):
+        print("-", line)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo.unused import UnusedParameters
+
+_MIB = 2**20
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _ms(nanoseconds: Any) -> float:
+    return (nanoseconds or 0) / 1e6
+
+
+def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = None) -> list[str]:
+    """Short actionable lines about ``ddp``'s run; ``unused``: SoloDDP's unused-parameter policy, if any."""
+    data = ddp._get_ddp_logging_data()
+    lines: list[str] = []
+    static_graph = bool(getattr(ddp, "static_graph", False))
+    graph_static = bool(data.get("can_set_static_graph") or ddp.reducer._ddp_graph_static())
+    unused_bytes = int(data.get("unused_parameter_size") or 0)
+
+    # Unused parameters, and whether static_graph could replace the per-step search.
+    phase = unused.phase if unused is not None else "user"
+    if phase == "static":
+        lines.append(
+            f"{len(unused.unused_names)} parameters ({unused.unused_bytes / _MIB:.2f} MiB) never receive a gradient "
+            f"and are excluded from synchronisation; freeze (requires_grad=False) or remove them: "
+            f"{_names(unused.unused_names)}"
+        )
+    elif ddp.find_unused_parameters and not static_graph:
+        which = f" ({_names(unused.varying_names)})" if unused is not None and unused.varying_names else ""
+        lines.append(
+            f"find_unused_parameters=True: DDP searches the autograd graph every step; {unused_bytes / _MIB:.2f} MiB "
+            f"of parameters got no gradient in the last sampled step{which}"
+        )
+        if graph_static and unused_bytes == 0 and phase == "user":
+            lines.append(
+                "no parameter went unused in the sampled steps: find_unused_parameters='auto' (SoloDDP's default) "
+                "would take the fast path"
+            )
+        elif graph_static:
+            lines.append(
+                "DDP saw the same set of unused parameters on every step: static_graph=True would skip the per-step "
+                "search (only if the model's control flow can never change)"
+            )
+    else:
+        lines.append("every synchronised parameter received a gradient: DDP's fast path (find_unused_parameters=False)")
+
+    # Gradient communication: which hook, and whether it is the bottleneck.
+    # DDP re-buckets after its first iteration (in gradient-ready order); the rebuilt sizes are the live ones.
+    layout = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    sizes = [int(s) for s in str(layout).split(",") if s.strip()]
+    cap = int(data.get("bucket_cap_bytes") or 0)
+    total = int(data.get("total_parameter_size_bytes") or sum(sizes))
+    comm, compute = _ms(data.get("avg_backward_comm_time")), _ms(data.get("avg_backward_compute_time"))
+    overlap = _ms(data.get("avg_backward_compute_comm_overlap_time"))
+    hook = data.get("comm_hook")
+    timing = f" (backward: {compute:.1f} ms compute, {comm:.1f} ms communication, {overlap:.1f} ms overlapped)"
+    timing = timing if comm or compute else ""
+    if hook:
+        lines.append(f"comm hook in use: {hook}{timing}")
+    elif int(data.get("world_size") or 1) > 1 and comm > compute > 0 and total > _MIB:
+        # Below ~1 MiB an all-reduce costs its latency, which compression does not shorten.
+        lines.append(
+            f"no comm hook and communication exceeds backward compute{timing}: comm_hook='bf16' halves the traffic, "
+            "'powersgd' cuts it further"
+        )
+    else:
+        lines.append(f"no comm hook: exact all-reduce{timing}")
+
+    # Buckets: a single bucket cannot overlap its all-reduce with the backward pass.
+    if sizes:
+        line = f"{len(sizes)} gradient bucket(s) for {total / _MIB:.2f} MiB of gradients, bucket_cap_mb={cap / _MIB:g}"
+        if len(sizes) == 1 and comm > overlap and total > 4 * _MIB:
+            line += (
+                f": one bucket is all-reduced only after the whole backward; bucket_cap_mb={max(1, total // 4 // _MIB)}"
+                " lets communication overlap it"
+            )
+        lines.append(line)
+    if not data.get("gradient_as_bucket_view"):
+        lines.append("gradient_as_bucket_view=False: True saves one copy of the gradients (SoloDDP's default)")
+    return lines

@@ -1,0 +1,420 @@
+"""WarmupScaledLR: scale the learning rate to the global batch, with gradual warmup (Goyal et al. 2017).
+
+Example::
+
+    import lightning as L
+    from lightning_solo import SoloDDP
+    from lightning_solo.callbacks import WarmupScaledLR
+
+    lr = WarmupScaledLR(rule="linear", reference_batch_size=256, warmup_epochs=5)
+    trainer = L.Trainer(devices=8, strategy=SoloDDP(), callbacks=[lr], max_epochs=90)
+    trainer.fit(model, datamodule)        # batch 64 per device × 8 devices → lr × 2 after 5 epochs
+    print(lr.decisions)                    # global batch, scale, warmup, composition, re-scaling on resume
+    lr.plot_schedule("lr.png")
+
+How it composes with everything else: the lr the optimizer *steps with* is ``user_lr × factor(step)``,
+where ``user_lr`` is the lr the user configured, as their own scheduler (if any) has moved it, and
+``factor`` is :class:`~lightning_solo.lr_schedule.LRSchedule` (scale × warmup × built-in decay), taken at
+``trainer.global_step``. The param groups hold the applied lr from the start of each batch through the
+optimizer's update (``LearningRateMonitor``, ``training_step`` and the update all see it); an optimizer
+step post-hook then puts ``user_lr`` back, so schedulers step on their own values (chainable ones never
+compound the factor) and checkpoints written after a step hold the user's lr. The callback state keeps
+``user_lr`` too, and is applied in ``on_train_start``, after Lightning has restored the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_solo.decision import Decision
+from lightning_solo.lr_schedule import DECAYS, RULES, LRSchedule, plot_schedule, scale_factor
+
+_DEFAULT_WARMUP_FRACTION = 0.05
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    if not isinstance(loader, DataLoader):
+        return None
+    if loader.batch_size is not None:
+        return loader.batch_size
+    return getattr(loader.batch_sampler, "batch_size", None)
+
+
+class WarmupScaledLR(Callback):
+    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe.
+
+    Args:
+        rule: ``"linear"`` (SGD; lr × G/G_ref), ``"sqrt"`` (adaptive optimizers; lr × √(G/G_ref)) or
+            ``"none"`` (keep the lr, only warm up / decay).
+        reference_batch_size: the global batch ``G_ref`` at which the configured lr is right.
+        warmup_epochs, warmup_steps, warmup_fraction: at most one; the warmup length in epochs, optimizer
+            steps, or as a fraction of the run. None of them: 5% of the run. ``0`` disables warmup.
+        start_factor: warmup starts at ``start_factor × configured lr`` (1.0: from the unscaled lr, as in
+            Goyal et al.), never above the scaled target.
+        decay: after warmup, ``"none"`` (keep the scaled lr; your own scheduler still applies),
+            ``"cosine"`` (to ``min_lr_factor`` × the scaled lr at the end of the run) or ``"step"``
+            (× ``decay_gamma`` at each of ``decay_milestones``, given as fractions of the run).
+        per_device_batch_size: only for loaders that do not expose a batch size (pre-batched iterables,
+            several train loaders); otherwise the train dataloader's batch size is used.
+        log_lr: log the applied lr each step as ``lr-<Optimizer>`` (skipped when a ``LearningRateMonitor``
+            is present: it reads the same values, under the same names).
+    """
+
+    def __init__(
+        self,
+        rule: str = "linear",
+        reference_batch_size: int = 256,
+        warmup_epochs: float | None = None,
+        warmup_steps: int | None = None,
+        warmup_fraction: float | None = None,
+        start_factor: float = 1.0,
+        decay: str = "none",
+        decay_milestones: Sequence[float] = (),
+        decay_gamma: float = 0.1,
+        min_lr_factor: float = 0.0,
+        per_device_batch_size: int | None = None,
+        log_lr: bool = True,
+    ) -> None:
+        if rule not in RULES:
+            raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
+        if isinstance(reference_batch_size, bool) or not isinstance(reference_batch_size, int) or reference_batch_size <= 0:
+            raise ValueError(f"reference_batch_size must be a positive integer, got {reference_batch_size!r}")
+        if decay not in DECAYS:
+            raise ValueError(f"unknown decay {decay!r}; accepted: {', '.join(DECAYS)}")
+        given = {k: v for k, v in (("warmup_epochs", warmup_epochs), ("warmup_steps", warmup_steps),
+                                    ("warmup_fraction", warmup_fraction)) if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {given}")
+        if any(v < 0 for v in given.values()):
+            raise ValueError(f"warmup length must be >= 0, got {given}")
+        if warmup_fraction is not None and warmup_fraction > 1:
+            raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup_fraction!r}")
+        if warmup_steps is not None and int(warmup_steps) != warmup_steps:
+            raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {warmup_steps!r}")
+        milestones = list(decay_milestones or ())
+        if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
+            raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
+        if decay == "step" and not milestones:
+            raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
+        if per_device_batch_size is not None and (not isinstance(per_device_batch_size, int) or per_device_batch_size <= 0):
+            raise ValueError(f"per_device_batch_size must be a positive integer or None, got {per_device_batch_size!r}")
+        self.rule = rule
+        self.reference_batch_size = reference_batch_size
+        self.warmup = next(iter(given.items()), ("warmup_fraction", _DEFAULT_WARMUP_FRACTION))
+        self.warmup_given = bool(given)
+        # Validated here so that a bad value fails at construction, not at the first step.
+        LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, start_factor=start_factor, decay=decay,
+                   min_factor=min_lr_factor, gamma=decay_gamma)
+        self.start_factor = start_factor
+        self.decay = decay
+        self.decay_milestones = milestones
+        self.decay_gamma = decay_gamma
+        self.min_lr_factor = min_lr_factor
+        self.per_device_batch_size = per_device_batch_size
+        self.log_lr = log_lr
+
+        self.decisions: dict[str, Decision] = {}
+        self.schedule: LRSchedule | None = None
+        self.global_batch: int | None = None
+        self.steps_per_epoch: int | None = None
+        # Per optimizer, per param group: the lr as the user configured it / as their scheduler moved it.
+        self._base_lrs: list[list[float]] | None = None
+        self._user_lrs: list[list[float]] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._applied: list[bool] = []
+        self._in_step: list[bool] = []
+        self._hooks: list[Any] = []
+        self._names: list[list[str]] = []
+        self._batch_parts: dict[str, int] = {}
+        self._optimizers: list[Any] = []
+        self._log = log_lr
+
+    def _decide(self, decision: Decision) -> Decision:
+        self.decisions[decision.setting] = decision
+        rank_zero_info(f"[WarmupScaledLR] {decision}")
+        return decision
+
+    # ---------------------------------------------------------------- resolving the schedule
+
+    def global_batch_size(self, trainer: L.Trainer) -> Decision:
+        """Per-device batch (from the train dataloader) × devices × nodes × accumulation steps."""
+        loader = trainer.train_dataloader
+        per_device = _loader_batch_size(loader)
+        source = "train dataloader"
+        if per_device is None:
+            if self.per_device_batch_size is None:
+                raise ValueError(
+                    f"cannot read a batch size from the train dataloader ({type(loader).__name__}); pass "
+                    "WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
+                )
+            per_device, source = self.per_device_batch_size, "per_device_batch_size"
+        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+        devices = world // max(1, trainer.num_nodes)
+        self._batch_parts = {"per_device_batch": per_device, "world_size": world, "accumulate": accumulate}
+        return Decision(
+            "lr_global_batch", per_device * world * accumulate,
+            f"{per_device} per device ({source}) × {devices} devices × {trainer.num_nodes} nodes "
+            f"× {accumulate} accumulation steps",
+        )
+
+    def build_schedule(
+        self, global_batch: int, total_steps: int, steps_per_epoch: int | None
+    ) -> tuple[LRSchedule, list[Decision]]:
+        """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
+        scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
+        why = {"linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
+               "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
+               "none": "rule 'none'"}[self.rule]
+        decisions = [Decision("lr_scale", round(scale, 6), why)]
+
+        kind, amount = self.warmup
+        if kind == "warmup_steps":
+            warmup = int(amount)
+        elif kind == "warmup_epochs":
+            if steps_per_epoch is None:
+                raise ValueError("warmup_epochs needs a train dataloader with a length; use warmup_steps instead")
+            warmup = round(amount * steps_per_epoch)
+        else:
+            warmup = round(amount * total_steps)
+        if warmup > total_steps:
+            raise ValueError(
+                f"warmup ({kind}={amount} → {warmup} optimizer steps) is longer than the run "
+                f"({total_steps} optimizer steps); shorten the warmup or train longer"
+            )
+        schedule = LRSchedule(
+            scale=scale, warmup_steps=warmup, total_steps=total_steps, start_factor=self.start_factor,
+            decay=self.decay, min_factor=self.min_lr_factor, gamma=self.decay_gamma,
+            milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
+        )
+        origin = "set by the user" if self.warmup_given else "default: 5% of the run"
+        decisions.append(Decision(
+            "lr_warmup_steps", warmup,
+            f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
+            f"{scale:g}× the configured lr",
+        ))
+        if self.decay != "none":
+            detail = (f"to {self.min_lr_factor:g}× at step {total_steps}" if self.decay == "cosine"
+                      else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}")
+            decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
+        return schedule, decisions
+
+    def _total_steps(self, trainer: L.Trainer) -> int:
+        total = trainer.estimated_stepping_batches
+        if math.isinf(total):
+            if self.warmup[0] != "warmup_steps" or self.decay != "none":
+                raise ValueError(
+                    "the run has no fixed length (max_epochs=-1, max_steps=-1): set max_steps, or use "
+                    "warmup_steps with decay='none'"
+                )
+            return 2**62
+        return int(total)
+
+    # ---------------------------------------------------------------- Lightning hooks
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # LearningRateMonitor reads param_group["lr"] at batch start; it must run after we set it there.
+        # pop/insert moves us to an earlier, already visited slot, so the hook loop skips no callback.
+        callbacks = trainer.callbacks
+        monitors = [i for i, cb in enumerate(callbacks) if isinstance(cb, LearningRateMonitor)]
+        me = next(i for i, cb in enumerate(callbacks) if cb is self)
+        if monitors and monitors[0] < me:
+            callbacks.insert(monitors[0], callbacks.pop(me))
+        self._log = self.log_lr and not monitors
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Runs after restore_training_state, so nothing restored later can overwrite what is set here.
+        self.decisions = {}
+        batch = self.global_batch_size(trainer)
+        self.global_batch = batch.value
+        self._decide(batch)
+        batches = trainer.num_training_batches
+        self.steps_per_epoch = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
+        self.schedule, decisions = self.build_schedule(batch.value, self._total_steps(trainer), self.steps_per_epoch)
+        for decision in decisions:
+            self._decide(decision)
+
+        groups = [[g for g in opt.param_groups] for opt in trainer.optimizers]
+        if self._restored is not None:
+            self._resume(groups, self._restored)
+            self._restored = None
+        else:  # a fresh fit (also a second fit with this callback): the optimizer as configured
+            self._base_lrs = [[g.get("initial_lr", g["lr"]) for g in gs] for gs in groups]
+            self._user_lrs = [[g["lr"] for g in gs] for gs in groups]
+        for gs, lrs in zip(groups, self._user_lrs):
+            for g, lr in zip(gs, lrs):
+                g["lr"] = lr
+        self._decide(Decision("lr_base", self._base_lrs, "the optimizer's lr as configured, per param group"))
+        if trainer.lr_scheduler_configs:
+            names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
+            self._decide(Decision("lr_user_scheduler", names, "composed: each step uses its lr × the factor"))
+
+        self._optimizers = list(trainer.optimizers)
+        self._applied = [False] * len(trainer.optimizers)
+        self._in_step = [False] * len(trainer.optimizers)
+        self._names = self._lr_names(trainer.optimizers)
+        for i, opt in enumerate(trainer.optimizers):
+            self._hooks.append(opt.register_step_pre_hook(lambda o, a, k, i=i: self._enter_step(trainer, i)))
+            self._hooks.append(opt.register_step_post_hook(lambda o, a, k, i=i: self._leave_step(trainer, i)))
+
+    def _resume(self, groups: list[list[dict]], saved: dict[str, Any]) -> None:
+        if [len(gs) for gs in groups] != [len(lrs) for lrs in saved["user_lrs"]]:
+            raise ValueError(
+                f"the checkpoint's WarmupScaledLR state has param groups {[len(x) for x in saved['user_lrs']]}, "
+                f"the optimizers now have {[len(gs) for gs in groups]}"
+            )
+        self._base_lrs, self._user_lrs = saved["base_lrs"], saved["user_lrs"]
+        old, new = saved["global_batch"], self.global_batch
+        old_scale, new_scale = saved["scale"], self.schedule.scale
+        if old != new or old_scale != new_scale:
+            why = (f"the checkpoint was trained at global batch {old} (world size {saved['world_size']}), this run "
+                   f"has {new} (world size {self._batch_parts['world_size']})" if old != new else
+                   f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
+                   f"{self.rule}/{self.reference_batch_size}")
+            self._decide(Decision(
+                "lr_rescaled_on_resume", {"global_batch": [old, new], "scale": [old_scale, new_scale]},
+                f"{why}: lr scale {old_scale:g} → {new_scale:g}",
+            ))
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for i in range(len(trainer.optimizers)):
+            self._apply_one(trainer, i)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        for i in range(len(trainer.optimizers)):
+            self._apply_one(trainer, i)
+        if self._log:
+            for opt, names in zip(trainer.optimizers, self._names):
+                for g, name in zip(opt.param_groups, names):
+                    pl_module.log(name, g["lr"], on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # Usually this runs inside optimizer.step (Lightning passes the closure to it), between our pre-hook
+        # and the update: leave the lr alone. Outside a step it is AMP's GradScaler path (closure first,
+        # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's
+        # lr so that a scheduler stepping after a skipped step never sees the factor; the pre-hook
+        # applies it again if the step does happen.
+        for i, opt in enumerate(trainer.optimizers):
+            if (opt is optimizer or getattr(optimizer, "optimizer", None) is opt) and not self._in_step[i]:
+                self._unapply_one(trainer, i)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for i in range(len(self._applied)):
+            self._unapply_one(trainer, i)
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._user_lrs is None:
+            return {}
+        return {
+            "base_lrs": self._base_lrs,
+            "user_lrs": self._current_user_lrs(),
+            "global_batch": self.global_batch,
+            "scale": self.schedule.scale,
+            **self._batch_parts,
+            "rule": self.rule,
+            "reference_batch_size": self.reference_batch_size,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._restored = dict(state_dict)
+
+    # ---------------------------------------------------------------- applying the factor
+
+    def _apply_one(self, trainer: L.Trainer, i: int) -> None:
+        """Param groups of optimizer ``i`` := user lr × factor(step), reading the user lr first."""
+        if self._applied[i] or self.schedule is None:
+            return
+        factor = self.schedule.factor(trainer.global_step)
+        groups = trainer.optimizers[i].param_groups
+        self._user_lrs[i] = [g["lr"] for g in groups]  # picks up whatever the user's scheduler set
+        for g, lr in zip(groups, self._user_lrs[i]):
+            g["lr"] = lr * factor
+        self._applied[i] = True
+
+    def _enter_step(self, trainer: L.Trainer, i: int) -> None:
+        self._apply_one(trainer, i)
+        self._in_step[i] = True
+
+    def _leave_step(self, trainer: L.Trainer, i: int) -> None:
+        self._in_step[i] = False
+        self._unapply_one(trainer, i)
+
+    def _unapply_one(self, trainer: L.Trainer, i: int) -> None:
+        if not self._applied[i]:
+            return
+        for g, lr in zip(trainer.optimizers[i].param_groups, self._user_lrs[i]):
+            g["lr"] = lr
+        self._applied[i] = False
+
+    def _current_user_lrs(self) -> list[list[float]]:
+        # Between a step and the next batch a scheduler may have moved the groups' (user) lr: read it there.
+        return [
+            list(lrs) if i < len(self._applied) and self._applied[i] else [g["lr"] for g in opt.param_groups]
+            for i, (opt, lrs) in enumerate(zip(self._optimizers, self._user_lrs))
+        ]
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @staticmethod
+    def _lr_names(optimizers: Sequence[Any]) -> list[list[str]]:
+        # LearningRateMonitor's naming: lr-SGD, lr-SGD-1 for a second SGD, /pg2 or the group's "name".
+        names, seen = [], {}
+        for opt in optimizers:
+            cls = type(opt).__name__
+            base = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
+            seen[cls] = seen.get(cls, 0) + 1
+            groups = opt.param_groups
+            if len(groups) == 1:
+                names.append([base + (f"/{groups[0]['name']}" if "name" in groups[0] else "")])
+            else:
+                names.append([f"{base}/{g.get('name', f'pg{j + 1}')}" for j, g in enumerate(groups)])
+        return names
+
+    # ---------------------------------------------------------------- plotting
+
+    def plot_schedule(
+        self,
+        path: str | Path,
+        global_batch: int | None = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        base_lr: float | None = None,
+    ) -> Path:
+        """PNG of the lr over the run: the schedule of the last fit, or the one for ``global_batch`` and
+        ``total_steps`` (to see a planned run before training)."""
+        if global_batch is None and total_steps is None and self.schedule is not None:
+            schedule, steps_per_epoch = self.schedule, steps_per_epoch or self.steps_per_epoch
+        elif global_batch is None or total_steps is None:
+            raise ValueError("before fit, plot_schedule needs global_batch and total_steps")
+        else:
+            schedule, _ = self.build_schedule(global_batch, total_steps, steps_per_epoch)
+        if base_lr is None:
+            base_lr = self._base_lrs[0][0] if self._base_lrs else 1.0
+        return plot_schedule(path, schedule, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
+                             title=f"{self.rule} scaling ×{schedule.scale:g} for global batch "
+                                   f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps")

@@ -1,0 +1,495 @@
+"""Gradient communication for DDP: hooks chosen by name, registered on every device, resumable; and a
+barrier that names the ranks that did not arrive.
+
+Lightning registers ``ddp_comm_hook`` only on CUDA (a torch 1.8 limit that is long gone) and drops it
+silently elsewhere; :class:`CommHook` registers on any backend (gloo on CPU included) and keeps the hook's
+state (PowerSGD's iteration count, error feedback and warm-start memory; post-local-SGD's counters) in a
+form that goes into a checkpoint and comes back on resume, whatever DDP's bucket layout is then.
+
+Example::
+
+    from lightning_solo import SoloDDP
+    trainer = L.Trainer(devices=4, strategy=SoloDDP(comm_hook="powersgd", powersgd_rank=2))
+
+    # on a raw DDP model (the process group is already initialised)
+    hook = CommHook("fp16")
+    print(hook.register(ddp_model))         # Decision: what was registered and why
+    extra = hook.state_dict()               # call on every rank; rank 0's result goes into the checkpoint
+"""
+
+# No `from __future__ import annotations`: DDP inspects hook annotations at registration.
+import re
+import warnings
+from datetime import timedelta
+from math import prod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo.decision import Decision
+
+# batched_powerSGD_hook is deliberately absent: it fails an assertion in _orthogonalize in current torch.
+COMM_HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
+CHECKPOINT_KEY = "lightning_solo.comm_hook"
+# DDP rebuilds its buckets once, at the start of its second iteration (later with static_graph); follow the
+# layout for this many iterations after each registration, then stop checking.
+_WATCH_ITERATIONS = 3
+
+
+def check_bucket_cap_mb(bucket_cap_mb: Any) -> None:
+    """DDP accepts a negative or zero bucket size and then misbehaves; refuse it up front."""
+    if bucket_cap_mb is None:
+        return
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise ValueError(
+            f"bucket_cap_mb={bucket_cap_mb!r} is not accepted: use a positive number of megabytes "
+            "(DDP's default is 25) or None for the default"
+        )
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not accepted: use an integer >= {minimum}")
+    return value
+
+
+class _PowerSGDState(powersgd.PowerSGDState):
+    """torch's PowerSGD state, plus what is needed to move it between bucket layouts.
+
+    ``pending`` holds error feedback and warm-start Qs per parameter name, waiting for the bucket that holds
+    those parameters; ``layout`` records which parameters each bucket holds (followed while ``watch`` > 0,
+    after which DDP no longer re-buckets).
+    """
+
+    __slots__ = ("names", "shapes", "pending", "layout", "watch", "seen", "serial")
+
+
+def resumable_powerSGD_hook(
+    state: _PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``powerSGD_hook``, carried across DDP's bucket rebuild and across checkpoint/resume.
+
+    torch keys error feedback and warm-start memory by bucket index, which is only valid for one bucket layout;
+    DDP rebuilds its buckets after its first iteration, so state restored from a checkpoint (or kept across a
+    re-wrap) would land in the wrong buckets. For the first few iterations this hook checks the layout and
+    re-assembles the state per parameter when it changes; afterwards it is ``powerSGD_hook`` itself.
+    """
+    if state.watch:
+        _follow_layout(state, bucket)
+    fut = powersgd.powerSGD_hook(state, bucket)
+    if state.serial:
+        # powerSGD_hook issues its 2nd and 3rd all-reduce from future callbacks. On gloo those run when the
+        # previous one completes, in a background thread, so with several buckets the ranks can issue them
+        # in different orders and gloo aborts ("Received data size doesn't match"). Finishing each bucket
+        # before DDP hands over the next keeps the order identical on all ranks.
+        fut.wait()
+    return fut
+
+
+def bf16_compress_any_build_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on CPU-only torch builds,
+    although gloo all-reduces bfloat16 fine."""
+    return default._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _bf16_hook():
+    if torch.version.cuda is None and torch.version.hip is None:
+        return bf16_compress_any_build_hook
+    return default.bf16_compress_hook
+
+
+def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
+    index, params = bucket.index(), bucket.parameters()
+    ids = tuple(id(p) for p in params)
+    if state.layout.get(index, ids) != ids:
+        # DDP re-bucketed at this iteration's forward. Buckets already reduced in this iteration kept their
+        # parameters (and may still be writing their state, on NCCL): leave them, move the rest.
+        _to_pending(state, keep=state.seen)
+    if index not in state.layout:
+        state.layout[index] = ids
+        if state.pending:
+            buffer = bucket.buffer()
+            _assemble(state, index, ids, buffer.device, buffer.dtype)
+    state.seen.add(index)
+    if bucket.is_last():
+        state.seen = set()
+        state.watch -= 1
+        if state.watch == 0:
+            left = sorted(set(state.pending.get("error", {})) | set(state.pending.get("q", {})))
+            if left:
+                warnings.warn(
+                    f"PowerSGD state for {left} matched no DDP bucket and was dropped", stacklevel=2
+                )
+            # The layout is final now (DDP rebuilds once); keep it for state_dict().
+            state.pending = {}
+
+
+def _q_order(shapes: list[torch.Size], state: powersgd.PowerSGDState) -> list[tuple[int, int, int]]:
+    """(position in bucket, Q length, P length) of the tensors PowerSGD compresses, in its memory order.
+
+    Mirrors ``powerSGD_hook``: a tensor is viewed as (shape[0], rest), compressed when worth it, and the
+    compressed ones are grouped by matrix shape in order of first appearance.
+    """
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for pos, shape in enumerate(shapes):
+        n = shape[0]
+        m = prod(shape) // n
+        rank = min(n, m, state.matrix_approximation_rank)
+        if powersgd._should_compress(n, m, rank, state.min_compression_rate)[0]:
+            groups.setdefault((n, m), []).append((pos, m * rank, n * rank))
+    return [item for group in groups.values() for item in group]
+
+
+def _per_parameter(
+    state: _PowerSGDState, layout: dict[int, tuple[int, ...]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The live per-bucket state, split per parameter name (views, no copies)."""
+    out: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+    for index, ids in layout.items():
+        names = [state.names[i] for i in ids]
+        shapes = [state.shapes[i] for i in ids]
+        if index in state.error_dict:
+            chunks = state.error_dict[index].split([prod(s) for s in shapes])
+            out["error"].update(zip(names, chunks))
+        if index in state.q_memory_dict:
+            order = _q_order(shapes, state)
+            q = state.q_memory_dict[index]
+            if (
+                sum(length for _, length, _ in order) != q.numel()
+            ):  # torch changed its Q layout: restart warm start
+                continue
+            chunks = q.split([length for _, length, _ in order])
+            out["q"].update((names[pos], chunk) for (pos, _, _), chunk in zip(order, chunks))
+    return out
+
+
+def _to_pending(state: _PowerSGDState, keep: set[int] = frozenset()) -> None:
+    """Move the per-bucket state (except buckets ``keep``) into per-parameter ``pending``."""
+    moving = {index: ids for index, ids in state.layout.items() if index not in keep}
+    for kind, tensors in _per_parameter(state, moving).items():
+        state.pending.setdefault(kind, {}).update((name, t.clone()) for name, t in tensors.items())
+    for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+        for index in [i for i in memory if i not in keep]:
+            del memory[index]
+    state.layout = {index: ids for index, ids in state.layout.items() if index in keep}
+
+
+def _assemble(state: _PowerSGDState, index: int, ids: tuple[int, ...], device, dtype) -> None:
+    names = [state.names[i] for i in ids]
+    shapes = [state.shapes[i] for i in ids]
+    errors = state.pending.get("error", {})
+    if any(name in errors for name in names):
+        state.error_dict[index] = torch.cat(
+            [
+                errors.pop(name).reshape(-1).to(device, dtype)
+                if name in errors
+                else torch.zeros(prod(s), device=device, dtype=dtype)
+                for name, s in zip(names, shapes)
+            ]
+        )
+    qs = state.pending.get("q", {})
+    order = _q_order(shapes, state)
+    found = [qs.pop(names[pos], None) for pos, _, _ in order]
+    if order and all(q is not None and q.numel() == length for q, (_, length, _) in zip(found, order)):
+        state.q_memory_dict[index] = torch.cat([q.reshape(-1) for q in found]).to(device, dtype)
+        # P is overwritten before it is read; it only has to exist so that torch warm-starts from Q.
+        p_length = sum(p for _, _, p in order)
+        state.p_memory_dict[index] = torch.empty(p_length, device=device, dtype=dtype)
+
+
+def _rng_state(rng) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = rng.get_state()
+    return {
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _set_rng_state(rng, saved: dict[str, Any]) -> None:
+    keys = saved["keys"].numpy().astype("uint32")
+    rng.set_state(("MT19937", keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
+
+
+class CommHook:
+    """A DDP gradient communication hook chosen by name, registered on any device, with checkpointable state.
+
+    Args:
+        name: ``None`` (exact all-reduce), ``"fp16"``/``"bf16"`` (compress gradients to 16 bits),
+            ``"powersgd"`` (low-rank compression with error feedback), or ``"post_local_sgd"`` (local steps,
+            parameters averaged every ``local_sgd_period`` steps after ``local_sgd_warmup`` synchronous ones).
+        powersgd_rank: PowerSGD's matrix approximation rank (higher: more accurate, more bytes).
+        powersgd_start_iter: steps of exact all-reduce before PowerSGD starts compressing (>= 2).
+        local_sgd_period: post-local-SGD: average parameters across all ranks every this many steps.
+        local_sgd_warmup: post-local-SGD: fully synchronous steps before local steps start.
+
+    Example::
+
+        hook = CommHook("powersgd", powersgd_rank=2, powersgd_start_iter=100)
+        decision = hook.register(ddp_model)        # any backend: gloo, nccl
+        state = hook.state_dict()                  # on every rank (gathers error feedback to rank 0)
+        hook.load_state_dict(state)                # on every rank, before or after register()
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        local_sgd_period: int = 4,
+        local_sgd_warmup: int = 100,
+    ) -> None:
+        if name not in COMM_HOOKS:
+            raise ValueError(
+                f"comm_hook={name!r} is not accepted: use one of {COMM_HOOKS} "
+                "(batched PowerSGD is not offered: it is broken in current torch)"
+            )
+        self.name = name
+        self.powersgd_rank = _positive_int("powersgd_rank", powersgd_rank)
+        # torch requires > 1 with error feedback/warm start: DDP re-buckets after its first iteration.
+        self.powersgd_start_iter = _positive_int("powersgd_start_iter", powersgd_start_iter, minimum=2)
+        self.local_sgd_period = _positive_int("local_sgd_period", local_sgd_period)
+        self.local_sgd_warmup = _positive_int("local_sgd_warmup", local_sgd_warmup, minimum=0)
+        self.state: Any = None
+        self.hook: Any = None
+        self.averager: Any = None
+        self._saved: dict[str, Any] = {}
+
+    @property
+    def averaging_period(self) -> int | None:
+        """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
+        return self.local_sgd_period if self.name == "post_local_sgd" else None
+
+    def register(self, ddp: DistributedDataParallel, *, local_world_size: int | None = None) -> Decision:
+        """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
+
+        ``local_world_size`` (processes per node) picks post-local-SGD's intra-node subgroup. Calling it again
+        on a new DDP wrapper of the same module keeps the hook's state.
+        """
+        if self.name is None:
+            return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
+        if self.name in ("fp16", "bf16"):
+            self.hook = default.fp16_compress_hook if self.name == "fp16" else _bf16_hook()
+            _register_ddp_comm_hook(model=ddp, ddp_comm_hook=self.hook)
+            error = "~1e-3" if self.name == "fp16" else "~1e-2"
+            return Decision(
+                "comm_hook",
+                self.name,
+                f"gradients all-reduced in {self.name}: half the bytes, {error} relative error",
+            )
+        if self.name == "powersgd":
+            return self._register_powersgd(ddp)
+        return self._register_post_local_sgd(ddp, local_world_size)
+
+    def _register_powersgd(self, ddp: DistributedDataParallel) -> Decision:
+        if self.state is None:
+            self.state = _PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_start_iter,
+            )
+            self.state.pending = {}
+        else:  # a re-wrap: bring the state into per-parameter form for the new buckets
+            _to_pending(self.state)
+        named = list(ddp.module.named_parameters())
+        self.state.names = {id(p): name for name, p in named}
+        self.state.shapes = {id(p): p.shape for _, p in named}
+        self.state.layout, self.state.seen, self.state.watch = {}, set(), _WATCH_ITERATIONS
+        # Only NCCL on CUDA tensors runs the hook's chained collectives in issue order (see the hook).
+        self.state.serial = ddp.device_type == "cpu" or "nccl" not in dist.get_backend(ddp.process_group)
+        self.hook = resumable_powerSGD_hook
+        self._apply_saved()
+        _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        serial = (
+            "; on gloo each bucket finishes before the next, to keep collectives in order"
+            if self.state.serial
+            else ""
+        )
+        return Decision(
+            "comm_hook",
+            "powersgd",
+            f"PowerSGD rank {self.powersgd_rank} with error feedback after {self.powersgd_start_iter} exact steps "
+            f"(torch's powerSGD_hook; its batched variant is broken in current torch){serial}",
+        )
+
+    def _register_post_local_sgd(
+        self, ddp: DistributedDataParallel, local_world_size: int | None
+    ) -> Decision:
+        world = dist.get_world_size()
+        local = local_world_size or world
+        if self.state is None:
+            # torch's default subgroup (one per node) needs CUDA to find the node size; pass it explicitly.
+            if 1 < local < world:
+                subgroup, _ = dist.new_subgroups(group_size=local)
+                between = f"gradients all-reduced within each node of {local} processes"
+            else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
+                subgroup, between = None, "no gradient communication"
+            self.state = post_local.PostLocalSGDState(
+                process_group=None,
+                subgroup=subgroup,
+                start_localSGD_iter=self.local_sgd_warmup,
+                post_local_gradient_allreduce=subgroup is not None,
+            )
+            self._between = between
+        self.hook = post_local.post_localSGD_hook
+        self._apply_saved()
+        _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        return Decision(
+            "comm_hook",
+            "post_local_sgd",
+            f"{self.local_sgd_warmup} synchronous steps, then {self._between} between steps and parameters "
+            f"averaged over all {world} ranks every {self.local_sgd_period} steps",
+        )
+
+    def attach_averager(self, averager) -> None:
+        """Post-local-SGD: the ``PeriodicModelAverager`` that averages parameters after optimizer steps."""
+        self.averager = averager
+        self._apply_saved()
+
+    def average_parameters(self, module: torch.nn.Module) -> None:
+        """Average ``module``'s trainable parameters over all ranks now (collective)."""
+        average_parameters(iter([p for p in module.parameters() if p.requires_grad]), dist.group.WORLD)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.
+
+        PowerSGD's error feedback differs per rank, so every rank's is gathered to rank 0 (the checkpoint
+        holds ``world_size`` copies of the gradients' size); Q memory and counters are the same on all ranks.
+        """
+        if self.state is None:
+            return {}
+        if self.name == "post_local_sgd":
+            step = self.averager.step if self.averager is not None else None
+            return {"hook": self.name, "iter": self.state.iter, "averager_step": step}
+        state = self.state
+        live = _per_parameter(state, state.layout)
+        errors = {**state.pending.get("error", {}), **live["error"]}
+        qs = {**state.pending.get("q", {}), **live["q"]}
+        mine = {name: t.detach().cpu().clone() for name, t in errors.items()}
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return {
+            "hook": self.name,
+            "world_size": dist.get_world_size(),
+            "iter": state.iter,
+            "rng": _rng_state(state.rng),
+            "stats": [
+                state.total_numel_before_compression,
+                state.total_numel_after_compression,
+                state.next_stats_report,
+            ],
+            "q": {name: t.detach().cpu().clone() for name, t in qs.items()},
+            "error": gathered,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`."""
+        if not saved:
+            return
+        if saved.get("hook") != self.name:
+            warnings.warn(
+                f"the checkpoint holds state for comm_hook={saved.get('hook')!r}, this run uses {self.name!r}: ignored",
+                stacklevel=2,
+            )
+            return
+        self._saved = dict(saved)
+        if self.state is not None:
+            self._apply_saved()
+
+    def _apply_saved(self) -> None:
+        saved, state = self._saved, self.state
+        if not saved or state is None:
+            return
+        if self.name == "post_local_sgd":
+            state.iter = saved["iter"]
+            if self.averager is not None and saved.get("averager_step") is not None:
+                self.averager.step = saved["averager_step"]
+                self._saved = {}
+            return
+        state.iter = saved["iter"]
+        _set_rng_state(state.rng, saved["rng"])
+        state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report = (
+            saved["stats"]
+        )
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        state.pending = {"q": dict(saved["q"]), "error": {}}
+        errors, world = saved.get("error"), dist.get_world_size()
+        if errors is not None and len(errors) == world:
+            state.pending["error"] = dict(errors[dist.get_rank()])
+        elif errors:
+            warnings.warn(
+                f"PowerSGD error feedback was saved with {len(errors)} ranks and this run has {world}: it restarts from zero",
+                stacklevel=2,
+            )
+        state.layout, state.seen, state.watch = {}, set(), _WATCH_ITERATIONS
+        self._saved = {}
+
+
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
+    """A barrier that, on timeout, raises naming the ranks that did not arrive (gloo / CPU-capable groups).
+
+    Rank 0 waits for every rank (``wait_all_ranks``) so its error lists all missing ranks; the others fail
+    with a pointer to rank 0's error.
+    """
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        label = f"barrier {name!r}" if name else "barrier"
+        found = _MISSING.search(str(err))
+        if found:
+            ranks = [int(r) for r in found.group(1).replace(",", " ").split()]
+            raise RuntimeError(
+                f"{label} timed out after {timeout.total_seconds():g} s: rank(s) {ranks} did not arrive. "
+                "They are stuck or took another code path (a rank-dependent branch, an exception on that rank); "
+                "their logs say which. Raise the limit with SoloDDP(timeout=...)."
+            ) from err
+        raise RuntimeError(
+            f"{label} failed on rank {dist.get_rank()} after waiting up to {timeout.total_seconds():g} s: "
+            f"rank 0's error names the ranks that did not arrive ({err})"
+        ) from err
+
+
+def barrier_group(timeout: timedelta):
+    """The group :func:`monitored_barrier` runs on (collective: call on every rank, once).
+
+    The world when its backend runs on CPU (gloo); for NCCL, which has no monitored barrier, a gloo side
+    group; ``None`` when gloo is unavailable (then only a plain barrier is possible).
+    """
+    world = dist.group.WORLD
+    if torch.device("cpu") in getattr(world, "_device_types", ()) or dist.get_backend() == "gloo":
+        return world
+    if not dist.is_gloo_available():
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def barrier_decision(group, timeout: timedelta) -> Decision:
+    """What ``SoloDDP.barrier`` does, for the run summary."""
+    seconds = f"{timeout.total_seconds():g} s"
+    if group is None:
+        return Decision(
+            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
+        )
+    if group is dist.group.WORLD:
+        return Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
+    return Decision(
+        "barrier",
+        "monitored (gloo side group)",
+        f"NCCL has no monitored barrier; names missing ranks after {seconds}",
+    )

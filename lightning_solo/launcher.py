@@ -1,0 +1,260 @@
+"""SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process.
+
+With ``ddp_notebook`` (fork) or ``ddp_spawn``, training runs in worker processes and Lightning sends back
+only rank 0's weights, the best checkpoint path, ``trainer.state`` and ``callback_metrics``. Everything
+else stays behind in the workers: ``trainer.global_step`` and ``current_epoch`` read 0 in the notebook,
+callbacks look untrained (no best score, an empty ``LearningRateMonitor.lrs``, a list your own callback
+filled is empty), the strategy's decisions are missing, a second ``trainer.fit()`` on the same Trainer
+raises ``NotImplementedError`` (Lightning #18775), and every fit leaves an empty temp directory behind.
+
+SoloLauncher sends back, from local rank 0, after the fit:
+
+* the fit loop's progress (so ``global_step``, ``current_epoch`` and the logging step are the true ones);
+* every callback's data attributes (plain values, containers, tensors, dataclasses: what an in-process
+  fit would have left there, e.g. ``ModelCheckpoint.best_model_score``, ``RunSummary.summary``,
+  ``WarmupScaledLR.schedule``) and its ``state_dict()``, loaded with ``load_state_dict``;
+* the public data attributes of the LightningModule (``self.losses = []`` that ``training_step`` appended to);
+* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions.
+
+Objects that are not data (modules, optimizers, hooks, file handles, functions) are never copied: the
+parent keeps its own. The weights are loaded onto the CPU, so the parent never touches CUDA and the next
+fork stays possible. Because the parent now holds the first fit's state, a second ``fit`` on the same
+Trainer continues the way it would in one process (new optimizers, like any second ``fit``; use
+``ckpt_path=`` to resume the optimizer too), so Lightning's refusal is lifted.
+
+Limits: only local rank 0 of the node the notebook runs on reports back (as in Lightning); objects held by
+callbacks that are not data (a torchmetrics ``Metric``, an open writer) keep their parent-side state; a
+second fit on the same Trainer with a ``CSVLogger`` starts its ``metrics.csv`` afresh, because the worker
+creates the logger's writer anew and Lightning's writer clears an existing file (a new Trainer avoids it).
+
+Example::
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # in Jupyter: fork, SoloLauncher
+    trainer.fit(model, datamodule)
+    trainer.global_step, trainer.checkpoint_callback.best_model_score      # the workers' values
+    trainer.fit_loop.max_epochs += 2
+    trainer.fit(model, datamodule)                                          # two more epochs
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+from enum import Enum
+from pathlib import PurePath
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.progress import _BaseProgress
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+_STATE_KEY = "lightning_solo_state"
+_STRATEGY_ATTRIBUTES = ("decisions", "advice")
+_LOGGER_ATTRIBUTES = ("_version",)
+
+
+class SoloLauncher(_MultiProcessingLauncher):
+    """The launcher ``SoloDDP`` uses for ``start_method`` ``"fork"``, ``"spawn"`` and ``"forkserver"``."""
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
+        # Lightning refuses a second fit on one Trainer because its parent kept none of the first fit's
+        # state; this parent keeps it (see the module docstring), so the second fit continues correctly.
+        self._already_fit = False
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        # Bytes: the queue's pickler would share tensors through memory that dies with this process.
+        extra[_STATE_KEY] = pickle.dumps(capture(trainer))
+        return extra
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: L.Trainer) -> None:
+        if trainer.checkpoint_callback and hasattr(trainer.checkpoint_callback, "best_model_path"):
+            trainer.checkpoint_callback.best_model_path = str(worker_output.best_model_path)
+        if worker_output.weights_path is not None:
+            # map_location="cpu": a CUDA context in the parent would make the next fork unusable.
+            weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path, map_location="cpu")
+            # Non-strict as in Lightning: the worker may have added or removed layers.
+            trainer.lightning_module.load_state_dict(weights, strict=False)
+            # Lightning removes the file but leaks the mkdtemp() directory around it, one per fit.
+            shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
+        trainer.state = worker_output.trainer_state
+        self.update_main_process_results(trainer, worker_output.extra)
+
+    @override
+    def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if _STATE_KEY in extra:
+            restore(trainer, pickle.loads(extra[_STATE_KEY]))  # a structure of bytes: see capture()
+
+
+def capture(trainer: L.Trainer) -> dict[str, Any]:
+    """What rank 0 holds after the run that an in-process run would leave in the parent, packed: each value
+    a pickled CPU copy on its own, so that one that cannot be unpickled in the parent loses only itself."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    connector = trainer._logger_connector
+    return {
+        "fit_loop": _pack(trainer.fit_loop.state_dict()) if fitting else None,
+        "callbacks": [(cb.state_key, packed_attributes(cb), _pack(cb.state_dict())) for cb in trainer.callbacks],
+        "module": packed_attributes(trainer.lightning_module, public_only=True, skip=("training",)),
+        "strategy": packed_attributes(trainer.strategy, only=_STRATEGY_ATTRIBUTES),
+        "loggers": [packed_attributes(logger, only=_LOGGER_ATTRIBUTES) for logger in trainer.loggers],
+        "logged_metrics": _pack(dict(connector._logged_metrics)),
+        "progress_bar_metrics": _pack(dict(connector._progress_bar_metrics)),
+    }
+
+
+def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
+    """Apply :func:`capture`'s result to the parent's trainer, callbacks, module, strategy and loggers."""
+    fit_loop = _unpack(state["fit_loop"], "the fit loop's progress")
+    if fit_loop is not _LEFT_BEHIND:
+        _restore_progress(trainer.fit_loop, fit_loop)
+        if (epoch_loop_state := fit_loop.get("epoch_loop.state_dict")) is not None:
+            trainer.fit_loop.epoch_loop.on_load_checkpoint(epoch_loop_state)  # the logging step
+    _restore_callbacks(trainer.callbacks, state["callbacks"])
+    module = trainer.lightning_module
+    owned = {*module._parameters, *module._buffers, *module._modules}
+    attributes = unpack_attributes(state["module"], type(module).__name__)
+    vars(module).update({k: v for k, v in attributes.items() if k not in owned})
+    vars(trainer.strategy).update(unpack_attributes(state["strategy"], type(trainer.strategy).__name__))
+    for logger, packed in zip(trainer.loggers, state["loggers"]):
+        vars(logger).update(unpack_attributes(packed, type(logger).__name__))
+    connector = trainer._logger_connector
+    for name in ("logged_metrics", "progress_bar_metrics"):
+        if (metrics := _unpack(state[name], f"trainer.{name}")) is not _LEFT_BEHIND:
+            getattr(connector, f"_{name}").update(metrics)
+
+
+def _restore_progress(loop: _Loop, state: dict[str, Any], prefix: str = "") -> None:
+    # The progress counters only: `_Loop.load_state_dict` would also mark the loop as resuming from a
+    # checkpoint, which the next fit would then act on.
+    for name, value in vars(loop).items():
+        if isinstance(value, _BaseProgress) and prefix + name in state:
+            value.load_state_dict(state[prefix + name])
+        elif isinstance(value, _Loop):
+            _restore_progress(value, state, f"{prefix}{name}.")
+
+
+def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, dict, bytes | None]]) -> None:
+    # Matched by state key (and order among equal keys): callbacks may reorder themselves during setup.
+    pending: dict[str, list[tuple[dict, bytes | None]]] = {}
+    for key, attributes, state_dict in captured:
+        pending.setdefault(key, []).append((attributes, state_dict))
+    for callback in callbacks:
+        matches = pending.get(callback.state_key)
+        if not matches:
+            continue
+        packed, packed_state = matches.pop(0)
+        name = type(callback).__name__
+        vars(callback).update(unpack_attributes(packed, name))  # first: ModelCheckpoint reloads scores into its dirpath only
+        state_dict = _unpack(packed_state, f"{name}.state_dict()")
+        if state_dict is _LEFT_BEHIND or not state_dict:
+            continue
+        try:
+            callback.load_state_dict(state_dict)
+        except Exception as err:  # noqa: BLE001 - the fit itself succeeded; don't fail it over this
+            rank_zero_warn(f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
+                           "its data attributes were restored")
+        # load_state_dict may stage a resume for the next fit (WarmupScaledLR does); an in-process fit
+        # would have consumed it, so the worker's attributes have the last word.
+        vars(callback).update(unpack_attributes(packed, name))
+
+
+def packed_attributes(
+    obj: object, only: tuple[str, ...] | None = None, public_only: bool = False, skip: tuple[str, ...] = ()
+) -> dict[str, bytes]:
+    """``obj``'s instance attributes that are data (see :func:`_plain`), each packed; the others are left out."""
+    found: dict[str, bytes] = {}
+    for name, value in vars(obj).items():
+        if (only is not None and name not in only) or name in skip or (public_only and name.startswith("_")):
+            continue
+        if (packed := _pack(value)) is None:
+            log.debug("not sent back to the parent: %s.%s", type(obj).__name__, name)
+            continue
+        found[name] = packed
+    return found
+
+
+def unpack_attributes(packed: dict[str, bytes], owner: str) -> dict[str, Any]:
+    """The values of :func:`packed_attributes`, less any that cannot be unpickled here (warned about)."""
+    values = {name: _unpack(blob, f"{owner}.{name}") for name, blob in packed.items()}
+    return {name: value for name, value in values.items() if value is not _LEFT_BEHIND}
+
+
+_LEFT_BEHIND = object()
+
+
+def _pack(value: Any) -> bytes | None:
+    """A pickled CPU copy of ``value`` if it is plain data that pickles (a class defined inside a function
+    does not), else ``None``."""
+    try:
+        return pickle.dumps(_plain(value))
+    except Exception:  # noqa: BLE001 - anything that cannot travel stays behind
+        return None
+
+
+def _unpack(blob: bytes | None, what: str) -> Any:
+    if blob is None:
+        return _LEFT_BEHIND
+    try:
+        # Our own worker's bytes, of the kind Lightning's result queue already unpickles.
+        return pickle.loads(blob)
+    except Exception as err:  # noqa: BLE001 - e.g. a class of a spawn worker's __mp_main__
+        rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
+        return _LEFT_BEHIND
+
+
+class _NotPlain(TypeError):
+    pass
+
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, PurePath, range, slice, torch.dtype, torch.device)
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` (tensors moved to the CPU) if it is made of data only; else :class:`_NotPlain`."""
+    if depth > 32:
+        raise _NotPlain("nested too deeply")
+    if isinstance(value, _ATOMS):
+        return value
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.nn.Parameter):
+            raise _NotPlain("a parameter belongs to a module")
+        return value.detach().to("cpu", copy=True)
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+        return value.copy()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
+        out.clear()
+        for key, item in value.items():
+            out[_plain(key, depth + 1)] = _plain(item, depth + 1)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain(item, depth + 1) for item in value]
+        if isinstance(value, list):
+            out = copy.copy(value)
+            out[:] = items
+            return out
+        if hasattr(value, "_fields"):  # a namedtuple
+            return type(value)._make(items)
+        return type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(out, field.name, _plain(getattr(value, field.name), depth + 1))  # frozen ones too
+        return out
+    raise _NotPlain(type(value).__name__)

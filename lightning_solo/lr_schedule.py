@@ -1,0 +1,135 @@
+"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math.
+
+The lr used at optimizer step ``s`` is ``base_lr × LRSchedule.factor(s)``, where ``base_lr`` is the lr
+as configured (or as the user's own scheduler currently sets it). The multiplier is:
+
+* the batch scale ``k`` (Goyal et al. 2017): ``linear`` → ``G / G_ref``, ``sqrt`` → ``√(G / G_ref)``
+  (for adaptive optimizers such as Adam), ``none`` → 1, with ``G`` the global batch;
+* during warmup (steps ``0 .. W-1``) a straight line from ``start`` to ``k``: the lr rises by the same
+  amount each step, from ``start_factor × base_lr`` (never above the target) to ``k × base_lr``;
+* afterwards ``k × decay(s)``: 1 (``"none"``), a half cosine from 1 to ``min_factor`` over the
+  remaining steps (``"cosine"``), or ``gamma`` per milestone passed (``"step"``).
+
+Example::
+
+    from lightning_solo.lr_schedule import LRSchedule, scale_factor
+    k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
+    sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
+    lrs = [0.1 * sched.factor(s) for s in range(10_000)]
+    plot_schedule("lr.png", sched, base_lr=0.1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RULES = ("linear", "sqrt", "none")
+DECAYS = ("none", "cosine", "step")
+
+
+def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
+    """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
+    if rule not in RULES:
+        raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
+    if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch <= 0:
+        raise ValueError(f"reference batch size must be a positive integer, got {reference_batch!r}")
+    if global_batch <= 0:
+        raise ValueError(f"global batch size must be positive, got {global_batch!r}")
+    ratio = global_batch / reference_batch
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The multiplier applied to the base lr at each optimizer step (see the module docstring).
+
+    ``milestones`` are optimizer steps (``"step"`` decay); ``start_factor`` is relative to the unscaled
+    base lr and is capped at ``scale`` so that warmup never lowers the lr.
+    """
+
+    scale: float
+    warmup_steps: int
+    total_steps: int
+    start_factor: float = 1.0
+    decay: str = "none"
+    min_factor: float = 0.0
+    milestones: Sequence[int] = field(default_factory=tuple)
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.decay not in DECAYS:
+            raise ValueError(f"unknown decay {self.decay!r}; accepted: {', '.join(DECAYS)}")
+        if self.scale <= 0:
+            raise ValueError(f"scale must be positive, got {self.scale!r}")
+        if self.total_steps <= 0:
+            raise ValueError(f"total_steps must be positive, got {self.total_steps!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup ({self.warmup_steps} steps) is longer than the run ({self.total_steps} optimizer steps); "
+                "shorten the warmup or train longer"
+            )
+        if not 0.0 <= self.start_factor:
+            raise ValueError(f"start_factor must be >= 0, got {self.start_factor!r}")
+        if not 0.0 <= self.min_factor <= 1.0:
+            raise ValueError(f"min_factor must be in [0, 1], got {self.min_factor!r}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma!r}")
+        if list(self.milestones) != sorted(self.milestones) or any(m < 0 for m in self.milestones):
+            raise ValueError(f"milestones must be increasing optimizer steps >= 0, got {list(self.milestones)!r}")
+
+    @property
+    def start(self) -> float:
+        """The multiplier at step 0 when warming up."""
+        return min(self.start_factor, self.scale)
+
+    def factor(self, step: int) -> float:
+        """The multiplier for the optimizer step with 0-based index ``step``."""
+        if step < self.warmup_steps:
+            return self.start + (self.scale - self.start) * step / self.warmup_steps
+        return self.scale * self._decay(step)
+
+    def _decay(self, step: int) -> float:
+        if self.decay == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return self.min_factor + (1.0 - self.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "step":
+            return self.gamma ** sum(step >= m for m in self.milestones)
+        return 1.0
+
+
+def plot_schedule(
+    path: str | Path,
+    schedule: LRSchedule,
+    base_lr: float = 1.0,
+    title: str | None = None,
+    steps_per_epoch: int | None = None,
+) -> Path:
+    """Write the lr curve ``base_lr × schedule.factor(s)`` over the whole run to a PNG; returns the path."""
+    # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps its inline one).
+    from matplotlib.figure import Figure
+
+    steps = list(range(schedule.total_steps))
+    lrs = [base_lr * schedule.factor(s) for s in steps]
+    fig = Figure(figsize=(6, 3.2), dpi=120)
+    ax = fig.subplots()
+    xs = [s / steps_per_epoch for s in steps] if steps_per_epoch else steps
+    ax.plot(xs, lrs, lw=1.6)
+    ax.axhline(base_lr, color="grey", lw=0.8, ls=":", label=f"base lr {base_lr:g}")
+    if schedule.warmup_steps:
+        end = schedule.warmup_steps / steps_per_epoch if steps_per_epoch else schedule.warmup_steps
+        ax.axvline(end, color="tab:orange", lw=0.8, ls="--", label="end of warmup")
+    ax.set_xlabel("epoch" if steps_per_epoch else "optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(title or f"scale ×{schedule.scale:g}, warmup {schedule.warmup_steps} steps, decay {schedule.decay}")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path

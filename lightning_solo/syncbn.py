@@ -1,0 +1,393 @@
+"""Synchronised BatchNorm for any process-group backend (gloo on CPU, nccl on GPU).
+
+``torch.nn.SyncBatchNorm`` refuses CPU tensors and DDP refuses to wrap it on CPU, and Lightning's
+``sync_batchnorm=True`` reverts layers to a generic ``_BatchNormXd`` after fit. This module gives:
+
+* :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
+  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` values), running
+  statistics identical to BatchNorm over the concatenated batch, uneven per-rank batches weighted by
+  their element counts, no communication in eval mode.
+* :func:`convert` / :func:`revert`: swap a model's BatchNorm layers in place and back to their
+  *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible).
+* :func:`decide`: the ``sync_batchnorm="auto"`` policy, returning a :class:`Decision`.
+
+Example::
+
+    import torch, torchvision
+    from lightning_solo import syncbn
+
+    # in each rank, after torch.distributed.init_process_group("gloo" or "nccl")
+    model = syncbn.convert(torchvision.models.resnet18(num_classes=10))   # in place
+    ddp = torch.nn.parallel.DistributedDataParallel(model)                # works on CPU + gloo
+    ...                                                                   # train
+    syncbn.revert(model)                                                  # BatchNorm2d again
+
+With SoloDDP none of this is needed: ``SoloDDP(sync_batchnorm="auto")`` converts before the DDP wrap
+and reverts at teardown; see :func:`plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_solo.decision import Decision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+SyncOption = bool | Literal["auto"]
+_OPTIONS = (True, False, "auto")
+# Set on a converted layer: the class to restore at revert.
+_ORIGINAL_CLS = "_solo_original_cls"
+
+
+def _channel_view(t: Tensor, x: Tensor) -> Tensor:
+    return t.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    # Half-precision sums over a whole batch lose too many digits; torch's BN accumulates in fp32 too.
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Batch-norm over the batch of all ranks in ``group``; each rank holds its own slice of it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
+        xc = x.to(_compute_dtype(x))
+        channels = x.shape[1]
+        count = x.numel() // channels
+        if count:
+            # The fused BN statistics kernel (mean, biased var): several times faster than torch.var_mean.
+            mean, var = torch.batch_norm_update_stats(xc, None, None, 0.0)
+        else:  # an empty slice still takes part in the collectives
+            var = mean = xc.new_zeros(channels)
+        # Per-rank mean/var are computed stably in the input's precision; combining them as float64 sums
+        # (n·mean, n·(var + mean²), n) is then exact enough and needs one all-reduce of 2C+1 values,
+        # whatever the world size, and weights uneven batches by their counts.
+        mean64, n = mean.double(), float(count)
+        stats = torch.cat([mean64 * n, (var.double() + mean64.square()) * n, mean64.new_full((1,), n)])
+        dist.all_reduce(stats, group=group)
+        total = stats[-1].item()  # a host sync; on CUDA + nccl SoloDDP uses torch's kernels instead
+        if total <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(total)} in all ranks")
+        g_mean = stats[:channels] / total
+        g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
+
+        if running_mean is not None:
+            running_mean.mul_(1 - factor).add_(g_mean.to(running_mean.dtype), alpha=factor)
+        if running_var is not None:
+            unbiased = g_var * (total / (total - 1))
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+
+        mean_c, var_c = g_mean.to(xc.dtype), g_var.to(xc.dtype)
+        # Normalising with given statistics is batch_norm in eval mode: one fused kernel on CPU and GPU.
+        y = F.batch_norm(xc, mean_c, var_c, weight, bias, training=False, momentum=0.0, eps=eps)
+        ctx.save_for_backward(x, weight, mean_c, torch.rsqrt(var_c + eps))
+        ctx.group, ctx.total = group, total
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, mean, invstd = ctx.saved_tensors
+        xc, gy = x.to(mean.dtype), grad_out.to(mean.dtype)
+        channels = mean.numel()
+        if xc.numel():
+            # The fused BN backward kernel's weight/bias gradients are exactly the per-channel sums
+            # Σ dy·x̂ and Σ dy; its input gradient (local-batch formula) is not asked for.
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                gy, xc, torch.ones_like(mean), None, None, mean, invstd, True, 0.0, [False, True, True]
+            )
+        else:
+            sum_dy_xhat = sum_dy = mean.new_zeros(channels)
+        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_x = None
+        # Every rank has the same graph, so either all of them or none take part in this all-reduce.
+        # Weight/bias gradients stay local: DDP averages them like any other parameter's.
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([sum_dy, sum_dy_xhat])
+            dist.all_reduce(sums, group=ctx.group)
+            mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
+            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+            # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs):
+            #   scale·(dy - mean(dy) - x̂·mean(dy·x̂)),  x̂ = (x - μ)·invstd,  means over the global batch,
+            # written as dy·a + x·b + c with per-channel a, b, c: two passes over the activations.
+            b = -scale * invstd * mean_dy_xhat
+            c = -scale * mean_dy - b * mean
+            grad_x = torch.addcmul(_channel_view(c, x), xc, _channel_view(b, x))
+            grad_x.addcmul_(gy, _channel_view(scale, x))
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SoloSyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics are those of the global batch, on any backend.
+
+    Same arguments, parameters, buffers and state-dict keys as ``torch.nn.BatchNorm{1,2,3}d``; accepts
+    inputs of any rank ≥ 2 (a layer made by :func:`convert` keeps its original class's input check).
+    Without an initialised process group, or with a world of one, it is plain BatchNorm; in eval mode
+    it uses the running statistics and never communicates.
+
+    Example::
+
+        bn = SoloSyncBatchNorm(64)                    # or syncbn.convert(model) for a whole model
+        y = bn(torch.randn(8, 64, 16, 16))            # statistics over the batch of every rank
+
+    Args:
+        process_group: the ranks whose batches form the global batch (default: all).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    @override
+    def _check_input_dim(self, input: Tensor) -> None:
+        original = getattr(self, _ORIGINAL_CLS, None)
+        if original is not None:
+            original._check_input_dim(self, input)
+        elif input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    @override
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if input.shape[1] == 0:
+            raise ValueError("SoloSyncBatchNorm number of input channels should be non-zero")
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        # Buffers are read in eval mode and updated in training mode only when tracked.
+        pass_buffers = not self.training or self.track_running_stats
+        running_mean = self.running_mean if pass_buffers else None
+        running_var = self.running_var if pass_buffers else None
+
+        # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
+        # communicates (with track_running_stats=False it normalises with the local batch's statistics).
+        group = getattr(self, "process_group", None)
+        if not (self.training and _world_size(group) > 1):
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
+            )
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
+        )
+
+
+def _world_size(group: Any) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _is_convertible(module: nn.Module) -> bool:
+    if not isinstance(module, _BatchNorm) or hasattr(module, _ORIGINAL_CLS):
+        return False
+    # Lazy layers take their real class on the first forward; their parameters do not exist yet.
+    return not (isinstance(module, LazyModuleMixin) and module.has_uninitialized_params())
+
+
+def convert(model: nn.Module, native: bool = False, process_group: Any = None) -> nn.Module:
+    """Make every BatchNorm layer of ``model`` synchronised, in place; returns ``model``.
+
+    The layers keep their identity, parameters, buffers, hooks and state-dict keys: only their class
+    changes (to :class:`SoloSyncBatchNorm`, or ``torch.nn.SyncBatchNorm`` with ``native=True``, which
+    works on CUDA only), and the original class is remembered for :func:`revert`. Swapping the class
+    rather than building new modules keeps references held elsewhere (optimizers, EMA copies,
+    hooks) valid and lets revert restore the user's exact class with all its attributes.
+    """
+    target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
+    for module in model.modules():
+        if not _is_convertible(module) or (native and isinstance(module, nn.SyncBatchNorm)):
+            continue
+        original = type(module)
+        module.__class__ = target
+        setattr(module, _ORIGINAL_CLS, original)
+        if not hasattr(module, "process_group") or process_group is not None:
+            module.process_group = process_group
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Give every layer converted by :func:`convert` its original class back, in place; returns ``model``."""
+    for module in model.modules():
+        original = module.__dict__.pop(_ORIGINAL_CLS, None)
+        if original is None:
+            continue
+        if not issubclass(original, (nn.SyncBatchNorm, SoloSyncBatchNorm)):
+            module.__dict__.pop("process_group", None)
+        module.__class__ = original
+    return model
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def validate(option: Any, threshold: Any) -> None:
+    """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
+    if not any(option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS):
+        raise ValueError(f"sync_batchnorm={option!r} is not one of {_OPTIONS}")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise ValueError(f"sync_batchnorm_threshold must be a positive integer (per-device batch), got {threshold!r}")
+
+
+def decide(
+    option: SyncOption,
+    *,
+    has_batchnorm: bool,
+    world_size: int,
+    per_device_batch: int | None,
+    threshold: int = 32,
+    trainer_flag: bool = False,
+) -> Decision:
+    """Whether to synchronise BatchNorm, and why.
+
+    ``"auto"`` turns it on when the model has BatchNorm, there is more than one process and the
+    per-device batch is below ``threshold`` (its statistics are then noisy). When the per-device batch is
+    unknown, auto keeps plain BatchNorm (what DDP does) and says so. ``Trainer(sync_batchnorm=True)``
+    (``trainer_flag``) counts as ``True``.
+    """
+    validate(option, threshold)
+    if trainer_flag:
+        if option is False:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) contradicts SoloDDP(sync_batchnorm=False); "
+                "set one of them, accepted values for SoloDDP are (True, False, 'auto')"
+            )
+        option = True
+    source = "Trainer(sync_batchnorm=True)" if trainer_flag else "set by the user"
+    if option is False:
+        return Decision("sync_batchnorm", False, "set by the user")
+    if not has_batchnorm:
+        return Decision("sync_batchnorm", False, "the model has no BatchNorm layers")
+    if option is True:
+        return Decision("sync_batchnorm", True, source)
+    if world_size <= 1:
+        return Decision("sync_batchnorm", False, "a single process: there is nothing to synchronise")
+    if per_device_batch is None:
+        return Decision(
+            "sync_batchnorm", False, "per-device batch size unknown; pass sync_batchnorm=True to synchronise"
+        )
+    if per_device_batch < threshold:
+        return Decision(
+            "sync_batchnorm",
+            True,
+            f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy; "
+            f"statistics over the global batch of {per_device_batch * world_size}",
+        )
+    return Decision(
+        "sync_batchnorm", False, f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice"
+    )
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    if isinstance(loader, DataLoader):
+        if loader.batch_size is not None:
+            return loader.batch_size
+        return getattr(loader.batch_sampler, "batch_size", None)
+    if isinstance(loader, Mapping):
+        loader = list(loader.values())
+    if isinstance(loader, Sequence) and not isinstance(loader, str):
+        sizes = [s for s in map(_loader_batch_size, loader) if s is not None]
+        return min(sizes) if sizes else None
+    size = getattr(loader, "batch_size", None)  # e.g. a CombinedLoader-like wrapper
+    return size if isinstance(size, int) else None
+
+
+def _declared_batch_size(obj: Any) -> int | None:
+    size = getattr(obj, "batch_size", None)
+    if size is None:
+        hparams = getattr(obj, "hparams", None)
+        size = hparams.get("batch_size") if isinstance(hparams, Mapping) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def per_device_batch_size(trainer: pl.Trainer) -> int | None:
+    """The train loader's batch size as far as it is known when the strategy is set up (before Lightning
+    loads the loaders): a loaded loader, a loader passed to ``fit``, else ``batch_size`` on the datamodule
+    or LightningModule (attribute or hparam). ``None`` when none of them says."""
+    loaded = _loader_batch_size(trainer.train_dataloader)
+    if loaded is not None:
+        return loaded
+    source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
+        given = _loader_batch_size(source)
+        if given is not None:
+            return given
+    for owner in (trainer.datamodule, trainer.lightning_module):
+        size = _declared_batch_size(owner) if owner is not None else None
+        if size is not None:
+            return size
+    return None
+
+
+class _SoloLayerSync(LayerSync):
+    """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
+
+    def __init__(self, native: bool) -> None:
+        self.native = native
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        return convert(model, native=self.native)
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert(model)
+
+
+def plan(
+    trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
+) -> tuple[Decision, LayerSync | None]:
+    """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).
+
+    ``requested`` is what Lightning's connector put on the strategy: ``TorchSyncBatchNorm`` for
+    ``Trainer(sync_batchnorm=True)`` (replaced by ours: torch's refuses CPU), a custom ``LayerSync``
+    plugin (kept as is), or ``None``. On CUDA with nccl torch's fused ``SyncBatchNorm`` is used (same
+    statistics and gradients); elsewhere :class:`SoloSyncBatchNorm`.
+    """
+    strategy = trainer.strategy
+    if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
+        return Decision("sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"), requested
+    decision = decide(
+        option,
+        has_batchnorm=has_batchnorm(trainer.lightning_module),
+        world_size=trainer.world_size,
+        per_device_batch=per_device_batch_size(trainer),
+        threshold=threshold,
+        trainer_flag=isinstance(requested, TorchSyncBatchNorm),
+    )
+    if not decision.value:
+        return decision, None
+    native = strategy.root_device.type == "cuda" and getattr(strategy, "_process_group_backend", None) == "nccl"
+    impl = "torch.nn.SyncBatchNorm (CUDA + nccl)" if native else "SoloSyncBatchNorm (any backend)"
+    return Decision(decision.setting, True, f"{decision.reason}; {impl}"), _SoloLayerSync(native)

@@ -1,0 +1,297 @@
+"""Gradient communication hooks (lightning_solo.comm, SoloDDP(comm_hook=...)) in 2 real gloo processes.
+
+Raw-DDP checks run under tests/distributed.run_ranks and compare every hook with an exact all-reduce computed
+on the side; the Lightning checks go through SoloDDP's fork launcher and write what each rank saw to files
+in tmp_path for the parent to compare.
+"""
+
+import json
+from pathlib import Path
+
+import hydra
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from tests.distributed import run_ranks
+from tests.helpers import composed
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------- validation, no processes
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"comm_hook": "fp8"}, "'fp16', 'bf16', 'powersgd', 'post_local_sgd'"),
+        ({"comm_hook": "batched_powersgd"}, "'powersgd'"),
+        ({"bucket_cap_mb": -1}, "positive number of megabytes"),
+        ({"bucket_cap_mb": 0}, "positive number of megabytes"),
+        ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0"),
+        ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, "integer >= 2"),
+        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period=0"),
+        ({"comm_hook": "post_local_sgd", "local_sgd_warmup": -1}, "integer >= 0"),
+        ({"comm_hook": "fp16", "ddp_comm_hook": lambda state, bucket: None}, "not both"),
+    ],
+)
+def test_bad_options_raise_value_error_listing_accepted_values(kwargs, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+        SoloDDP(**kwargs)
+
+
+def test_batched_powersgd_is_not_offered():
+    assert "batched_powersgd" not in COMM_HOOKS and "powersgd" in COMM_HOOKS
+
+
+# ---------------------------------------------------------------- raw DDP, 2 gloo ranks
+
+
+def _powersgd_resume_across_rebucketing(rank: int) -> dict:
+    """6 PowerSGD steps straight vs 3 + save + fresh DDP/hook + load + 3. DDP's first iteration after the
+    restore uses one bucket in forward order, later ones two buckets in gradient order: the restored error
+    feedback and Q memory must follow the parameters, not the bucket indices."""
+
+    def start(state=None, weights=None):
+        net = make_net()
+        if weights is not None:
+            net.load_state_dict(weights)
+        ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
+        hook = CommHook("powersgd", powersgd_start_iter=2)
+        hook.load_state_dict(state)
+        hook.register(ddp)
+        return net, ddp, hook, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+
+    net, ddp, hook, opt = start()
+    train(ddp, opt, range(6))
+    straight, straight_state = flat(net), hook.state_dict()
+    net, ddp, hook, opt = start()
+    train(ddp, opt, range(3))
+    saved = [hook.state_dict(), net.state_dict()]
+    dist.broadcast_object_list(saved, src=0)  # what every rank reads back from rank 0's checkpoint
+    net, ddp, hook, opt = start(*saved)
+    train(ddp, opt, range(3, 6))
+    resumed_state = hook.state_dict()
+    result = {"param_diff": (flat(net) - straight).abs().max().item(), "iter": resumed_state["iter"]}
+    if rank == 0:
+        pairs = [(a, resumed_state["error"][r][k]) for r in range(2) for k, a in straight_state["error"][r].items()]
+        pairs += [(a, resumed_state["q"][k]) for k, a in straight_state["q"].items()]
+        result["state_diff"] = max((a - b).abs().max().item() for a, b in pairs)
+        result["state_entries"] = len(pairs)
+    return result
+
+
+def _hooks_against_exact_allreduce(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    for name, cap in (("fp16", 25), ("bf16", 25), ("powersgd", 0.001)):  # several buckets for PowerSGD
+        ref, net = make_net(), make_net()
+        ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
+        hook = CommHook(name, powersgd_start_iter=2)
+        decision = hook.register(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        errors = []
+        for step in range(5):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            ref.zero_grad()
+            ref.load_state_dict(net.state_dict())
+            ref(x).pow(2).sum().backward()
+            exact = torch.cat([p.grad.flatten() for p in ref.parameters()])
+            dist.all_reduce(exact)
+            exact /= world_size
+            errors.append(rel(torch.cat([p.grad.flatten() for p in net.parameters()]), exact))
+            opt.step()
+        out[name] = {
+            "logged": ddp._get_ddp_logging_data().get("comm_hook"),
+            "decision": decision.value,
+            "errors": errors,
+            "params": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),  # no shared memory
+        }
+    out["resume_across_rebucketing"] = _powersgd_resume_across_rebucketing(rank)
+    # post-local-SGD counters come back from a state dict on every rank
+    net = make_net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    hook = CommHook("post_local_sgd", local_sgd_period=3, local_sgd_warmup=2)
+    hook.load_state_dict({"hook": "post_local_sgd", "iter": 7, "averager_step": 9})
+    out["post_local_sgd"] = {"decision": hook.register(ddp, local_world_size=world_size).reason}
+    hook.attach_averager(PeriodicModelAverager(period=3, warmup_steps=2))
+    out["post_local_sgd"].update(
+        logged=ddp._get_ddp_logging_data().get("comm_hook"), iter=hook.state.iter, step=hook.averager.step
+    )
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_hooks_registered_on_cpu_and_close_to_exact_allreduce():
+    r0, r1 = run_ranks(_hooks_against_exact_allreduce, 2)
+    for name, low, high in (("fp16", 1e-6, 2e-3), ("bf16", 1e-4, 2e-2)):
+        assert r0[name]["logged"] == f"{name}_compress_hook" and r0[name]["decision"] == name
+        # compressed (not exact) but within the format's precision
+        assert all(low < e < high for e in r0[name]["errors"]), (name, r0[name]["errors"])
+        assert r0[name]["params"] == r1[name]["params"]
+    psgd = r0["powersgd"]
+    assert psgd["logged"] == "resumable_powerSGD_hook"
+    assert max(psgd["errors"][:2]) < 1e-6  # exact all-reduce before start_powerSGD_iter
+    assert min(psgd["errors"][2:]) > 1e-3  # low-rank compression afterwards
+    assert psgd["params"] == r1["powersgd"]["params"]
+    resumed = r0["resume_across_rebucketing"]
+    # error feedback for 6 parameters on each rank, Q memory for the 3 compressed matrices
+    assert resumed["iter"] == 6 and resumed["state_entries"] == 6 * 2 + 3
+    assert resumed["state_diff"] == 0.0 and resumed["param_diff"] == 0.0
+    assert r1["resume_across_rebucketing"]["param_diff"] == 0.0
+    local = r0["post_local_sgd"]
+    assert local["logged"] == "post_localSGD_hook" and "no gradient communication" in local["decision"]
+    assert (local["iter"], local["step"]) == (7, 9)
+
+
+# ---------------------------------------------------------------- through Lightning (fork launcher)
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
+        return DataLoader(data, batch_size=4)
+
+
+class Record(Callback):
+    """Writes, per rank, what the strategy registered and the parameters after each step and at the end."""
+
+    def __init__(self, out: Path):
+        self.out, self.steps = out, []
+
+    def on_train_start(self, trainer, pl_module):
+        self.logged = trainer.strategy.model._get_ddp_logging_data().get("comm_hook")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(flat(pl_module))
+
+    def on_fit_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        record = {
+            "logged": self.logged,
+            "decisions": {k: str(v) for k, v in strategy.decisions.items()},
+            "steps": self.steps,
+            "final": flat(pl_module),
+            "hook_state": strategy._comm.state_dict(),  # a collective for PowerSGD: all ranks are here
+        }
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **strategy_kwargs) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks = [Record(out)]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork", **strategy_kwargs),
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        enable_checkpointing=save,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Net(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_lightning_registers_fp16_on_cpu(tmp_path):
+    r0, r1 = fit(tmp_path, comm_hook="fp16")
+    assert r0["logged"] == r1["logged"] == "fp16_compress_hook"  # stock Lightning drops it on CPU
+    assert "comm_hook = 'fp16'" in r0["decisions"]["comm_hook"]
+    assert "monitored" in r0["decisions"]["barrier"]
+    assert torch.equal(r0["final"], r1["final"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
+    opts = {"comm_hook": "powersgd", "powersgd_start_iter": 3}
+    full = fit(tmp_path / "full", max_epochs=2, **opts)
+    fit(tmp_path / "first", max_epochs=1, save=True, **opts)
+    ckpt = tmp_path / "first" / "epoch=0.ckpt"
+    saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
+    assert saved["iter"] == 8 and len(saved["error"]) == 2  # 8 steps, both ranks' error feedback
+    assert not torch.equal(saved["error"][0]["net.0.weight"], saved["error"][1]["net.0.weight"])
+    resumed = fit(tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt), **opts)
+
+    assert full[0]["logged"] == resumed[0]["logged"] == "resumable_powerSGD_hook"
+    a, b = full[0]["hook_state"], resumed[0]["hook_state"]
+    assert a["iter"] == b["iter"] == 16
+    for rank in range(2):
+        for name, err in a["error"][rank].items():
+            torch.testing.assert_close(b["error"][rank][name], err, rtol=1e-5, atol=1e-7)
+    for name, q in a["q"].items():
+        torch.testing.assert_close(b["q"][name], q, rtol=1e-5, atol=1e-7)
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank]["final"], full[rank]["final"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(resumed[0]["final"], resumed[1]["final"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_post_local_sgd_averages_with_configured_period(tmp_path):
+    warmup, period = 2, 3
+    r0, r1 = fit(tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period)
+    assert r0["logged"] == "post_localSGD_hook"
+    steps = len(r0["steps"])
+    assert steps == 8
+    same = [torch.equal(a, b) for a, b in zip(r0["steps"], r1["steps"])]
+    expected = [k < warmup or (k - warmup) % period == 0 for k in range(steps)]
+    assert same == expected
+    assert torch.equal(r0["final"], r1["final"])  # averaged once more at the end of fit
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    # torch's PostLocalSGDState counts only up to the end of the warm-up; the averager counts every step
+    assert saved == {"hook": "post_local_sgd", "iter": warmup, "averager_step": steps}
+    assert json.dumps(r0["decisions"]["comm_hook"])  # recorded for the run summary
+
+
+def test_hydra_parallelism_group_reaches_the_hook(tmp_path):
+    overrides = ["parallelism.strategy.comm_hook=powersgd", "parallelism.strategy.powersgd_rank=4"]
+    with composed(overrides, tmp_path) as cfg:
+        strategy = hydra.utils.instantiate(cfg.parallelism.strategy)
+    assert (strategy._comm.name, strategy._comm.powersgd_rank) == ("powersgd", 4)

@@ -1,0 +1,192 @@
+"""After a forked fit (the notebook launcher) the parent holds what an in-process fit would leave there.
+
+Stock Lightning's fork launcher leaves ``global_step`` at 0, callbacks untrained and the strategy's decisions
+behind in the workers, and refuses a second ``fit`` on the same Trainer. Each test runs real 2-process fits
+(gloo, fork) and compares the parent with what rank 0 saw, through files the ranks write themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks.run_summary import RunSummary
+from lightning_solo.launcher import SoloLauncher, capture, packed_attributes, unpack_attributes
+
+SAMPLES, BATCH, WORLD = 64, 8, 2
+STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)
+
+
+class TinyClassifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.losses: list[float] = []  # a notebook habit: record in the module, plot afterwards
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, :4].argmax(1))), batch_size=BATCH)
+
+
+class RankRecorder(L.Callback):
+    """Writes each rank's final weights to a file (a channel independent of the launcher) and keeps a list."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.steps_seen: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps_seen.append(trainer.global_step)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(pl_module.state_dict(), f"{self.directory}/rank{trainer.global_rank}_{trainer.global_step}.pt")
+
+
+def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
+    recorder = RankRecorder(tmp_path)
+    summary = RunSummary()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / name, monitor="val_loss", save_top_k=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=max_epochs,
+        callbacks=[recorder, summary, checkpoint], logger=CSVLogger(tmp_path, name=name),
+        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    return trainer, recorder, summary, checkpoint
+
+
+def assert_rank_zero_weights(model, tmp_path, step):
+    ranks = [torch.load(tmp_path / f"rank{r}_{step}.pt", weights_only=True) for r in range(WORLD)]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, ranks[0][key], rtol=0, atol=0)
+        torch.testing.assert_close(ranks[1][key], ranks[0][key], rtol=0, atol=0)
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch):
+    """Lightning's fork launcher leaks one mkdtemp() directory per fit: give it a directory we can inspect."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    return temp
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer, recorder, summary, checkpoint = make_trainer(tmp_path, SoloDDP(start_method="fork"), 2, "first")
+    assert isinstance(trainer.strategy._launcher, SoloLauncher)
+    trainer.fit(model, loader(), loader())
+
+    steps = 2 * STEPS_PER_EPOCH
+    # Weights: changed, and exactly rank 0's (== rank 1's).
+    assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    assert_rank_zero_weights(model, tmp_path, steps)
+    # Loop progress: the true step, epoch and logging step (stock Lightning: 0, 0, 0).
+    assert (trainer.global_step, trainer.current_epoch) == (steps, 2)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == steps
+    assert not trainer.fit_loop.restarting
+    # Metrics.
+    assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)
+    assert "train_loss" in trainer.logged_metrics
+    # Callbacks: ModelCheckpoint's best path and score, a user callback's list, the run summary.
+    assert checkpoint.best_model_path and (tmp_path / "first").joinpath(checkpoint.best_model_path).exists()
+    assert checkpoint.best_model_score is not None
+    assert math.isclose(float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5)
+    assert recorder.steps_seen == list(range(1, steps + 1))
+    assert summary.summary is not None and summary.summary["global_step"] == steps
+    # Module attributes filled in training_step; the strategy's decisions made in the workers.
+    assert len(model.losses) == steps
+    assert trainer.strategy.decisions["process_group_backend"].value == "gloo"
+    assert "cpu_threads" in trainer.strategy.decisions
+    # The logger's version is the workers' one, so the parent's log_dir is where the metrics are.
+    assert (tmp_path / "first" / "version_0" / "metrics.csv").exists()
+    assert trainer.logger.version == 0
+    # No leaked temp directory.
+    assert list(private_tmpdir.iterdir()) == []
+
+    # A second fit on the same Trainer continues from where the first stopped (Lightning raises here).
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(model, loader(), loader())
+    assert (trainer.global_step, trainer.current_epoch) == (steps + STEPS_PER_EPOCH, 3)
+    assert_rank_zero_weights(model, tmp_path, steps + STEPS_PER_EPOCH)
+    assert recorder.steps_seen[-1] == steps + STEPS_PER_EPOCH
+    assert list(private_tmpdir.iterdir()) == []
+
+    # And a fit on a new Trainer in the same process starts its own count.
+    trainer2, recorder2, summary2, _ = make_trainer(tmp_path, "solo_ddp_notebook", 1, "second")
+    assert isinstance(trainer2.strategy._launcher, SoloLauncher)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer2.fit(model, loader(), loader())
+    assert (trainer2.global_step, trainer2.current_epoch) == (STEPS_PER_EPOCH, 1)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert recorder2.steps_seen == list(range(1, STEPS_PER_EPOCH + 1))
+    assert summary2.summary["global_step"] == STEPS_PER_EPOCH
+    assert trainer2.checkpoint_callback.best_model_path.startswith(str(tmp_path / "second"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    x: torch.Tensor
+    label: str
+
+
+def test_only_data_attributes_travel():
+    class Holder:
+        def __init__(self) -> None:
+            self.numbers = [1, 2.5, {"a": (3, None)}]
+            self.point = _Point(torch.ones(2), "p")
+            self.tensor = torch.arange(3)
+            self.module = nn.Linear(2, 2)
+            self.fn = lambda: None
+            self.mixed = [1, nn.Linear(1, 1)]
+            self._private = 7
+
+    holder = Holder()
+
+    def travelled(**options):
+        return unpack_attributes(packed_attributes(holder, **options), "Holder")
+
+    got = travelled()
+    assert set(got) == {"numbers", "point", "tensor", "_private"}
+    assert got["numbers"] == holder.numbers
+    assert got["point"] == _Point(got["point"].x, "p") and got["point"].x is not holder.point.x
+    assert got["tensor"] is not holder.tensor and torch.equal(got["tensor"], holder.tensor)
+    assert set(travelled(only=("tensor", "fn"))) == {"tensor"}
+    assert "_private" not in travelled(public_only=True)
+
+
+def test_capture_outside_a_fit_is_empty_of_progress():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(TinyClassifier())
+    state = capture(trainer)
+    assert state["fit_loop"] is None
+    assert unpack_attributes(state["module"], "TinyClassifier")["losses"] == []

@@ -1,0 +1,145 @@
+"""Exact resume through Lightning with 2 gloo ranks: a run that crashes (mid-epoch, or at an epoch
+boundary) and resumes with ``resume=auto`` equals the uninterrupted run — same parameters, same samples
+in the same order on every rank, with dropout (RNG), momentum, a step LR schedule and Lightning's
+shuffled DistributedSampler in play."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks import SoloCheckpoint
+from lightning_solo.checkpoint_io import resolve_ckpt_path, verify
+from lightning_solo.resume import ResumableSampler
+
+SAMPLES, BATCH = 44, 4  # 22 samples per rank: 6 batches per epoch, the last one partial
+STEPS_PER_EPOCH = 6
+MAX_STEPS = 15
+
+
+class Indexed(Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int):
+        return torch.randn(8, generator=torch.Generator().manual_seed(i)), i
+
+
+class Crash(Exception):
+    pass
+
+
+class Net(L.LightningModule):
+    def __init__(self, log_dir: str, crash_at: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+        self.log_dir, self.crash_at = log_dir, crash_at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == self.crash_at:
+            raise Crash(f"simulated crash before step {self.crash_at + 1}")
+
+    def training_step(self, batch, batch_idx):
+        x, index = batch
+        with open(os.path.join(self.log_dir, f"rank{self.global_rank}.txt"), "a") as f:
+            f.write(" ".join(map(str, index.tolist())) + "\n")
+        return self.net(x).pow(2).mean()
+
+    def on_train_start(self):
+        if self.global_rank == 0:
+            decisions = {k: [d.value, d.reason] for k, d in self.trainer.strategy.decisions.items()}
+            with open(os.path.join(self.log_dir, "decisions.json"), "w") as f:
+                json.dump(decisions, f)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+
+
+def _fit(run_dir: str, crash_at: int | None = None, resume: str | None = None, **strategy_kwargs) -> dict:
+    os.makedirs(run_dir, exist_ok=True)
+    L.seed_everything(1234, verbose=False)
+    model = Net(run_dir, crash_at)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork", **strategy_kwargs), max_steps=MAX_STEPS,
+        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), every_n_train_steps=1, keep_last_k=2)],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    ckpt_path = resolve_ckpt_path(resume, os.path.join(run_dir, "ckpt"))
+    if crash_at is None:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    else:
+        with pytest.raises(Exception, match="simulated crash"):
+            trainer.fit(model, ckpt_path=ckpt_path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _batches(run_dir: str, rank: int) -> list[list[int]]:
+    with open(os.path.join(run_dir, f"rank{rank}.txt")) as f:
+        return [list(map(int, line.split())) for line in f]
+
+
+def _check_resume(tmp_path, crashes, **strategy_kwargs) -> None:
+    reference = _fit(str(tmp_path / "reference"), **strategy_kwargs)
+    for crash_at, consumed in crashes:
+        run = str(tmp_path / f"crash{crash_at}")
+        _fit(run, crash_at=crash_at, **strategy_kwargs)
+        assert verify(os.path.join(run, "ckpt", "last.ckpt"))["global_step"] == crash_at
+        resumed = _fit(run, resume="auto", **strategy_kwargs)
+
+        for rank in (0, 1):
+            expected, seen = _batches(str(tmp_path / "reference"), rank), _batches(run, rank)
+            assert len(expected) == MAX_STEPS
+            assert seen == expected, f"rank {rank}: resumed sample order differs (crash at step {crash_at})"
+        for name, value in reference.items():
+            rel = (resumed[name] - value).norm() / value.norm().clamp_min(1e-12)
+            assert rel <= 1e-6, f"{name}: relative difference {rel:.2e} after resuming at step {crash_at}"
+        with open(os.path.join(run, "decisions.json")) as f:
+            decisions = json.load(f)
+        assert decisions["mid_epoch_resume"][0] == consumed, decisions["mid_epoch_resume"]
+        assert "RNG states restored" in decisions["mid_epoch_resume"][1]
+        assert decisions["resumable_data"][0] is True
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_resume_equals_uninterrupted_run(tmp_path):
+    # mid-epoch 1 (3 of its 6 batches done), and the end of epoch 1
+    _check_resume(tmp_path, ((9, 3), (12, 0)))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_resume_keeps_grad_scaler_and_powersgd_state(tmp_path):
+    # Their states travel in the same checkpoint (saved by SoloDDP's precision and comm-hook code); PowerSGD
+    # compresses from step 3, so the resumed steps depend on its error feedback and warm-start matrices.
+    kwargs = {"precision": "16-mixed", "comm_hook": "powersgd", "powersgd_start_iter": 2}
+    _check_resume(tmp_path, ((9, 3),), **kwargs)
+    checkpoint = torch.load(tmp_path / "crash9" / "ckpt" / "last.ckpt", weights_only=True)
+    assert checkpoint["MixedPrecision"]["scale"] > 0 and checkpoint["lightning_solo.comm_hook"]
+
+
+def test_resumable_sampler_skips_once_and_keeps_its_length():
+    from torch.utils.data import DistributedSampler
+
+    inner = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler = ResumableSampler(inner, batch_size=2)
+    sampler.set_epoch(4)
+    full = list(sampler)
+    calls = []
+    sampler.set_epoch(0)
+    sampler.resume_once(4, 6, on_start=lambda: calls.append("rng"))
+    assert len(sampler) == len(inner) == 10
+    assert list(sampler) == full[6:] and calls == ["rng"]
+    assert list(sampler) == full  # only once: the next epoch is whole again

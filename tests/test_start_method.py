@@ -1,0 +1,61 @@
+"""The launcher chosen by context: ``SoloDDP()`` forks inside Jupyter/IPython and re-runs the script elsewhere.
+
+A notebook is simulated the way IPython marks one, by setting ``sys.ps1``; Lightning's own interactive check
+(``_IS_INTERACTIVE``, fixed when Lightning is imported) is switched on alongside, so that the Trainer applies
+its notebook rule (only an interactive-compatible launcher is allowed) to the strategy SoloDDP built.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors import accelerator_connector
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_solo import SoloDDP
+from lightning_solo.strategy import resolve_start_method
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    assert not sys.flags.interactive
+
+
+def test_script_gets_the_subprocess_launcher(script):
+    assert resolve_start_method("auto").value == "popen"
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(), logger=False)
+    assert isinstance(trainer.strategy._launcher, _SubprocessScriptLauncher)
+    assert trainer.strategy.decisions["start_method"].value == "popen"
+
+
+def test_notebook_gets_fork_with_the_same_name(notebook):
+    decision = resolve_start_method("auto")
+    assert decision.value == "fork" and "interactive" in decision.reason
+    for strategy in (SoloDDP(), "solo_ddp"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        launcher = trainer.strategy._launcher
+        assert isinstance(launcher, _MultiProcessingLauncher) and launcher.is_interactive_compatible
+        assert trainer.strategy.decisions["start_method"].value == "fork"
+
+
+def test_notebook_refuses_an_explicit_script_launcher(notebook):
+    # What "auto" avoids: Lightning rejects a non-forking launcher in a notebook.
+    with pytest.raises(MisconfigurationException, match="interactive environment"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="popen"), logger=False)
+
+
+def test_explicit_start_method_is_kept_and_bad_one_rejected(notebook):
+    assert resolve_start_method("spawn").reason == "set by the user"
+    with pytest.raises(ValueError, match="'auto', 'popen', 'spawn', 'fork', 'forkserver'"):
+        SoloDDP(start_method="thread")

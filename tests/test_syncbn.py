@@ -1,0 +1,397 @@
+"""SoloSyncBatchNorm and SoloDDP(sync_batchnorm=...): equivalence with BatchNorm over the global batch.
+
+Raw-torch checks run in 2 real gloo processes (tests/distributed.run_ranks); the Lightning checks go through
+SoloDDP's fork launcher. Each rank builds the whole data set from a seed and keeps its own slice, so it can
+compute the single-process reference itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_solo import SoloDDP, syncbn
+from lightning_solo.syncbn import SoloSyncBatchNorm
+from tests.distributed import run_ranks
+
+TOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------- layer level, 2 gloo ranks
+
+LAYER_CASES = {
+    # name: (layer factory, per-sample shape, per-rank batch sizes, input offset)
+    "1d_2D": (lambda: nn.BatchNorm1d(5), (5,), (4, 4), 0.0),
+    "1d_3D_uneven": (lambda: nn.BatchNorm1d(3), (3, 7), (2, 5), 0.0),
+    "2d_uneven_offset": (lambda: nn.BatchNorm2d(4), (4, 5, 6), (3, 5), 50.0),
+    "2d_empty_rank": (lambda: nn.BatchNorm2d(4), (4, 3, 3), (0, 6), 0.0),
+    "3d": (lambda: nn.BatchNorm3d(2), (2, 3, 4, 5), (2, 3), 0.0),
+    "2d_affine_false": (lambda: nn.BatchNorm2d(4, affine=False), (4, 5, 5), (3, 4), 0.0),
+    "2d_no_running_stats": (lambda: nn.BatchNorm2d(4, track_running_stats=False), (4, 5, 5), (3, 2), 0.0),
+    "2d_cumulative_momentum": (lambda: nn.BatchNorm2d(4, momentum=None), (4, 5, 5), (2, 6), 0.0),
+}
+
+
+def _compare_layers(rank: int, world_size: int) -> dict[str, float]:
+    errors: dict[str, float] = {}
+    for name, (factory, shape, sizes, offset) in LAYER_CASES.items():
+        torch.manual_seed(0)
+        ref = factory()
+        if ref.affine:
+            nn.init.uniform_(ref.weight, 0.5, 1.5)
+            nn.init.uniform_(ref.bias, -0.5, 0.5)
+        mine = syncbn.convert(copy.deepcopy(ref))
+        start = sum(sizes[:rank])
+        for step in range(3):  # several steps: momentum and running statistics accumulate
+            x = torch.randn(sum(sizes), *shape) * (step + 1) + offset
+            gout = torch.randn_like(x)
+            x_ref, x_mine = x.clone().requires_grad_(), x[start : start + sizes[rank]].clone().requires_grad_()
+            y_ref, y_mine = ref(x_ref), mine(x_mine)
+            (y_ref * gout).sum().backward()
+            (y_mine * gout[start : start + sizes[rank]]).sum().backward()
+            if sizes[rank]:
+                errors[f"{name}/y{step}"] = rel_err(y_mine, y_ref[start : start + sizes[rank]])
+                errors[f"{name}/grad_x{step}"] = rel_err(x_mine.grad, x_ref.grad[start : start + sizes[rank]])
+        for p_name, p_mine in mine.named_parameters():
+            grad = p_mine.grad.clone()
+            dist.all_reduce(grad)  # what DDP does (up to its 1/world scale, which the loss has too)
+            errors[f"{name}/grad_{p_name}"] = rel_err(grad, getattr(ref, p_name).grad)
+        for b_name, b_ref in ref.named_buffers():
+            errors[f"{name}/{b_name}"] = rel_err(mine.get_buffer(b_name), b_ref)
+
+        # Eval: running statistics and no communication. Rank 1 does not call, so a collective would make
+        # rank 0 hit this group's 3 s timeout.
+        silent = dist.new_group(timeout=timedelta(seconds=3))
+        mine.process_group = silent
+        if rank == 0:
+            x = torch.randn(3, *shape) + offset
+            errors[f"{name}/eval"] = rel_err(mine.eval()(x), ref.eval()(x))
+        dist.barrier()
+    return errors
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_layers_match_batchnorm_over_the_concatenated_batch():
+    for rank, errors in enumerate(run_ranks(_compare_layers, 2)):
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(errors) > 60
+
+
+def _native_vs_solo_on_cuda(rank: int, world_size: int) -> dict[str, float]:
+    torch.cuda.set_device(rank)
+    nccl = dist.new_group(backend="nccl")  # the default group is gloo; torch's SyncBatchNorm wants nccl
+    torch.manual_seed(0)
+    sizes, start = (3, 5), 3 * rank
+    ref = nn.BatchNorm2d(8).cuda()
+    nn.init.uniform_(ref.weight, 0.5, 1.5)
+    solo = syncbn.convert(copy.deepcopy(ref), process_group=nccl)
+    native = syncbn.convert(copy.deepcopy(ref), native=True, process_group=nccl)
+    x = torch.randn(sum(sizes), 8, 6, 6, device="cuda")
+    gout = torch.randn_like(x)
+    outs = {}
+    for name, layer in (("ref", ref), ("solo", solo), ("native", native)):
+        xi = (x if name == "ref" else x[start : start + sizes[rank]]).clone().requires_grad_()
+        y = layer(xi)
+        (y * (gout if name == "ref" else gout[start : start + sizes[rank]])).sum().backward()
+        y, gx = (y, xi.grad) if name != "ref" else (y[start : start + sizes[rank]], xi.grad[start : start + sizes[rank]])
+        outs[name] = (y, gx, layer.running_var)
+    return {
+        f"{what}/{name}": rel_err(outs[name][i], outs["ref"][i])
+        for name in ("solo", "native")
+        for i, what in enumerate(("y", "grad_x", "running_var"))
+    }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for nccl")
+def test_cuda_native_and_solo_agree():
+    for errors in run_ranks(_native_vs_solo_on_cuda, 2):
+        assert max(errors.values()) <= TOL, errors
+
+
+# ---------------------------------------------------------------- K DDP steps, 2 gloo ranks
+
+def _small_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def _train(model: nn.Module, batches, step_model=None) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy((step_model or model)(x), y).backward()
+        opt.step()
+    return model
+
+
+def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -> dict[str, float]:
+    torch.manual_seed(1)
+    init = _small_net()
+    data = [(torch.randn(world_size * batch, 3, 8, 8), torch.randint(0, 4, (world_size * batch,))) for _ in range(steps)]
+    reference = _train(copy.deepcopy(init), data)
+    local = [(x[rank * batch : (rank + 1) * batch], y[rank * batch : (rank + 1) * batch]) for x, y in data]
+    out = {}
+    for sync in (True, False):
+        model = copy.deepcopy(init)
+        if sync:
+            syncbn.convert(model)
+        _train(model, local, nn.parallel.DistributedDataParallel(model))
+        syncbn.revert(model)
+        state, ref_state = model.state_dict(), reference.state_dict()
+        out[f"sync={sync}"] = max(rel_err(state[k], ref_state[k]) for k in ref_state if "num_batches" not in k)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_ddp_steps_with_sync_equal_one_process_with_the_double_batch():
+    for errors in run_ranks(_ddp_vs_single, 2):
+        assert errors["sync=True"] <= TOL, errors
+        assert errors["sync=False"] > 100 * TOL, errors  # plain BN sees only half the batch
+
+
+# ---------------------------------------------------------------- single process: convert / revert / policy
+
+class _TaggedBN(nn.BatchNorm2d):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.tag = "kept"
+
+
+def test_convert_revert_restore_original_classes_objects_and_keys():
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    model.extra = nn.ModuleList([nn.BatchNorm1d(3), nn.BatchNorm3d(3), _TaggedBN(3), nn.SyncBatchNorm(3)])
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    classes = {name: type(m) for name, m in layers.items()}
+    keys = list(model.state_dict())
+    calls = []
+    model.bn1.register_forward_hook(lambda *_: calls.append(1))
+
+    x = torch.randn(2, 3, 16, 16)
+    expected = model.eval()(x)
+    for native in (False, True):
+        syncbn.convert(model, native=native)
+        target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
+        assert all(type(m) is target for name, m in layers.items() if name != "extra.3"), native
+        assert list(model.state_dict()) == keys
+        if not native:  # without a process group it is plain BatchNorm, and the original input check holds
+            torch.testing.assert_close(model.eval()(x), expected)
+            with pytest.raises(ValueError, match="4D"):
+                model.bn1(torch.randn(2, 64))
+        syncbn.revert(model)
+        assert {name: type(m) for name, m in model.named_modules() if name in layers} == classes
+        assert all(model.get_submodule(name) is m for name, m in layers.items())
+        assert list(model.state_dict()) == keys
+        assert model.extra[2].tag == "kept" and not hasattr(model.bn1, "process_group")
+    assert calls, "forward hooks survive conversion"
+    # A reverted model is a plain torchvision model again.
+    fresh = torchvision.models.get_model("resnet18", num_classes=10)
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("extra")})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value", "reason"),
+    [
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=8), True, "8 < 32"),
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=32), False, "32 >= 32"),
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=32, threshold=64), True, "32 < 64"),
+        (dict(option="auto", has_batchnorm=True, world_size=1, per_device_batch=2), False, "single process"),
+        (dict(option="auto", has_batchnorm=False, world_size=8, per_device_batch=2), False, "no BatchNorm"),
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=None), False, "unknown"),
+        (dict(option=True, has_batchnorm=True, world_size=2, per_device_batch=512), True, "set by the user"),
+        (dict(option=False, has_batchnorm=True, world_size=2, per_device_batch=2), False, "set by the user"),
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=512, trainer_flag=True),
+         True, "Trainer(sync_batchnorm=True)"),
+    ],
+)  # fmt: skip
+def test_auto_policy(kwargs, value, reason):
+    decision = syncbn.decide(kwargs.pop("option"), **kwargs)
+    assert decision.setting == "sync_batchnorm" and decision.value is value and reason in decision.reason
+
+
+def test_bad_options_raise_with_accepted_values():
+    with pytest.raises(ValueError, match="'auto'"):
+        SoloDDP(sync_batchnorm="yes")
+    with pytest.raises(ValueError, match="positive integer"):
+        SoloDDP(sync_batchnorm_threshold=0)
+    with pytest.raises(ValueError, match="contradicts"):
+        syncbn.decide(False, has_batchnorm=True, world_size=2, per_device_batch=2, trainer_flag=True)
+
+
+def test_per_device_batch_size_sources():
+    loader = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=5)
+    dm = L.LightningDataModule()
+    dm.batch_size = 7
+
+    def trainer(loaded=None, source=None, datamodule=None, module=None):
+        fit_loop = SimpleNamespace(_data_source=SimpleNamespace(instance=source))
+        return SimpleNamespace(train_dataloader=loaded, fit_loop=fit_loop, datamodule=datamodule, lightning_module=module)
+
+    assert syncbn.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
+    assert syncbn.per_device_batch_size(trainer(source=loader)) == 5
+    assert syncbn.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
+    module = L.LightningModule()
+    module.save_hyperparameters({"batch_size": 3})
+    assert syncbn.per_device_batch_size(trainer(source=module, module=module)) == 3
+    assert syncbn.per_device_batch_size(trainer(source=module, module=L.LightningModule())) is None
+
+
+# ---------------------------------------------------------------- Lightning + SoloDDP, 2 fork ranks
+
+STEPS, BATCH = 3, 4
+
+
+class _Classifier(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Data(L.LightningDataModule):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        super().__init__()
+        self.batch_size = BATCH  # per device, which the auto policy reads
+        self.data = TensorDataset(images, labels)
+
+    def train_dataloader(self):
+        # Lightning always shuffles the training sampler it injects; an unshuffled one gives rank r the
+        # samples r, r+2, ..., so each step's two rank batches together are the single-process batch.
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False))
+
+
+class _Record(L.Callback):
+    """Writes, per rank, the layer classes during and after fit and the strategy's decisions."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.seen = out, {}
+
+    def _bn_classes(self, module):
+        return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen["during"] = self._bn_classes(pl_module)
+
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's teardown
+        decisions = {k: d.as_dict() for k, d in trainer.strategy.decisions.items()}
+        record = dict(self.seen, after=self._bn_classes(pl_module), decisions=decisions)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
+
+
+def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, callbacks=(), **trainer_kwargs):
+    module = _Classifier(copy.deepcopy(net))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        use_distributed_sampler=False, callbacks=[_Record(tmp_path), *callbacks], **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=_Data(images, labels))
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return module.net, records
+
+
+def _reference(net: nn.Module, images, labels) -> nn.Module:
+    batches = [(images[i : i + 2 * BATCH], labels[i : i + 2 * BATCH]) for i in range(0, STEPS * 2 * BATCH, 2 * BATCH)]
+    return _train(copy.deepcopy(net), batches)
+
+
+def _max_state_err(model: nn.Module | dict, reference: nn.Module) -> float:
+    state = model if isinstance(model, dict) else model.state_dict()
+    return max(rel_err(state[k], v) for k, v in reference.state_dict().items() if "num_batches" not in k)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_lightning_auto_sync_equals_single_process_and_checkpoint_loads_into_torchvision(tmp_path):
+    torch.manual_seed(0)
+    net = torchvision.models.get_model("resnet18", num_classes=10)
+    images, labels = torch.randn(STEPS * 2 * BATCH, 3, 16, 16), torch.randint(0, 10, (STEPS * 2 * BATCH,))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+
+    # float64: resnet18 at lr 0.1 is chaotic enough that float32 rounding alone moves it by ~10% in 3 steps.
+    trained, records = _fit(
+        tmp_path, net, images, labels, SoloDDP(start_method="fork"), callbacks=[ckpt], precision="64-true"
+    )
+    reference = _reference(net.double(), images.double(), labels)
+
+    for record in records:
+        assert record["during"] == ["SoloSyncBatchNorm"]
+        assert record["after"] == ["BatchNorm2d"]  # the original class, not Lightning's _BatchNormXd
+        decision = record["decisions"]["sync_batchnorm"]
+        assert decision["value"] is True and "per-device batch 4 < 32" in decision["reason"]
+    assert _max_state_err(trained, reference) <= TOL
+
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    fresh = torchvision.models.get_model("resnet18", num_classes=10)
+    fresh.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})  # strict
+    assert _max_state_err(fresh, reference) <= TOL
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "trainer_flag", "synced", "reason"),
+    [
+        # The policy alone would say no (4 >= 1); Lightning's own flag turns it on, on CPU.
+        (dict(sync_batchnorm_threshold=1), True, True, "Trainer(sync_batchnorm=True)"),
+        (dict(sync_batchnorm=False), False, False, "set by the user"),
+    ],
+)
+def test_lightning_trainer_flag_and_sync_off(tmp_path, strategy_kwargs, trainer_flag, synced, reason):
+    torch.manual_seed(0)
+    net = _small_net()
+    images, labels = torch.randn(STEPS * 2 * BATCH, 3, 8, 8), torch.randint(0, 4, (STEPS * 2 * BATCH,))
+    strategy = SoloDDP(start_method="fork", **strategy_kwargs)
+    trained, records = _fit(tmp_path, net, images, labels, strategy, sync_batchnorm=trainer_flag)
+    for record in records:
+        assert record["decisions"]["sync_batchnorm"]["value"] is synced
+        assert reason in record["decisions"]["sync_batchnorm"]["reason"]
+        assert record["during"] == (["SoloSyncBatchNorm"] if synced else ["BatchNorm1d", "BatchNorm2d"])
+        assert record["after"] == ["BatchNorm1d", "BatchNorm2d"]
+    err = _max_state_err(trained, _reference(net, images, labels))
+    assert err <= TOL if synced else err > 100 * TOL, err
+
+
+def test_custom_layer_sync_plugin_is_kept():
+    class Mine(LayerSync):
+        def apply(self, model):
+            return model
+
+        def revert(self, model):
+            return model
+
+    plugin = Mine()
+    trainer = SimpleNamespace(strategy=None)
+    decision, chosen = syncbn.plan(trainer, "auto", 32, plugin)
+    assert chosen is plugin and decision.value == "Mine"

@@ -1,0 +1,270 @@
+"""find_unused_parameters="auto" (lightning_solo.unused) and the end-of-fit advice (lightning_solo.advice).
+
+Raw-DDP scenarios run in 2 real gloo processes (tests/distributed.run_ranks), all in one launch; the
+Lightning checks go through SoloDDP's fork launcher and the harness of tests/test_equivalence.py, and compare
+with the single-process run, so "trains" means "trains the same as one process would".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_solo import SoloDDP
+from lightning_solo.advice import ddp_advice
+from lightning_solo.unused import UnusedParameters
+from tests import test_equivalence as eq
+from tests.distributed import run_ranks
+from tests.test_equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err, reference
+
+# ------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("bad", ["maybe", "True", None, 1, 0.0])
+def test_bad_find_unused_parameters_raises_listing_accepted_values(bad):
+    with pytest.raises(ValueError, match=r"\(True, False, 'auto'\)"):
+        SoloDDP(find_unused_parameters=bad)
+
+
+def test_policy_knobs_validated_and_user_values_passed_through():
+    with pytest.raises(ValueError, match="window"):
+        UnusedParameters(window=0)
+    with pytest.raises(ValueError, match="check_every"):
+        UnusedParameters(check_every=True)
+    for value in (True, False):
+        strategy = SoloDDP(find_unused_parameters=value)
+        assert strategy._ddp_kwargs["find_unused_parameters"] is value
+        assert strategy.decisions["find_unused_parameters"].reason == "set by the user"
+    auto = SoloDDP()
+    assert auto._ddp_kwargs["find_unused_parameters"] is False  # the fast path from the first step
+    assert auto.decisions["find_unused_parameters"].value == "auto"
+    static = SoloDDP(static_graph=True)
+    assert static._ddp_kwargs["find_unused_parameters"] is False
+    assert "static_graph" in static.decisions["find_unused_parameters"].reason
+
+
+# ------------------------------------------------------------------ raw DDP, 2 gloo processes
+
+WINDOW, CHECK_EVERY, RAW_STEPS = 4, 2, 12
+
+
+class _Raw(nn.Module):
+    def __init__(self, head: bool):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        if head:
+            self.head = nn.Linear(4, 2)
+
+    def forward(self, x, use_b=True, use_head=False):
+        h = self.a(x)
+        h = self.b(h) if use_b else h
+        return self.c(h) + (self.head(h).sum() if use_head else 0)
+
+
+# name: (has a head, (step, rank) -> (use b in the synchronised micro-batch, use the head))
+SCENARIOS = {
+    "all_used": (False, lambda step, rank: (True, False)),
+    "static_head": (True, lambda step, rank: (True, False)),
+    "branch_off_in_window": (True, lambda step, rank: (step != 1, False)),
+    "branch_off_later_one_rank": (False, lambda step, rank: (not (step == 6 and rank == 1), False)),
+    "branch_off_later_all_ranks": (False, lambda step, rank: (step != 6, False)),
+    "head_used_later": (True, lambda step, rank: (True, step == 7)),
+}
+
+
+def _train(rank: int, name: str, setting, accumulate: int):
+    has_head, plan = SCENARIOS[name]
+    torch.manual_seed(0)
+    model = _Raw(has_head)
+    policy = UnusedParameters(setting, window=WINDOW, check_every=CHECK_EVERY)
+    ddp = DDP(model, find_unused_parameters=policy.initial, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    data = torch.Generator().manual_seed(1 + rank)
+    wrappers = 1
+    for step in range(RAW_STEPS):
+        if policy.at_boundary(ddp):
+            ddp = DDP(policy.unwrap(ddp), find_unused_parameters=policy.find_unused, gradient_as_bucket_view=True)
+            wrappers += 1
+        use_b, use_head = plan(step, rank)
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            x = torch.randn(3, 4, generator=data)
+            if last:
+                ddp(x, use_b, use_head).sum().backward()
+            else:
+                with ddp.no_sync():
+                    ddp(x, True, use_head).sum().backward()
+        policy.after_backward(ddp)
+        opt.step()
+        opt.zero_grad()
+    policy.finish(ddp)
+    advice = ddp_advice(ddp, policy)
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {
+        "params": params, "value": policy.decision.value, "reason": policy.decision.reason, "phase": policy.phase,
+        "unused": policy.unused_names, "varying": policy.varying_names, "ignored": sorted(ddp.parameters_to_ignore),
+        "find_unused": ddp.find_unused_parameters, "wrappers": wrappers, "advice": advice,
+    }  # fmt: skip
+
+
+def _all_scenarios(rank: int, world_size: int):
+    out = {}
+    for name in SCENARIOS:
+        for accumulate in (1, 2):
+            out[name, accumulate, "auto"] = _train(rank, name, "auto", accumulate)
+            if name != "head_used_later":
+                out[name, accumulate, True] = _train(rank, name, True, accumulate)
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return run_ranks(_all_scenarios, 2, timeout=90)
+
+
+EXPECTED = {
+    # name: (final find_unused_parameters, phase, unused (never used in the window), varying, wrappers)
+    "all_used": (False, "fast", [], [], 1),
+    "static_head": (False, "static", ["head.weight", "head.bias"], [], 2),
+    "branch_off_in_window": (True, "dynamic", ["head.weight", "head.bias"], ["b.weight", "b.bias"], 2),
+    "branch_off_later_one_rank": (True, "dynamic", [], ["b.bias", "b.weight"], 2),
+    "branch_off_later_all_ranks": (True, "dynamic", [], ["b.bias", "b.weight"], 2),
+    "head_used_later": (True, "dynamic", ["head.weight", "head.bias"], ["head.bias", "head.weight"], 3),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_raw_ddp_auto_decides_never_crashes_and_keeps_ranks_identical(raw, name, accumulate):
+    r0, r1 = (raw[rank][name, accumulate, "auto"] for rank in (0, 1))
+    final, phase, unused, varying, wrappers = EXPECTED[name]
+    assert (r0["find_unused"], r0["phase"], r0["unused"], r0["varying"], r0["wrappers"]) == (
+        final, phase, unused, varying, wrappers
+    )
+    same = {k for k in r0 if k not in ("params", "advice")}  # the advice carries each rank's own timings
+    assert {k: r0[k] for k in same} == {k: r1[k] for k in same}
+    for n, p in r0["params"].items():
+        assert np.isfinite(p).all() and np.array_equal(p, r1["params"][n]), n
+    if phase == "static":
+        assert r0["ignored"] == ["head.bias", "head.weight"]
+        assert any("excluded from synchronisation" in line and "head.weight" in line for line in r0["advice"])
+    if name != "head_used_later":
+        # The safety net contributes what find_unused_parameters=True would: the same training (plain SGD).
+        exact = raw[0][name, accumulate, True]["params"]
+        for n, p in r0["params"].items():
+            np.testing.assert_allclose(p, exact[n], rtol=1e-6, atol=1e-7, err_msg=n)
+    else:
+        # The excluded head's gradient at step 7 was dropped on every rank, then synchronisation resumed.
+        assert "switched" in r0["reason"] and "discarded on every rank: head.weight, head.bias" in r0["reason"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_advice_from_ddp_logging_data(raw):
+    fast = raw[0]["all_used", 1, "auto"]["advice"]
+    assert any("fast path" in line for line in fast)
+    assert any("no comm hook" in line for line in fast)
+    assert any(line.startswith("1 gradient bucket(s)") and "bucket_cap_mb=25" in line for line in fast)
+    user_true = raw[0]["all_used", 1, True]["advice"]
+    assert any("find_unused_parameters=True" in line and "0.00 MiB" in line for line in user_true)
+    assert any("'auto'" in line for line in user_true)  # True was never needed
+    dynamic = raw[0]["branch_off_in_window", 1, "auto"]["advice"]
+    assert any("find_unused_parameters=True" in line and "b.weight" in line for line in dynamic)
+
+
+# ----------------------------------------------------------------- Lightning, 2 fork processes
+
+STEPS, TOL, STEPS_LATE = eq.STEPS, eq.TOL, 24
+CASES = {
+    # name: (variant, step -> ranks whose batch leaves the branch unused, steps)
+    "static_head": ("head", {}, STEPS),
+    "branch_off_in_window": ("branch", {1: (0, 1)}, STEPS),
+    # Checks are launched after steps 4 and 8 (period 4, then 8) and read one period later: the event of
+    # step 6 is read after step 16, so find_unused_parameters=True from step 17 on, when no rank uses it.
+    "branch_off_after_window": ("branch", {6: (1,), 20: (0, 1)}, STEPS_LATE),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case):
+    variant, off, steps = CASES[case]
+    torch.manual_seed(0)
+    net = Net(variant, make_data(steps, branch_off=off))
+    records = fit(tmp_path, net, "solo_ddp_notebook", steps=steps)  # SoloDDP with the fork launcher, by name
+    assert_ranks_identical(records)
+    assert max_rel_err(records[0], reference(net, steps=steps)) <= TOL
+    decision = records[0]["decisions"]["find_unused_parameters"]
+    warnings = records[0]["warnings"]
+    assert records[0]["wrappers"] == 2  # one re-wrap, on every rank
+    if case == "static_head":
+        assert decision["value"] is False and "excluded from synchronisation" in decision["reason"]
+        assert records[0]["ddp"]["find_unused_parameters"] is False
+        assert records[0]["ddp"]["ignored"] == ["head.bias", "head.weight"]
+        assert len(warnings) == 1 and "head.weight, head.bias" in warnings[0]
+    elif case == "branch_off_in_window":
+        assert decision["value"] is True and "some steps or ranks" in decision["reason"]
+        assert records[0]["ddp"]["find_unused_parameters"] is True
+        assert len(warnings) == 1 and "branch.weight, branch.bias" in warnings[0]
+    else:
+        # Fast path after the window; step 6 leaves the branch unused on rank 1 only: the safety net
+        # completes that step (rank 0 was waiting in its all-reduce), then every rank switches to True.
+        assert decision["value"] is True and "switched to find_unused_parameters=True at step 17" in decision["reason"]
+        assert records[0]["ddp"]["find_unused_parameters"] is True
+        assert len(warnings) == 1 and "switched" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
+    assert records[1]["warnings"] == []  # rank zero only
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["static_head", "branch_off_in_window"])
+def test_stock_ddp_fails_on_the_same_models(tmp_path, case):
+    variant, off, _ = CASES[case]
+    net = Net(variant, make_data(branch_off=off))
+    with pytest.raises(Exception, match="parameters that were not used|did not receive grad"):
+        fit(tmp_path, net, DDPStrategy(start_method="fork"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_rewrap_keeps_the_comm_hook(tmp_path):
+    # PowerSGD compresses from step 2, before auto's re-wrap at step 4: the new wrapper gets the hook again.
+    torch.manual_seed(0)
+    net = Net("head", make_data())
+    records = fit(tmp_path, net, SoloDDP(start_method="fork", comm_hook="powersgd", powersgd_start_iter=2))
+    assert_ranks_identical(records)
+    assert records[0]["wrappers"] == 2
+    assert records[0]["ddp"]["ignored"] == ["head.bias", "head.weight"]
+    assert "powerSGD" in records[0]["ddp"]["comm_hook"]
+
+
+class _Manual(Net):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+        opt.step()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_manual_optimization_is_covered_too(tmp_path):
+    # Lightning prepares DDP's backward itself here (pre_backward); the safety net and switch work the same.
+    torch.manual_seed(0)
+    net = _Manual("branch", make_data(STEPS_LATE, branch_off=CASES["branch_off_after_window"][1]))
+    records = fit(tmp_path, net, SoloDDP(start_method="fork"), steps=STEPS_LATE)
+    assert_ranks_identical(records)
+    assert max_rel_err(records[0], reference(net, steps=STEPS_LATE)) <= TOL
+    assert "switched" in records[0]["decisions"]["find_unused_parameters"]["reason"]
