@@ -14,8 +14,8 @@ process with a large per-device batch: the model uses GroupNorm, so one process 
 the gradient of k processes × B under DDP (no per-device BatchNorm statistics to tell them apart), and
 the callback reads the global batch from the dataloader either way.
 
-    python benchmarks/bench_lr_scaling.py --sweep            # pick the base lr at the base batch
-    python benchmarks/bench_lr_scaling.py --lr 0.1 --seeds 0 1 2
+    python benchmarks/bench_lr_scaling.py --sweep 0.003125 0.00625 0.0125 0.025 --seeds 0   # base lr at B
+    python benchmarks/bench_lr_scaling.py                    # B=16, lr 0.00625, 15 epochs, seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -92,11 +92,11 @@ def train_once(args, train, val, batch: int, policy: dict, seed: int, lr: float)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-batch", type=int, default=32)
+    parser.add_argument("--base-batch", type=int, default=16)
     parser.add_argument("--multiples", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=0.05, help="base lr at the base global batch")
+    parser.add_argument("--lr", type=float, default=0.00625, help="base lr at the base global batch (--sweep)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train-size", type=int, default=8192)
     parser.add_argument("--val-size", type=int, default=4096)

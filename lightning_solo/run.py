@@ -73,10 +73,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start)
     ckpt_path = resolve_ckpt_path(cfg.get("resume"), checkpoint_dir(trainer))
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    _close_process_group()
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if summary.summary is not None:
         metrics["summary"] = summary.summary
     return metrics
+
+
+def _close_process_group() -> None:
+    """Destroy the process group while every rank is still alive: a gloo group left to the interpreter's
+    exit can abort the process ("terminate called without an active exception") after a good run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def checkpoint_dir(trainer) -> str | None:

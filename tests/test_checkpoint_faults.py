@@ -18,6 +18,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,12 @@ from lightning_solo.checkpoint_io import (
 )
 
 TRIALS = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Wide(L.LightningModule):
@@ -247,9 +254,15 @@ def _exception_run(run_dir: str, fail_rank: int) -> None:
 def test_exception_on_one_rank_ends_the_run_promptly_and_enters_no_collective(tmp_path):
     # Two 2-rank runs side by side (they share nothing but the CPU): rank 1 fails in one, rank 0 in the other.
     start = time.monotonic()
+    # Distinct rendezvous ports chosen here: two launchers picking "a free port" at the same moment can
+    # collide and cross-wire the two runs.
+    ports = {0: free_port(), 1: free_port()}
+    while ports[1] == ports[0]:
+        ports[1] = free_port()
     procs = {rank: subprocess.Popen([sys.executable, __file__, "exception", str(tmp_path / f"fail{rank}"), str(rank)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                                    env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": str(ports[rank])}, start_new_session=True)
              for rank in (0, 1)}
     try:
         stderr = {rank: proc.communicate(timeout=80)[1] for rank, proc in procs.items()}
