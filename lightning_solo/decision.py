@@ -24,3 +24,14 @@ class Decision:
 
     def __str__(self) -> str:
         return f"{self.setting} = {self.value!r} ({self.reason})"
+
+
+class DecisionLog:
+    """Mixin for the objects that choose on the user's behalf (strategy, precision plugin, callbacks):
+    ``self.decisions`` maps each setting to its latest :class:`Decision`; the run summary reads it."""
+
+    decisions: dict[str, Decision]
+
+    def _decide(self, decision: Decision) -> Decision:
+        self.decisions[decision.setting] = decision
+        return decision

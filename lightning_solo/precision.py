@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_solo.decision import Decision
+from lightning_solo.decision import Decision, DecisionLog
 
 PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
 SCALER_DEFAULTS: dict[str, float | int] = {
@@ -149,7 +149,7 @@ def to_channels_last(module: nn.Module) -> nn.Module:
     return module.to(memory_format=torch.channels_last)
 
 
-class SoloMixedPrecision(MixedPrecision):
+class SoloMixedPrecision(DecisionLog, MixedPrecision):
     """Lightning's :class:`MixedPrecision` with a configurable, resume-safe GradScaler and skip counting.
 
     Example::
@@ -252,9 +252,7 @@ class SoloMixedPrecision(MixedPrecision):
             reason = f"scaler settings changed since the checkpoint ({what}); kept the saved scale {scale}"
         else:
             reason = f"restored the saved scale {scale} and growth tracker"
-        self.decisions["grad_scaler_resume"] = Decision(
-            "grad_scaler_resume", {"scale": scale, **configured}, reason
-        )
+        self._decide(Decision("grad_scaler_resume", {"scale": scale, **configured}, reason))
         rank_zero_info(f"lightning_solo: GradScaler {reason}")
 
     @override
@@ -273,15 +271,13 @@ class SoloMixedPrecision(MixedPrecision):
         if state and self.scaler is not None:
             self.load_state_dict(state)
         elif state:
-            self.decisions["grad_scaler_resume"] = Decision(
+            self._decide(Decision(
                 "grad_scaler_resume", None, f"checkpoint has GradScaler state, unused with {self.precision}"
-            )
+            ))
         elif self.scaler is not None and "optimizer_states" in checkpoint:
-            self.decisions["grad_scaler_resume"] = Decision(
-                "grad_scaler_resume",
-                self.scaler_settings,
-                "checkpoint has no GradScaler state; starting at init_scale",
-            )
+            self._decide(Decision(
+                "grad_scaler_resume", self.scaler_settings, "checkpoint has no GradScaler state; starting at init_scale"
+            ))
 
     @override
     def teardown(self) -> None:

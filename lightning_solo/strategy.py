@@ -31,7 +31,7 @@ from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint_io import SoloCheckpointIO
-from lightning_solo.decision import Decision
+from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
 from lightning_solo.unused import UnusedParameters
 
@@ -63,7 +63,7 @@ def resolve_start_method(start_method: str) -> Decision:
     return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
 
 
-class SoloDDP(DDPStrategy):
+class SoloDDP(DecisionLog, DDPStrategy):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
     nccl on CUDA and gloo on CPU.
 
@@ -180,10 +180,6 @@ class SoloDDP(DDPStrategy):
         self._unused = unused
         self._decide(unused.decision)
         self.advice: list[str] = []
-
-    def _decide(self, decision: Decision) -> Decision:
-        self.decisions[decision.setting] = decision
-        return decision
 
     @override
     def _configure_launcher(self) -> None:

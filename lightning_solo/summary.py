@@ -31,12 +31,12 @@ def global_batch_size(trainer: L.Trainer) -> int | None:
 
 
 def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
-    owners = [trainer.strategy, trainer.precision_plugin, *trainer.callbacks]
-    found: list[dict[str, Any]] = []
-    for owner in owners:
+    """Every owner's decisions, one per setting (the strategy also relays its precision plugin's)."""
+    found: dict[str, dict[str, Any]] = {}
+    for owner in (trainer.strategy, trainer.precision_plugin, *trainer.callbacks):
         for decision in (getattr(owner, "decisions", None) or {}).values():
-            found.append(decision.as_dict())
-    return found
+            found[decision.setting] = decision.as_dict()
+    return list(found.values())
 
 
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:

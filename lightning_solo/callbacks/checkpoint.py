@@ -39,12 +39,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_solo.checkpoint_io import SoloCheckpointIO, clean_stale_temp_files, read_manifest
-from lightning_solo.decision import Decision
+from lightning_solo.decision import Decision, DecisionLog
 
 log = logging.getLogger(__name__)
 
 
-class SoloCheckpoint(ModelCheckpoint):
+class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is
     rank-symmetric, crash-safe and exception-safe.
 
@@ -122,10 +122,6 @@ class SoloCheckpoint(ModelCheckpoint):
             removed = clean_stale_temp_files(self.dirpath, stale_after_s)
             if removed:
                 self._decide(Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed"))
-
-    def _decide(self, decision: Decision) -> Decision:
-        self.decisions[decision.setting] = decision
-        return decision
 
     # -- rank symmetry ------------------------------------------------------------------------------------
 

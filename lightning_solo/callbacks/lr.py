@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_solo.decision import Decision
+from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.lr_schedule import DECAYS, RULES, LRSchedule, plot_schedule, scale_factor
 
 _DEFAULT_WARMUP_FRACTION = 0.05
@@ -49,7 +49,7 @@ def _loader_batch_size(loader: Any) -> int | None:
     return getattr(loader.batch_sampler, "batch_size", None)
 
 
-class WarmupScaledLR(Callback):
+class WarmupScaledLR(DecisionLog, Callback):
     """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe.
 
     Args:
@@ -139,9 +139,8 @@ class WarmupScaledLR(Callback):
         self._log = log_lr
 
     def _decide(self, decision: Decision) -> Decision:
-        self.decisions[decision.setting] = decision
         rank_zero_info(f"[WarmupScaledLR] {decision}")
-        return decision
+        return super()._decide(decision)
 
     # ---------------------------------------------------------------- resolving the schedule
 
