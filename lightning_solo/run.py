@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo.checkpoint_io import resolve_ckpt_path
 from lightning_solo.config_check import check_config
@@ -44,6 +44,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
     import lightning as L
 
+    from lightning_solo.callbacks.config_fingerprint import ConfigFingerprint
     from lightning_solo.callbacks.run_summary import RunSummary
 
     check_config(cfg)
@@ -66,7 +67,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         num_nodes=par.num_nodes,
         precision=trainer_precision,
         strategy=hydra.utils.instantiate(par.strategy),
-        callbacks=[*instantiate_group(cfg.get("callbacks")), summary],
+        callbacks=[*instantiate_group(cfg.get("callbacks")), ConfigFingerprint(_resolved_yaml(cfg)), summary],
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     refuse_multirun_relaunch(trainer)
@@ -78,6 +79,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if summary.summary is not None:
         metrics["summary"] = summary.summary
     return metrics
+
+
+def _resolved_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml({k: cfg[k] for k in cfg if k != "hydra"}, resolve=True)
 
 
 def _close_process_group() -> None:

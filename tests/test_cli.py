@@ -89,3 +89,14 @@ def test_trainer_trains_two_processes_with_solo_ddp(mode, tmp_path):
     assert (name, world, steps) == ("SoloDDP", "2", "8")  # 64 samples / 2 ranks / batch 8 × 2 epochs
     p0, p1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(p0, p1), "DDP must keep the replicas identical"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_compose_different_configs_are_stopped(tmp_path):
+    # Every rank composes the config itself; one that resolves differently per process must not train.
+    proc = run_cli(["+experiment=quick_cpu", "data.image_size=8", "data.train_size=64", "data.val_size=32",
+                    "trainer.max_epochs=1", "hydra.run.dir=run", "+probe=${oc.env:LOCAL_RANK,0}"],
+                   cwd=tmp_path, timeout=100)
+    assert proc.returncode != 0
+    assert "rank(s) [1] composed a different configuration than rank 0" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,41 @@
+"""ConfigFingerprint: every rank must train the configuration rank 0 trains.
+
+Under the popen launcher each rank composes the config itself; an interpolation that differs per
+process (``${now:}``, an environment variable, a random resolver) would silently train different ranks
+with different settings. Once, at setup, the ranks compare a hash of their resolved config.
+
+Example::
+
+    Trainer(strategy=SoloDDP(), callbacks=[ConfigFingerprint(OmegaConf.to_yaml(cfg, resolve=True))])
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+
+class ConfigMismatchError(RuntimeError):
+    """The ranks composed different configurations."""
+
+
+class ConfigFingerprint(L.Callback):
+    def __init__(self, resolved_config: str) -> None:
+        digest = hashlib.sha256(resolved_config.encode()).digest()
+        self.fingerprint = int.from_bytes(digest[:8], "little", signed=True)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size < 2:
+            return
+        mine = torch.tensor([self.fingerprint], dtype=torch.int64, device=trainer.strategy.root_device)
+        every = trainer.strategy.all_gather(mine).flatten().tolist()
+        differ = [rank for rank, value in enumerate(every) if value != every[0]]
+        if differ:
+            raise ConfigMismatchError(
+                f"rank(s) {differ} composed a different configuration than rank 0. Look for interpolations "
+                "that resolve per process (${now:...}, ${oc.env:...}, custom resolvers) outside hydra.run.dir."
+            )
