@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_solo import syncbn  # noqa: E402
+from lightning_solo.testing import run_ranks
 
 
 def small_net() -> nn.Module:
@@ -53,10 +51,8 @@ def _step(ddp, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
+def _rank(rank: int, world: int, args) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     results = {}
     for name in args.models:
@@ -89,9 +85,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             ratio_max=max(ratios),
             bn_layers=sum(isinstance(m, nn.BatchNorm2d) for m in base.modules()),
         )
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -103,17 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps of each variant per round")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank, 2, args, timeout=1800)[0]
 
     print(f"2 CPU processes (gloo), per-process batch {args.batch}, {args.size}x{args.size} inputs, "
           f"{args.rounds} rounds x {args.steps} interleaved steps")  # fmt: skip

@@ -16,12 +16,10 @@ median of the per-rotation ratios (blocks that ran back to back).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
-from datetime import timedelta
+
+from lightning_solo.testing import run_ranks
 
 WIDTH, DEPTH, HEAD, BATCH = 512, 4, 4096, 64
 
@@ -83,7 +81,7 @@ class _Run:
             self.opt.zero_grad()
 
 
-def _worker(rank: int, port: int, args, queue) -> None:
+def _worker(rank: int, world: int, args) -> dict:
     import warnings
 
     import torch
@@ -93,8 +91,6 @@ def _worker(rank: int, port: int, args, queue) -> None:
     torch.set_num_threads(1)
     rank_zero_only.rank = rank
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     results: dict = {}
     for head in (False, True):
         # False on the unused-head model raises on its second step (and leaves the peer waiting): not run.
@@ -113,9 +109,7 @@ def _worker(rank: int, port: int, args, queue) -> None:
                 results.setdefault((head, setting), []).append(args.steps / (time.perf_counter() - start))
         results[head, "decision"] = str(runs["auto"].policy.decision)
         results[head, "policy_us"] = 1e6 * runs["auto"].policy_s / runs["auto"].policy_steps
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -124,17 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--warmup", type=int, default=12, help="untimed steps first (auto's window is 4)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, 2, args, timeout=1800)[0]
 
     def median(head, setting):
         return statistics.median(results[head, setting])
