@@ -1,0 +1,66 @@
+"""Datamodules: the synthetic set is deterministic and learnable; missing real data fails with directions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lightning_solo.data import CIFAR10DataModule, ImageFolderDataModule, SyntheticDataModule, SyntheticImages
+
+
+def test_synthetic_items_are_a_pure_function_of_seed_and_index():
+    a, b = SyntheticImages(64, seed=3), SyntheticImages(64, seed=3)
+    x0, y0 = a[5]
+    assert torch.equal(x0, b[5][0]) and y0 == b[5][1]
+    assert not torch.equal(a[5][0], a[6][0])
+    assert x0.shape == (3, 32, 32)
+    assert SyntheticImages(8, image_size=12, channels=1)[0][0].shape == (1, 12, 12)
+    with pytest.raises(IndexError):
+        a[64]
+
+
+def test_synthetic_labels_follow_the_class_templates():
+    # Learnable, not random labels: matching each image to the closest class template classifies it;
+    # the same matching against shuffled labels is at chance.
+    data = SyntheticImages(512, noise=1.5, seed=0)
+    images = torch.stack([data[i][0] for i in range(len(data))]).flatten(1)
+    labels = torch.tensor([data[i][1] for i in range(len(data))])
+    templates = data.templates.flatten(1)
+    scores = torch.nn.functional.normalize(images, dim=1) @ torch.nn.functional.normalize(templates, dim=1).T
+    accuracy = (scores.argmax(1) == labels).float().mean().item()
+    shuffled = (scores.argmax(1) == labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]).float().mean().item()
+    assert accuracy > 0.9 and shuffled < 0.3
+    assert len(set(labels.tolist())) == 10
+
+
+def test_train_and_val_splits_differ_and_batch_size_is_per_device():
+    dm = SyntheticDataModule(train_size=32, val_size=16, batch_size=8)
+    dm.setup("fit")
+    assert not torch.equal(dm.train_set[0][0], dm.val_set[0][0])
+    assert dm.train_dataloader().batch_size == 8
+    with pytest.raises(ValueError, match="batch_size"):
+        SyntheticDataModule(batch_size=0)
+
+
+def test_missing_cifar_says_where_it_looked_and_how_to_get_it(tmp_path):
+    dm = CIFAR10DataModule(root=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError) as err:
+        dm.setup("fit")
+    assert str(tmp_path / "nowhere") in str(err.value) and "download=true" in str(err.value)
+
+
+def test_image_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train"):
+        ImageFolderDataModule(root=str(tmp_path))
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            Image.new("RGB", (20, 20), color=(10, 200, 30)).save(tmp_path / split / cls / "a.png")
+    dm = ImageFolderDataModule(root=str(tmp_path), image_size=16, batch_size=2)
+    assert dm.num_classes == 2
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (2, 3, 16, 16)
+    with pytest.raises(ValueError, match="num_classes=3"):
+        ImageFolderDataModule(root=str(tmp_path), num_classes=3)
