@@ -24,6 +24,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -326,6 +327,19 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if self._model_averager is not None:
             # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
             self._comm.average_parameters(self.lightning_module)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning's rewrite of DDP's unused-parameter error points at its own strategy names.
+        _augment_message(
+            exception,
+            pattern=".*(Expected to have finished reduction in the prior iteration|not used in producing the loss).*",
+            new_message=(
+                "Some parameters of your LightningModule were not used in producing the loss. "
+                f"SoloDDP was given find_unused_parameters={self._unused.setting!r}; leave it at 'auto' (the "
+                "default) to detect and handle them, or set True."
+            ),
+        )
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -235,6 +235,14 @@ def test_stock_ddp_fails_on_the_same_models(tmp_path, case):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(60)
+def test_solo_ddp_with_false_says_to_use_auto(tmp_path):
+    net = Net("head", make_data())
+    with pytest.raises(Exception, match="SoloDDP was given find_unused_parameters=False; leave it at 'auto'"):
+        fit(tmp_path, net, SoloDDP(start_method="fork", find_unused_parameters=False))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
 def test_rewrap_keeps_the_comm_hook(tmp_path):
     # PowerSGD compresses from step 2, before auto's re-wrap at step 4: the new wrapper gets the hook again.
     torch.manual_seed(0)
