@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,14 +38,9 @@ from lightning_solo.checkpoint_io import (
     resolve_ckpt_path,
     verify,
 )
+from lightning_solo.testing import free_port
 
 TRIALS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Wide(L.LightningModule):
