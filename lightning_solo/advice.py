@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_solo.unused import UnusedParameters
+from lightning_solo.unused import Phase, UnusedParameters
 
 _MIB = 2**20
 
@@ -41,8 +41,8 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     unused_bytes = int(data.get("unused_parameter_size") or 0)
 
     # Unused parameters, and whether static_graph could replace the per-step search.
-    phase = unused.phase if unused is not None else "user"
-    if phase == "static":
+    phase = unused.phase if unused is not None else Phase.USER
+    if phase is Phase.EXCLUDING:
         lines.append(
             f"{len(unused.unused_names)} parameters ({unused.unused_bytes / _MIB:.2f} MiB) never receive a gradient "
             f"and are excluded from synchronisation; freeze (requires_grad=False) or remove them: "
@@ -54,7 +54,7 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
             f"find_unused_parameters=True: DDP searches the autograd graph every step; {unused_bytes / _MIB:.2f} MiB "
             f"of parameters got no gradient in the last sampled step{which}"
         )
-        if graph_static and unused_bytes == 0 and phase == "user":
+        if graph_static and unused_bytes == 0 and phase is Phase.USER:
             lines.append(
                 "no parameter went unused in the sampled steps: find_unused_parameters='auto' (SoloDDP's default) "
                 "would take the fast path"

@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import _augment_message
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -34,7 +35,7 @@ from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint_io import SoloCheckpointIO
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
-from lightning_solo.unused import UnusedParameters
+from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
@@ -141,6 +142,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
         launcher = resolve_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
+        user_state = ddp_kwargs.get("ddp_comm_state")
+        if unused.phase is Phase.WINDOW and type(user_state) is PowerSGDState:
+            raise ValueError(
+                "torch's PowerSGDState keys its error feedback to DDP's bucket layout, which changes when "
+                "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
+                "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
+            )
         comm_hooks = comm.CommHook(
             comm_hook,
             powersgd_rank=powersgd_rank,
@@ -178,6 +186,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._precision_options = precision_options
         self._comm = comm_hooks
         self._barrier_group = None
+        self._grad_gather_group = None  # gloo, apart from DDP's group: see all_gather
         self._unused = unused
         self._decide(unused.decision)
         self.advice: list[str] = []
@@ -218,6 +227,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._requested_layer_sync
             )
             self._decide(decision)
+            # Every fit decides from its own evidence (a second fit in a notebook, another datamodule...).
+            self._unused = self._unused.fresh()
+            self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
+            self._decide(self._unused.decision)
         super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
 
     @override
@@ -297,22 +310,62 @@ class SoloDDP(DecisionLog, DDPStrategy):
         super()._enable_model_averaging()
         self._comm.attach_averager(self._model_averager)  # restores its step count on resume
 
+    @property
+    def _cpu_group(self) -> Any:
+        """A group for small CPU-side collectives: the gloo side group, or the world when it is gloo."""
+        if self._barrier_group is not None:
+            return self._barrier_group
+        world_is_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+        return torch.distributed.group.WORLD if world_is_gloo else None
+
     @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        # Before clipping and the optimizer step: complete a reduction DDP left unfinished, gather evidence.
-        self._unused.after_backward(self.model, self._barrier_group)
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return self._unused.bind(super()._setup_model(model), self._cpu_group)
+
+    def _rewrap(self) -> None:
+        module = self._unused.unwrap(self.model, keep_grads=not self.lightning_module.automatic_optimization)
+        self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
+        # Not Lightning's _setup_model: it builds DDP on a side stream that does not wait for the optimizer
+        # step still running on the current one, and DDP's initial broadcast would then send rank 0's half-
+        # updated parameters. The replicas are in step already (post-local-SGD: deliberately not, between
+        # averages), so no broadcast at all.
+        kwargs = {**self._ddp_kwargs, "init_sync": False}
+        ddp = DistributedDataParallel(module, device_ids=self.determine_ddp_device_ids(), **kwargs)
+        self.model = self._unused.bind(ddp, self._cpu_group)
+        self._register_ddp_hooks()
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Strategy.backward, with the unused-parameter step right after backward and before on_after_backward:
+        # a collective there (self.log(..., sync_dist=True), say) must not meet a bucket DDP still holds back.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._unused.before_backward(self.model)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self._unused.after_backward(self.model)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if sync_grads and torch.is_grad_enabled() and torch.distributed.is_initialized():
+            # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary,
+            # and until then that collective runs on a gloo group of its own, apart from DDP's buckets.
+            self._unused.note_backward_collective("all_gather(sync_grads=True)")
+            if self._unused.phase in (Phase.FAST, Phase.EXCLUDING) and torch.distributed.is_gloo_available():
+                if self._grad_gather_group is None:  # every rank is here: the gather is a collective too
+                    self._grad_gather_group = torch.distributed.new_group(backend="gloo")
+                return all_gather_grad_on(tensor, group, self._grad_gather_group)
+        return super().all_gather(tensor, group, sync_grads)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         # A batch boundary: the policy's decision is the same on every rank (it is made from all-reduced
-        # evidence), so every rank re-wraps here together (DDP's constructor is a collective).
+        # evidence and the trainable set, which every rank changes alike), so every rank re-wraps together.
         if self._unused.at_boundary(self.model):
-            module = self._unused.unwrap(self.model, keep_grads=not self.lightning_module.automatic_optimization)
-            self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
-            self.model = self._setup_model(module)
-            self._register_ddp_hooks()
+            self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)
 
@@ -331,15 +384,18 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Lightning's rewrite of DDP's unused-parameter error points at its own strategy names.
-        _augment_message(
-            exception,
-            pattern=".*(Expected to have finished reduction in the prior iteration|not used in producing the loss).*",
-            new_message=(
-                "Some parameters of your LightningModule were not used in producing the loss. "
-                f"SoloDDP was given find_unused_parameters={self._unused.setting!r}; leave it at 'auto' (the "
-                "default) to detect and handle them, or set True."
-            ),
-        )
+        if self._unused.phase is Phase.USER:
+            _augment_message(
+                exception,
+                pattern=".*(Expected to have finished reduction in the prior iteration|not used in producing the loss).*",
+                new_message=(
+                    "Some parameters of your LightningModule were not used in producing the loss. "
+                    f"SoloDDP was given find_unused_parameters={self._unused.setting!r}; leave it at 'auto' (the "
+                    "default) to detect and handle them, or set True."
+                ),
+            )
+        else:
+            self._unused.explain(exception)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

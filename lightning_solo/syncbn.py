@@ -153,6 +153,9 @@ class SoloSyncBatchNorm(_BatchNorm):
         process_group: the ranks whose batches form the global batch (default: all).
     """
 
+    # Read by find_unused_parameters="auto" (lightning_solo.unused): its backward all-reduces.
+    communicates_in_backward = True
+
     def __init__(
         self,
         num_features: int,

@@ -1,50 +1,51 @@
-"""``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, and no crash when
-some do not.
+"""``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
+``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
 
 Stock DDP makes you choose up front. ``False`` (the fast path) crashes with "Expected to have finished
 reduction in the prior iteration" as soon as one parameter goes without a gradient; ``True`` is correct for
 any model but searches the autograd graph and all-reduces a usage map on every step. ``"auto"`` decides from
-evidence, once, the same way on every rank:
+evidence, the same way on every rank:
 
-1. **Evidence window.** The first ``window`` synchronised backward passes run on the fast path with a
-   safety net (step 3). After each, one small all-reduce tells every rank which parameters went without a
-   gradient on which ranks; a parameter that no rank used has its gradient reset to ``None``, exactly what
-   ``find_unused_parameters=True`` does.
-2. **Decision** (at the next batch boundary, identical on all ranks because the evidence is all-reduced):
+1. **Evidence window** on ``True``: DDP itself all-reduces which ranks used each parameter
+   (``reducer._get_local_used_map``), leaves a gradient no rank produced at ``None``, and can never hold a
+   bucket back. So the window is exact and safe whatever the model does.
+2. **Decision** after ``window`` synchronised steps (identical on all ranks: the evidence is all-reduced):
 
-   * every parameter used on every rank -> stay on the fast path (``False``), no re-wrap;
-   * the same parameters unused on every step and rank (a head never called) -> name them in one warning,
-     exclude them from synchronisation and re-wrap on the fast path;
-   * anything else (a branch taken on some steps or ranks only) -> name them, re-wrap with ``True``.
+   * something communicates inside backward (SyncBN layers, found in the model; a gradient-carrying
+     ``all_gather``, seen through the strategy) -> stay on ``True``. On the fast path a parameter unused on
+     one rank makes DDP hold back that bucket and every later one until after backward, so a collective
+     issued in between would pair with a different one on the other ranks (gloo aborts, NCCL hangs);
+   * a parameter used on some steps or ranks only -> stay on ``True`` (warns with the names);
+   * the same parameters unused on every rank and step (a head never called) -> exclude them from
+     synchronisation (warns with the names) and re-wrap on the fast path;
+   * every parameter used on every rank -> re-wrap on the fast path.
 
-3. **Safety net on the fast path** (one C++ flag check per step): when a parameter first goes unused after
-   the window, DDP's reducer is left unfinished on that rank (and a rank that used it waits in its gradient
-   all-reduce). The rank finishes it by feeding zero gradients for exactly the missing parameters (DDP's
-   error lists their indices; should its wording change, those whose gradient is ``None``), which is
-   what ``True`` contributes for a locally unused parameter, so all ranks' all-reduces line up and nothing
-   crashes or hangs. An excluded parameter that gets a gradient has it discarded on every rank that has one
-   (no rank applies it, so the ranks stay identical). A small asynchronous all-reduce shares these events
-   and is read one period later, long finished, so nobody waits on it; if there were any, all ranks re-wrap
-   with ``True`` at the next batch boundary and warn with the names. The period starts at ``check_every``
-   steps and, on the all-used fast path, doubles after every clean check up to ``16 * check_every`` (the
-   check's cost fades away; a late event switches within two periods). With excluded parameters it stays at
-   ``check_every``, since their discarded gradients are the costlier event. Until the switch, a parameter
-   unused on *every* rank in a step gets a zero gradient instead of ``None`` (identical for plain SGD;
-   momentum and weight decay see a zero step).
+3. **Fast path** (``False``), exact step by step. A hook on each parameter records whether its gradient
+   arrived in the synchronised backward. Right after backward (before ``on_after_backward``, so no user
+   collective can come first) a rank whose parameters went without one feeds them zero gradients, which
+   releases DDP's held buckets, as ``True`` contributes for a locally unused parameter. One small all-reduce
+   on a CPU (gloo) group then tells every rank which parameters were unused where: one that no rank used
+   gets ``grad=None`` on every rank (weight decay and momentum leave it alone, as under ``True``), an
+   excluded parameter that got a gradient is all-reduced by hand, and at the next batch boundary every rank
+   re-wraps with ``True`` and warns with the names.
+4. **The trainable set changes** (a layer frozen or unfrozen mid-fit, ``BackboneFinetuning``): checked at
+   every batch boundary; DDP is re-wrapped so that every trainable parameter is synchronised (DDP only
+   knows the parameters that required grad when it was built), and "auto" decides again from a new window.
 
-``static_graph`` is never switched on automatically: it promises that the graph can never change, which is
-the one thing "auto" cannot know. The end-of-fit advice says when DDP saw a static graph.
+Every fit starts from fresh evidence (:meth:`UnusedParameters.fresh`). ``static_graph`` is never switched
+on automatically: it promises that the graph can never change, the one thing "auto" cannot know.
 
 Example::
 
     policy = UnusedParameters("auto")
-    ddp = DistributedDataParallel(model, find_unused_parameters=policy.initial)
+    ddp = policy.bind(DistributedDataParallel(model, find_unused_parameters=policy.initial), group)
     for step, batch in enumerate(loader):
         if policy.at_boundary(ddp):                      # re-wrap decided (same on every rank)
-            ddp = DistributedDataParallel(policy.unwrap(ddp), find_unused_parameters=policy.find_unused)
-        loss = ddp(batch).sum()
-        loss.backward()
-        policy.after_backward(ddp)                       # evidence / safety net; before optimizer.step()
+            module = policy.unwrap(ddp)
+            ddp = policy.bind(DistributedDataParallel(module, find_unused_parameters=policy.find_unused), group)
+        policy.before_backward(ddp)
+        ddp(batch).sum().backward()
+        policy.after_backward(ddp)                       # before optimizer.step()
         optimizer.step(); optimizer.zero_grad()
     policy.finish(ddp)                                   # every rank, at the end
     print(policy.decision)
@@ -53,20 +54,30 @@ Example::
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.nn import Module, Parameter
+from torch.nn import Module, Parameter, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.decision import Decision
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
-# DDP's unfinished-reduction error lists the parameter indices (reducer order) that got no gradient here.
-_MISSING_INDICES = re.compile(r"did not receive grad for rank \d+: ([\d ,]+)")
+_REDUCER_ERRORS = ("Expected to mark a variable ready only once", "Expected to have finished reduction")
+# Where DDP's reducer errors list parameter indices (presentation only).
+_INDICES = re.compile(r"(?:did not receive grad for rank \d+|Parameter at index)[: ]+([\d ,]+)")
+
+
+class Phase(StrEnum):
+    USER = "user"  # the user's True/False (or static_graph): never changed
+    WINDOW = "window"  # gathering evidence on True
+    FAST = "fast"  # False: every parameter synchronised
+    EXCLUDING = "excluding"  # False: parameters never used are left out of synchronisation
+    SEARCHING = "searching"  # True from here on: DDP searches the graph every step
 
 
 def check_find_unused(value: Any) -> FindUnused:
@@ -77,6 +88,16 @@ def check_find_unused(value: Any) -> FindUnused:
             "('auto': the fast path unless parameters go unused, decided from the first steps)"
         )
     return value
+
+
+def backward_collectives(module: Module) -> list[str]:
+    """Names of the submodules that issue collectives inside backward: SyncBatchNorm, and any module whose
+    class sets ``communicates_in_backward = True`` (lightning_solo's SyncBN does; so can yours)."""
+    return [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, SyncBatchNorm) or getattr(m, "communicates_in_backward", False)
+    ]
 
 
 def _reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
@@ -94,103 +115,122 @@ def _reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
     return params
 
 
+def _trainable(module: Module) -> tuple[tuple[str, Parameter], ...]:
+    return tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
+
+
 class UnusedParameters:
     """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP` (see the module docstring).
 
     Args:
-        setting: ``"auto"``, ``True`` or ``False``. ``True``/``False`` are passed to DDP unchanged.
+        setting: ``"auto"``, ``True`` or ``False`` (the user's choice, then left alone).
         window: synchronised backward passes of evidence before deciding.
-        check_every: after the window, steps between the asynchronous event checks at first (doubling up
-            to ``16 * check_every`` while nothing happens, on the all-used fast path).
         static_graph: the user's DDP ``static_graph``; DDP then tracks a fixed unused set itself and "auto"
             stays out of the way.
     """
 
-    def __init__(self, setting: FindUnused = "auto", *, window: int = 4, check_every: int = 4,
-                 static_graph: bool = False) -> None:
+    def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
         self.setting = check_find_unused(setting)
-        for name, value in (("window", window), ("check_every", check_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not accepted: use an integer >= 1")
-        self.window, self.check_every = window, check_every
-        self.unused_names: list[str] = []  # never received a gradient during the window (excluded if static)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} is not accepted: use an integer >= 1")
+        self.window, self.static_graph = window, static_graph
+        self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
         self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
         self.unused_bytes = 0
+        self.steps = 0  # synchronised backward passes in this fit
         if setting != "auto":
-            self.phase, self.find_unused = "user", bool(setting)
+            self.phase, self.find_unused = Phase.USER, bool(setting)
             self.decision = Decision("find_unused_parameters", self.find_unused, "set by the user")
         elif static_graph:
-            self.phase, self.find_unused = "user", False
+            self.phase, self.find_unused = Phase.USER, False
             self.decision = Decision(
                 "find_unused_parameters", False, "static_graph=True: DDP tracks a fixed set of unused parameters itself"
             )
         else:
-            self.phase, self.find_unused = "window", False
+            self.phase, self.find_unused = Phase.WINDOW, True
             self.decision = Decision(
-                "find_unused_parameters", "auto",
-                f"deciding from the first {window} steps (fast path with a safety net meanwhile)",
+                "find_unused_parameters", "auto", f"deciding from the first {window} steps (on True meanwhile)"
             )
         self.initial = self.find_unused
-        self._named: list[tuple[str, Parameter]] = []  # trainable parameters; "our" index space
-        self._index: dict[int, int] = {}  # id(param) -> our index
-        self._ddp_id: int | None = None
+        self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
         self._to_ours: list[int] = []  # reducer index -> our index, for the current DDP wrapper
-        self._ignored: list[int] = []
+        self._ignored: list[int] = []  # ours, excluded from synchronisation
         self._user_ignore: list[str] | None = None
-        self._steps = 0
-        self._group = None
+        self._group: Any = None
+        self._ddp: DistributedDataParallel | None = None
+        self._seen: bytearray = bytearray()  # fast path: gradient arrived in this synchronised backward
+        self._hooks: list[Any] = []
         self._never: torch.Tensor | None = None  # window: unused on every rank at every step so far
-        self._touched: torch.Tensor | None = None  # window: needed the safety net on some rank at some step
-        self._events: torch.Tensor | None = None  # fast path: safety-net events since the last check
-        self._pending: tuple[Any, torch.Tensor] | None = None  # the event check in flight
-        self._shared: torch.Tensor | None = None  # a finished check that found events: switch at the boundary
-        self._period = check_every  # steps between event checks; the schedule is the same on every rank
-        self._next_check = 0
-        self._wants_rewrap = False
+        self._varying: torch.Tensor | None = None  # window: unused on some rank at some step
+        self._map: torch.Tensor | None = None  # fast path: [missing | unused | dropped] per parameter
+        self._window_steps = 0
+        self._backward_collective: str | None = None  # why collectives run inside backward, once known
+        self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
+
+    def fresh(self) -> UnusedParameters:
+        """A policy with the same settings and no evidence: every fit decides from its own steps."""
+        return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
 
     # ----------------------------------------------------------------------------------------- hooks
-    def after_backward(self, ddp: Module, group: Any = None) -> None:
-        """After every backward, before the optimizer step. ``group``: a CPU-capable (gloo) group for the
-        small evidence all-reduces, so they never synchronise with a GPU stream; ``None``: the world."""
-        if self.phase in ("user", "dynamic") or not isinstance(ddp, DistributedDataParallel):
-            return
-        if not ddp.require_backward_grad_sync:  # inside no_sync (accumulation): the reducer is not involved
-            return
-        self._bind(ddp, group)
-        missing, unused = self._finish_reduction(ddp)
-        dropped = [i for i in self._ignored if self._named[i][1].grad is not None]
-        for i in dropped:  # excluded from the all-reduce, so applying it would split the ranks
-            self._named[i][1].grad = None
-        self._steps += 1
-        if self.phase == "window":
-            self._window_step(missing, unused)
-        else:
-            if missing or dropped:
-                self._events[missing + dropped] += 1
-            if self._steps >= self._next_check:
-                # The check launched a period ago is done (every step since synchronised the ranks); its
-                # result is the same on every rank, so they all switch at the same boundary.
-                shared = self._wait_pending()
-                if shared is not None and shared.any():
-                    self._shared = shared
-                    return
-                if shared is not None and self.phase == "fast":
-                    self._period = min(2 * self._period, 16 * self.check_every)
-                self._next_check = self._steps + self._period
-                events = self._events.clone()
-                self._events.zero_()
-                self._pending = (dist.all_reduce(events, group=self._group, async_op=True), events)
+    def bind(self, ddp: DistributedDataParallel, group: Any = None) -> DistributedDataParallel:
+        """Call on every new DDP wrapper. ``group``: a CPU (gloo) group for the fast path's small per-step
+        all-reduce (``None``: no such group, so "auto" stays on ``True``)."""
+        self._remove_hooks()
+        self._ddp, self._group = ddp, group
+        self._named = _trainable(ddp.module)
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        self._to_ours = [index[id(p)] for p in _reducer_parameters(ddp)]
+        if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
+            more = ", ..." if len(found) > 3 else ""
+            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            self._search(f"{self._backward_collective} communicate inside backward")
+        if self.phase in (Phase.FAST, Phase.EXCLUDING):
+            self._seen = bytearray(len(self._named))
+            self._map = torch.zeros(3, len(self._named), dtype=torch.int32)
+            seen = self._seen
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(lambda _, i=i: seen.__setitem__(i, 1))
+                for i, (_, p) in enumerate(self._named)
+            ]
+        return ddp
+
+    def note_backward_collective(self, what: str) -> None:
+        """A collective will run inside this step's backward (e.g. a gradient-carrying ``all_gather``). Called
+        on every rank alike; on the fast path "auto" moves to ``True`` at the next batch boundary."""
+        if self._backward_collective is None and self.phase is not Phase.USER:
+            self._backward_collective = what
+            if self.phase in (Phase.FAST, Phase.EXCLUDING) and self._switch is None:
+                self._switch = f"{what} communicates inside backward"
+
+    def before_backward(self, ddp: Module) -> None:
+        if self._map is not None and getattr(ddp, "require_backward_grad_sync", False):
+            self._seen[:] = bytes(len(self._seen))
+
+    def after_backward(self, ddp: Module) -> None:
+        """Right after every backward, on every rank, before any other collective and the optimizer step."""
+        if not isinstance(ddp, DistributedDataParallel) or not ddp.require_backward_grad_sync:
+            return  # not wrapped, or inside no_sync (accumulation): the reducer is not involved
+        self.steps += 1
+        if self.phase is Phase.WINDOW:
+            self._window_step(ddp)
+        elif self._map is not None:
+            self._fast_step(ddp)
 
     def at_boundary(self, ddp: Module) -> bool:
-        """At a batch boundary (after an optimizer step). True: the caller must re-wrap now, on every rank,
-        with :meth:`unwrap` and ``find_unused_parameters=self.find_unused``."""
-        if self.phase == "window" and self._steps >= self.window:
-            self._decide()
-        elif self._shared is not None:
-            self._switch_to_dynamic(self._shared)
-            self._shared = None
-        wants, self._wants_rewrap = self._wants_rewrap, False
-        return wants and isinstance(ddp, DistributedDataParallel)
+        """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
+        :meth:`unwrap` and ``find_unused_parameters=self.find_unused``, then :meth:`bind`."""
+        if not isinstance(ddp, DistributedDataParallel):
+            return False
+        if _trainable(ddp.module) != self._named:
+            self._trainable_set_changed(ddp.module)
+            return True
+        if self.phase is Phase.WINDOW and self._window_steps >= self.window:
+            return self._decide()
+        if self._switch is not None:
+            self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
+            self._switch = None
+            return True
+        return False
 
     def unwrap(self, ddp: DistributedDataParallel, keep_grads: bool = False) -> Module:
         """Detach ``ddp`` from its module and mark the parameters to exclude; returns the bare module.
@@ -200,11 +240,12 @@ class UnusedParameters:
         optimization may accumulate across batches)."""
         module = ddp.module
         ddp._remove_autograd_hooks()
-        for _, param in self._named:
+        self._remove_hooks()
+        for _, param in module.named_parameters():
             param.grad = param.grad.detach().clone() if keep_grads and param.grad is not None else None
         if self._user_ignore is None:
             self._user_ignore = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-        for _, param in self._named:
+        for _, param in module.named_parameters():
             if hasattr(param, "_ddp_ignored"):
                 del param._ddp_ignored
         names = [self._named[i][0] for i in self._ignored]
@@ -212,150 +253,202 @@ class UnusedParameters:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, self._user_ignore + names + ["." + n for n in names if "." not in n]
         )
-        self._ddp_id = None
         return module
 
     def finish(self, ddp: Module) -> None:
-        """At the end of fit, on every rank: decide an unfinished window, report late safety-net events, and
-        give the module back its own DDP ignore list (a later fit starts from evidence again)."""
-        if not self._named:
-            return
+        """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the
+        module back its own DDP ignore list."""
+        self._remove_hooks()
         module = getattr(ddp, "module", ddp)
         if self._user_ignore is not None:
             module._ddp_params_and_buffers_to_ignore = self._user_ignore
-            for _, param in self._named:
+            for _, param in module.named_parameters():
                 if hasattr(param, "_ddp_ignored"):
                     del param._ddp_ignored
-        if self.phase == "window":
-            self._decide()
-            if self._wants_rewrap:  # too late to act on it
-                self._wants_rewrap, self.phase, self.find_unused = False, "window", self.initial
-                self.decision = Decision(
-                    "find_unused_parameters", self.initial,
-                    f"fit ended after {self._steps} steps, before acting on the evidence: {self.decision.reason}",
-                )
-        elif self.phase in ("fast", "static"):
-            dist.all_reduce(self._events, group=self._group)
-            events = self._events
-            for shared in (self._wait_pending(), self._shared):
-                events = events if shared is None else events + shared
-            if events.any():
-                self._switch_to_dynamic(events, switched=False)
+        if self.phase is Phase.WINDOW and self._never is not None:
+            self.decision = Decision(
+                "find_unused_parameters", True,
+                f"the fit ended within the evidence window ({self._window_steps} of {self.window} steps): True throughout",
+            )  # fmt: skip
+        if self._switch is not None:
+            self.decision = Decision(
+                "find_unused_parameters", False, f"{self._switch}: the fit ended before switching to True"
+            )
+
+    def explain(self, exception: BaseException) -> None:
+        """Add to a DDP reducer error what "auto" was doing, the parameters its indices stand for, and what
+        to do. Only words are added; nothing is decided from the error's text."""
+        self._remove_hooks()
+        text = str(exception)
+        if not isinstance(exception, RuntimeError) or not any(m in text for m in _REDUCER_ERRORS):
+            return
+        indices = [int(i) for found in _INDICES.findall(text) for i in re.findall(r"\d+", found)]
+        names = [self._named[self._to_ours[i]][0] for i in indices if i < len(self._to_ours)]
+        named = f" DDP's parameter indices there are: {', '.join(names)}." if names else ""
+        exception.args = (
+            f"{text}\n\nSoloDDP (find_unused_parameters='auto', {self.phase.value} phase, DDP built with "
+            f"find_unused_parameters={self.find_unused}) at synchronised step {self.steps}.{named} Usual causes: "
+            "a parameter used twice in one backward under reentrant activation checkpointing (pass "
+            "use_reentrant=False), requires_grad changed inside training_step (change it at a batch boundary, "
+            "in a callback), or an output of forward left out of the loss. Otherwise set "
+            "find_unused_parameters=True.",
+            *exception.args[1:],
+        )
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._map = [], None
 
     # ------------------------------------------------------------------------------------- internals
-    def _bind(self, ddp: DistributedDataParallel, group: Any) -> None:
-        if not self._named:
-            self._named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-            self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
-            self._world = dist.get_world_size()
-            self._group = group
-            # CPU tensors on a gloo group; the world's own device otherwise (e.g. NCCL without gloo).
-            backend = dist.get_backend(group)
-            self._device = torch.device("cpu") if backend == "gloo" else ddp.device
-            self._events = torch.zeros(len(self._named), dtype=torch.int32, device=self._device)
-        if self._ddp_id != id(ddp):
-            self._ddp_id = id(ddp)
-            self._to_ours = [self._index[id(p)] for p in _reducer_parameters(ddp)]
+    def _window_step(self, ddp: DistributedDataParallel) -> None:
+        self._window_steps += 1
+        # On True, DDP has all-reduced how many ranks used each parameter (reducer order).
+        counts = ddp.reducer._get_local_used_map().cpu()
+        world = ddp.process_group.size()
+        never = torch.zeros(len(self._named), dtype=torch.bool)
+        varying = torch.zeros(len(self._named), dtype=torch.bool)
+        for reducer_index, ours in enumerate(self._to_ours):
+            never[ours] = counts[reducer_index] == 0
+            varying[ours] = counts[reducer_index] < world
+        self._never = never if self._never is None else self._never & never
+        self._varying = varying if self._varying is None else self._varying | varying
 
-    def _finish_reduction(self, ddp: DistributedDataParallel) -> tuple[list[int], list[int]]:
-        """Complete a reduction DDP left unfinished. Returns (our indices that got no gradient in this
-        backward, of which those without any gradient since the last zero_grad: unused in this step)."""
-        try:
-            ddp.reducer._check_reducer_finalized()
-            return [], []
-        except RuntimeError as error:
-            params = _reducer_parameters(ddp)
-            found = _MISSING_INDICES.search(str(error))
-            if found:
-                idx = [int(i) for i in re.split(r"[ ,]+", found.group(1).strip()) if i]
-            else:  # message changed: with zero_grad(set_to_none=True), no gradient means None
-                idx = [i for i, p in enumerate(params) if p.grad is None]
-            if not idx or max(idx) >= len(params):
-                raise
-            missing = [params[i] for i in idx]
-            unused = [self._to_ours[i] for i in idx if params[i].grad is None]
-            # Zero gradients fire DDP's per-parameter hooks: the pending buckets all-reduce in order and the
-            # reduction finishes, as with find_unused_parameters=True for a locally unused parameter.
-            torch.autograd.backward(missing, [torch.zeros_like(p) for p in missing])
-            ddp.reducer._check_reducer_finalized()
-            return [self._to_ours[i] for i in idx], unused
+    def _fast_step(self, ddp: DistributedDataParallel) -> None:
+        self._map.zero_()
+        missing = [ours for ours in self._to_ours if not self._seen[ours]]
+        if missing:
+            self._release(missing)
+        for i in self._ignored:
+            if self._named[i][1].grad is not None:
+                self._map[2, i] = 1
+        # Every rank takes part, events or not: a rank cannot know that another one had one.
+        dist.all_reduce(self._map, group=self._group)
+        if not self._map.any():
+            return
+        counts = self._map
+        world = ddp.process_group.size()
+        for i in (counts[1] == world).nonzero().flatten().tolist():
+            self._named[i][1].grad = None  # no rank used it: leave it alone, as True does
+        for i in counts[2].nonzero().flatten().tolist():  # same order on every rank
+            param = self._named[i][1]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad, group=ddp.process_group)
+            param.grad = grad.div_(world)
+        events = ((counts[0] > 0) | (counts[2] > 0)).nonzero().flatten().tolist()
+        names = [self._named[i][0] for i in events]
+        self.varying_names = sorted(set(self.varying_names) | set(names))
+        if self._switch is None:
+            self._switch = (
+                f"after the evidence window, {len(names)} parameters went without a gradient on some rank at step "
+                f"{self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
+            )
+            rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
 
-    def _window_step(self, missing: list[int], unused: list[int]) -> None:
-        n = len(self._named)
-        flags = torch.zeros(2 * n, dtype=torch.int32, device=self._device)
-        flags[missing] = 1
-        flags[[n + i for i in unused]] = 1
-        dist.all_reduce(flags, group=self._group)
-        flags = flags.cpu()
-        everywhere_unused = flags[n:] == self._world
-        for i in everywhere_unused.nonzero().flatten().tolist():
-            self._named[i][1].grad = None  # no rank used it: leave it alone, like find_unused_parameters=True
-        touched = flags[:n] > 0
-        self._never = everywhere_unused if self._never is None else self._never & everywhere_unused
-        self._touched = touched if self._touched is None else self._touched | touched
+    def _release(self, missing: list[int]) -> None:
+        """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
+        the held-back buckets all-reduce in order, and the reduction finishes."""
+        params = [self._named[i][1] for i in missing]
+        frozen = [self._named[i][0] for i, p in zip(missing, params) if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"SoloDDP: {', '.join(frozen)} stopped requiring grad during step {self.steps - 1} (inside the "
+                "forward or backward), after DDP was built with them. Change requires_grad at a batch boundary "
+                "(a callback's on_train_batch_start or on_train_epoch_start, as BaseFinetuning does): SoloDDP "
+                "re-wraps DDP there."
+            )
+        for i, p in zip(missing, params):
+            self._map[0, i] = 1
+            self._map[1, i] = int(p.grad is None)
+        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
 
-    def _decide(self) -> None:
+    def _decide(self) -> bool:
         never = self._never.nonzero().flatten().tolist()
-        varying = (self._touched & ~self._never).nonzero().flatten().tolist()
+        varying = (self._varying & ~self._never).nonzero().flatten().tolist()
         self.unused_names = [self._named[i][0] for i in never]
         self.varying_names = [self._named[i][0] for i in varying]
         self.unused_bytes = sum(self._named[i][1].numel() * self._named[i][1].element_size() for i in never)
-        steps = f"the first {self._steps} steps"
-        if not never and not varying:
-            self.phase = "fast"
+        steps = f"the first {self._window_steps} steps"
+        if self._backward_collective is not None:
+            self._search(f"{self._backward_collective} communicates inside backward")
+            return False
+        if self._group is None:
+            self._search("no CPU-side (gloo) group for the fast path's per-step check")
+            return False
+        if varying or len(never) == len(self._named):
+            self._search(f"{len(varying)} parameters got no gradient on some steps or ranks only in {steps}")
+            never_part = f"; never: {', '.join(self.unused_names)}" if never else ""
+            rank_zero_warn(
+                "SoloDDP: find_unused_parameters=True, because these parameters received no gradient on some "
+                f"steps or ranks only: {', '.join(self.varying_names)}{never_part}"
+            )
+            return False
+        self.find_unused, self._ignored = False, never
+        if not never:
+            self.phase = Phase.FAST
             self.decision = Decision(
                 "find_unused_parameters", False,
                 f"every parameter got a gradient on every rank in {steps}: DDP's fast path (a per-step check "
-                "stands by in case that changes)",
-            )
-            return
-        if not varying and len(never) < len(self._named):
-            self.phase, self._ignored, self._wants_rewrap = "static", never, True
+                "completes any later step exactly as True would, then switches)",
+            )  # fmt: skip
+            return True
+        self.phase = Phase.EXCLUDING
+        self.decision = Decision(
+            "find_unused_parameters", False,
+            f"{len(never)} parameters ({self.unused_bytes / 2**20:.2f} MiB) got no gradient on any rank in "
+            f"{steps}: excluded from synchronisation, fast path for the rest",
+        )  # fmt: skip
+        rank_zero_warn(
+            f"SoloDDP: these parameters received no gradient in {steps} and are excluded from DDP's "
+            f"synchronisation (freeze or remove them to save the memory): {', '.join(self.unused_names)}"
+        )
+        return True
+
+    def _search(self, why: str) -> None:
+        self.phase, self.find_unused, self._ignored = Phase.SEARCHING, True, []
+        self.decision = Decision(
+            "find_unused_parameters", True, f"{why}: DDP searches the graph for unused parameters every step"
+        )
+
+    def _trainable_set_changed(self, module: Module) -> None:
+        before = {n for n, _ in self._named}
+        after = {n for n, _ in _trainable(module)}
+        change = f"+{len(after - before)}/-{len(before - after)} trainable parameters at step {self.steps}"
+        self._ignored, self._switch = [], None
+        if self.phase is Phase.USER:
             self.decision = Decision(
-                "find_unused_parameters", False,
-                f"{len(never)} parameters ({self.unused_bytes / 2**20:.2f} MiB) got no gradient on any rank in "
-                f"{steps}: excluded from synchronisation, fast path for the rest",
-            )
-            rank_zero_warn(
-                f"SoloDDP: these parameters received no gradient in {steps} and are excluded from DDP's "
-                f"synchronisation (freeze or remove them to save the memory): {', '.join(self.unused_names)}"
-            )
+                "find_unused_parameters", self.find_unused,
+                f"set by the user; DDP re-wrapped after {change}, so every trainable parameter is synchronised",
+            )  # fmt: skip
             return
-        self.phase, self.find_unused, self._wants_rewrap = "dynamic", True, True
+        self.phase, self.find_unused = Phase.WINDOW, True
+        self._never = self._varying = None
+        self._window_steps = 0
         self.decision = Decision(
-            "find_unused_parameters", True,
-            f"{len(varying)} parameters got no gradient on some steps or ranks only in {steps}: DDP searches "
-            "the graph for unused parameters every step",
-        )
-        never_part = f"; never: {', '.join(self.unused_names)}" if never else ""
-        rank_zero_warn(
-            "SoloDDP: find_unused_parameters=True, because these parameters received no gradient on some steps "
-            f"or ranks only: {', '.join(self.varying_names)}{never_part}"
-        )
+            "find_unused_parameters", "auto",
+            f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "
+            f"next {self.window} steps (on True meanwhile)",
+        )  # fmt: skip
 
-    def _switch_to_dynamic(self, events: torch.Tensor, switched: bool = True) -> None:
-        hit = events.cpu().nonzero().flatten().tolist()
-        names = [self._named[i][0] for i in hit]
-        dropped = [self._named[i][0] for i in hit if i in self._ignored]
-        self.varying_names = sorted(set(self.varying_names) | set(names))
-        what = "switched to find_unused_parameters=True" if switched else "the fit ended before switching to True"
-        detail = f"; gradients of excluded parameters discarded on every rank: {', '.join(dropped)}" if dropped else ""
-        self.decision = Decision(
-            "find_unused_parameters", switched,
-            f"after the first {self.window} steps, {len(names)} parameters changed between getting a gradient and "
-            f"not (the safety net kept the ranks in step); {what} at step {self._steps}{detail}",
-        )
-        rank_zero_warn(
-            f"SoloDDP: after the first {self.window} steps these parameters changed between getting a gradient "
-            f"and not; {what} at step {self._steps}: {', '.join(names)}{detail}"
-        )
-        if switched:
-            self.phase, self.find_unused, self._wants_rewrap, self._ignored = "dynamic", True, True, []
 
-    def _wait_pending(self) -> torch.Tensor | None:
-        if self._pending is None:
-            return None
-        work, events = self._pending
-        self._pending = None
-        work.wait()
-        return events
+def all_gather_grad_on(tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:
+    """``all_gather(tensor, sync_grads=True)`` as Lightning returns it (shape ``(world, *tensor.shape)``), whose
+    backward all-reduces on ``grad_group``, a gloo group apart from DDP's, so that on the fast path it cannot
+    pair with a bucket DDP holds back on another rank (gloo matches collectives per group)."""
+    return _AllGatherGradOn.apply(tensor.contiguous(), group, grad_group)
+
+
+class _AllGatherGradOn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:
+        ctx.rank, ctx.grad_group = dist.get_rank(group), grad_group
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # Every rank's loss depends on every rank's tensor: this rank's gradient is the sum of their slices.
+        total = grad.detach().to("cpu", copy=True)
+        dist.all_reduce(total, group=ctx.grad_group)
+        return total[ctx.rank].to(grad.device), None, None

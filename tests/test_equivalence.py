@@ -53,7 +53,9 @@ class Net(L.LightningModule):
             self.branch = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.trunk(x)
+        return self.after_trunk(self.trunk(x), x)
+
+    def after_trunk(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.variant == "branch":
             picked = (x[:, 0] > 0).nonzero().flatten()
             if len(picked):
@@ -121,7 +123,7 @@ class Record(L.Callback):
         strategy = trainer.strategy
         record = {
             "params": {n: p.detach().flatten().tolist() for n, p in pl_module.named_parameters()},
-            "decisions": {k: {"value": d.value, "reason": d.reason} for k, d in strategy.decisions.items()},
+            "decisions": {k: {"value": d.value, "reason": d.reason} for k, d in getattr(strategy, "decisions", {}).items()},
             "advice": getattr(strategy, "advice", []),
             "wrappers": len(self.wrappers),
             "ddp": self.ddp,
@@ -130,13 +132,14 @@ class Record(L.Callback):
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def fit(tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS) -> list[dict]:
+def fit(tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS, callbacks=()) -> list[dict]:
     """Fit a copy of ``net`` on 2 CPU ranks; return both ranks' records."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         use_distributed_sampler=False, limit_val_batches=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-        callbacks=[Record(tmp_path)],
+        callbacks=[Record(tmp_path), *callbacks],
     )  # fmt: skip
     trainer.fit(copy.deepcopy(net))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -177,9 +180,9 @@ def test_two_ranks_equal_one_process_with_double_batch(tmp_path, accumulate):
     records = fit(tmp_path, net, SoloDDP(start_method="fork"), accumulate=accumulate)
     assert_ranks_identical(records)
     assert max_rel_err(records[0], reference(net, accumulate)) <= TOL
-    # All parameters used: the fast path from the first step, never re-wrapped.
+    # All parameters used: the evidence window on True, then the fast path.
     decision = records[0]["decisions"]["find_unused_parameters"]
     assert decision["value"] is False and "every parameter got a gradient" in decision["reason"]
     assert records[0]["ddp"] == {"find_unused_parameters": False, "ignored": [], "comm_hook": None}
-    assert records[0]["wrappers"] == 1
+    assert records[0]["wrappers"] == 2
     assert records[0]["warnings"] == []
