@@ -307,7 +307,7 @@ class CommHook:
         self.state.shapes = {id(p): p.shape for _, p in named}
         self.state.layout, self.state.seen, self.state.watch = {}, set(), _WATCH_ITERATIONS
         # Only NCCL on CUDA tensors runs the hook's chained collectives in issue order (see the hook).
-        self.state.serial = ddp.device_type == "cpu" or "nccl" not in dist.get_backend(ddp.process_group)
+        self.state.serial = backend_for(dist.get_backend(ddp.process_group), ddp.device_type) != "nccl"
         self.hook = resumable_powerSGD_hook
         self._apply_saved()
         _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
@@ -465,31 +465,75 @@ def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
         ) from err
 
 
-def barrier_group(timeout: timedelta):
-    """The group :func:`monitored_barrier` runs on (collective: call on every rank, once).
+# Creating the gloo side group connects every pair of ranks over the network interface gloo picks from the
+# hostname; on a wrong one it would wait the whole collective timeout. Healthy creation takes seconds.
+SIDE_GROUP_TIMEOUT = timedelta(seconds=60)
 
-    The world when its backend runs on CPU (gloo); for NCCL, which has no monitored barrier, a gloo side
-    group; ``None`` when gloo is unavailable (then only a plain barrier is possible).
-    """
-    world = dist.group.WORLD
-    if torch.device("cpu") in getattr(world, "_device_types", ()) or dist.get_backend() == "gloo":
-        return world
-    if not dist.is_gloo_available():
-        return None
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group string uses for ``device_type`` tensors: ``"gloo"`` for any device, and
+    ``"cuda:nccl,cpu:gloo"`` per device (``None`` when that device has none)."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.strip().split(":", 1) for part in backend.split(",") if part.strip())
+    return pairs.get(device_type)
+
+
+def _new_gloo_group(timeout: timedelta):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def barrier_decision(group, timeout: timedelta) -> Decision:
-    """What ``SoloDDP.barrier`` does, for the run summary."""
-    seconds = f"{timeout.total_seconds():g} s"
-    if group is None:
-        return Decision(
-            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
+def barrier_group(
+    timeout: timedelta,
+    *,
+    side_group: bool = True,
+    create_timeout: timedelta = SIDE_GROUP_TIMEOUT,
+    create=_new_gloo_group,
+    backend: str | None = None,
+    device: torch.device | None = None,
+) -> tuple[Any, Decision]:
+    """The group :func:`monitored_barrier` (and the unused-parameter evidence) runs on, and why: a collective,
+    call it on every rank, once.
+
+    The world when it runs CPU tensors on gloo (``"gloo"``, ``"cuda:nccl,cpu:gloo"``). For NCCL, which has no
+    monitored barrier, a gloo side group made by ``create`` within ``create_timeout``; ``None`` (a plain
+    barrier, evidence over the world) when ``side_group`` is False, gloo is unavailable, or the creation
+    failed on any rank: the ranks agree over the world group, so they all take the same path.
+    ``backend``/``device`` default to the world's backend and the device its collectives use.
+    """
+    world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
+    backend = backend or dist.get_backend()
+    if backend_for(backend, "cpu") == "gloo":
+        return world, Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
+    if not side_group:
+        return None, Decision(
+            "barrier", "plain", "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world"
         )
-    if group is dist.group.WORLD:
-        return Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
-    return Decision(
-        "barrier",
-        "monitored (gloo side group)",
-        f"NCCL has no monitored barrier; names missing ranks after {seconds}",
+    if not dist.is_gloo_available():
+        return None, Decision("barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks")
+    group, error = None, None
+    try:
+        group = create(create_timeout)
+        dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
+    except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
+        group, error = None, err
+    made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
+    dist.all_reduce(made, op=dist.ReduceOp.MIN)
+    if not made.item():  # once, at setup
+        why = f"this rank: {type(error).__name__}: {error}" if error else "another rank failed"
+        return None, Decision(
+            "barrier",
+            "plain",
+            f"the gloo side group could not be made within {create_timeout.total_seconds():g} s ({why}); "
+            "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, or "
+            "SoloDDP(gloo_side_group=False) to skip it",
+        )
+    return group, Decision(
+        "barrier", "monitored (gloo side group)", f"NCCL has no monitored barrier; names missing ranks after {seconds}"
     )
+
+
+def _world_device(backend: str) -> torch.device:
+    if backend_for(backend, "cuda") is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

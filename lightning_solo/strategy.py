@@ -16,6 +16,7 @@ This module is wiring only: each decision is made by a function in its own modul
 from __future__ import annotations
 
 import sys
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint_io import SoloCheckpointIO
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
+from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.unused import UnusedParameters
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
@@ -136,6 +138,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         powersgd_start_iter: int = 1000,
         local_sgd_period: int = 4,
         local_sgd_warmup: int = 100,
+        gloo_side_group: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = resolve_start_method(start_method)
@@ -177,7 +180,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sync_batchnorm_threshold = sync_batchnorm_threshold
         self._precision_options = precision_options
         self._comm = comm_hooks
-        self._barrier_group = None
+        self._gloo_side_group = bool(gloo_side_group)
+        self._barrier_group = None  # the monitored barrier's and unused-parameter evidence's group; None: world
+        self._barrier_made = False
         self._unused = unused
         self._decide(unused.decision)
         self.advice: list[str] = []
@@ -222,20 +227,28 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # The device is known now: replace the placeholder precision plugin before anything uses it.
+        super().setup_environment()  # the device, then the process group
+        # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
+        # ranks, a collective). Nothing uses the plugin before this.
         self.precision_plugin, decisions = amp.settle_precision(
             self.precision_plugin, self._precision_options, self.lightning_module.trainer, self.root_device
         )
         for decision in decisions:
             self._decide(decision)
-        super().setup_environment()
         if self.root_device.type == "cpu":
             # Lightning's launchers already split the cores between local ranks; record what is in force.
             self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
         self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
-        if self._barrier_group is None:  # a group creation is a collective: once per process
-            self._barrier_group = comm.barrier_group(self._timeout)
-        self._decide(comm.barrier_decision(self._barrier_group, self._timeout))
+        if not self._barrier_made:  # a group creation is a collective: once per process
+            if self.num_nodes > 1 and self._gloo_side_group and self.local_rank == 0:
+                if warning := gloo_interface_warning():
+                    warnings.warn(warning, stacklevel=2)
+            # None (the plain barrier, evidence over the world) when gloo cannot be had in time, on every rank.
+            self._barrier_group, decision = comm.barrier_group(
+                self._timeout, side_group=self._gloo_side_group, device=self.root_device
+            )
+            self._barrier_made = True
+            self._decide(decision)
 
     @override
     def on_train_start(self) -> None:
