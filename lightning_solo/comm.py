@@ -19,6 +19,7 @@ Example::
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import re
+import socket
 import warnings
 from datetime import timedelta
 from math import prod
@@ -30,7 +31,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.decision import Decision
@@ -221,6 +222,39 @@ def _set_rng_state(rng, saved: dict[str, Any]) -> None:
     rng.set_state(("MT19937", keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
 
 
+def node_groups(nodes: list[Any]) -> list[list[int]]:
+    """The ranks of each node, given each rank's node (``nodes[rank]``), in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
+    """Average ``params`` over ``group`` (a collective), writing into each parameter's own storage.
+
+    torch's ``average_parameters`` makes every ``p.data`` a view of one flat buffer: ``channels_last`` weights
+    turn contiguous, convolutions re-layout on every call and DDP warns about mismatched strides.
+    """
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params])  # one all-reduce; reshape copies each once
+    flat /= dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        p.detach().copy_(chunk.view(p.shape))  # copy_ honours p's strides
+
+
+class InPlaceAverager(PeriodicModelAverager):
+    """torch's ``PeriodicModelAverager`` (same ``period``/``warmup_steps``/``step``) averaging with
+    :func:`average_in_place`, so parameters keep their memory layout."""
+
+    def average_parameters(self, params) -> None:
+        if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
+            average_in_place(list(params), self.process_group)
+        self.step += 1
+
+
 class CommHook:
     """A DDP gradient communication hook chosen by name, registered on any device, with checkpointable state.
 
@@ -271,11 +305,12 @@ class CommHook:
         """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
         return self.local_sgd_period if self.name == "post_local_sgd" else None
 
-    def register(self, ddp: DistributedDataParallel, *, local_world_size: int | None = None) -> Decision:
+    def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
 
-        ``local_world_size`` (processes per node) picks post-local-SGD's intra-node subgroup. Calling it again
-        on a new DDP wrapper of the same module keeps the hook's state.
+        ``node`` names this rank's node (default: its hostname); post-local-SGD all-reduces gradients within
+        the ranks of each node, whatever their rank numbers. Calling it again on a new DDP wrapper of the same
+        module keeps the hook's state.
         """
         if self.name is None:
             return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
@@ -290,7 +325,7 @@ class CommHook:
             )
         if self.name == "powersgd":
             return self._register_powersgd(ddp)
-        return self._register_post_local_sgd(ddp, local_world_size)
+        return self._register_post_local_sgd(ddp, socket.gethostname() if node is None else node)
 
     def _register_powersgd(self, ddp: DistributedDataParallel) -> Decision:
         if self.state is None:
@@ -323,16 +358,17 @@ class CommHook:
             f"(torch's powerSGD_hook; its batched variant is broken in current torch){serial}",
         )
 
-    def _register_post_local_sgd(
-        self, ddp: DistributedDataParallel, local_world_size: int | None
-    ) -> Decision:
+    def _register_post_local_sgd(self, ddp: DistributedDataParallel, node: Any) -> Decision:
         world = dist.get_world_size()
-        local = local_world_size or world
         if self.state is None:
-            # torch's default subgroup (one per node) needs CUDA to find the node size; pass it explicitly.
-            if 1 < local < world:
-                subgroup, _ = dist.new_subgroups(group_size=local)
-                between = f"gradients all-reduced within each node of {local} processes"
+            nodes: list[Any] = [None] * world
+            dist.all_gather_object(nodes, node)
+            groups = node_groups(nodes)
+            if 1 < len(groups) < world:
+                # Ranks of a node need not be contiguous (SLURM's cyclic distribution): group by the real node.
+                subgroup, _ = dist.new_subgroups_by_enumeration(groups)
+                sizes = sorted({len(g) for g in groups})
+                between = f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
             else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
                 subgroup, between = None, "no gradient communication"
             self.state = post_local.PostLocalSGDState(
@@ -352,14 +388,16 @@ class CommHook:
             f"averaged over all {world} ranks every {self.local_sgd_period} steps",
         )
 
-    def attach_averager(self, averager) -> None:
-        """Post-local-SGD: the ``PeriodicModelAverager`` that averages parameters after optimizer steps."""
-        self.averager = averager
+    def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
+        """Post-local-SGD: take Lightning's ``PeriodicModelAverager`` and return the one to use instead: same
+        schedule, but averaging in place (see :func:`average_in_place`)."""
+        self.averager = InPlaceAverager(averager.period, averager.warmup_steps, averager.process_group)
         self._apply_saved()
+        return self.averager
 
     def average_parameters(self, module: torch.nn.Module) -> None:
         """Average ``module``'s trainable parameters over all ranks now (collective)."""
-        average_parameters(iter([p for p in module.parameters() if p.requires_grad]), dist.group.WORLD)
+        average_in_place([p for p in module.parameters() if p.requires_grad])
 
     def state_dict(self) -> dict[str, Any]:
         """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.

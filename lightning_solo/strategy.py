@@ -299,7 +299,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
             self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
             return
-        self._decide(self._comm.register(self.model, local_world_size=self.num_processes))
+        self._decide(self._comm.register(self.model, node=self.node_rank))
         if self._comm.averaging_period is not None:
             # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
             self._ddp_comm_state = self._comm.state
@@ -308,7 +308,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def _enable_model_averaging(self) -> None:
         super()._enable_model_averaging()
-        self._comm.attach_averager(self._model_averager)  # restores its step count on resume
+        # Same schedule, averaging in place (keeps channels_last); restores its step count on resume.
+        self._model_averager = self._comm.attach_averager(self._model_averager)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

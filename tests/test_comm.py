@@ -140,7 +140,7 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int) -> dict:
     ddp = nn.parallel.DistributedDataParallel(net)
     hook = CommHook("post_local_sgd", local_sgd_period=3, local_sgd_warmup=2)
     hook.load_state_dict({"hook": "post_local_sgd", "iter": 7, "averager_step": 9})
-    out["post_local_sgd"] = {"decision": hook.register(ddp, local_world_size=world_size).reason}
+    out["post_local_sgd"] = {"decision": hook.register(ddp).reason}
     hook.attach_averager(PeriodicModelAverager(period=3, warmup_steps=2))
     out["post_local_sgd"].update(
         logged=ddp._get_ddp_logging_data().get("comm_hook"), iter=hook.state.iter, step=hook.averager.step
@@ -170,6 +170,39 @@ def test_hooks_registered_on_cpu_and_close_to_exact_allreduce():
     local = r0["post_local_sgd"]
     assert local["logged"] == "post_localSGD_hook" and "no gradient communication" in local["decision"]
     assert (local["iter"], local["step"]) == (7, 9)
+
+
+def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # every rank starts from different parameters: the average is visible
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
+    start = [p.detach().clone() for p in net.parameters()]
+    ddp = nn.parallel.DistributedDataParallel(net)  # broadcasts rank 0's parameters
+    for p, mine in zip(net.parameters(), start):
+        p.data.copy_(mine)
+    hook = CommHook("post_local_sgd", local_sgd_period=2, local_sgd_warmup=0)
+    decision = hook.register(ddp, node=f"node{rank % 2}")  # SLURM's cyclic layout: nodes 0,1,0,1
+    averager = hook.attach_averager(PeriodicModelAverager(period=2, warmup_steps=0))
+    averager.average_parameters(iter(list(net.parameters())))  # step 0: averages
+    expected = []
+    for mine in start:
+        total = mine.clone()
+        dist.all_reduce(total)
+        expected.append(total / world_size)
+    return {
+        "subgroup": dist.get_process_group_ranks(hook.state.subgroup),
+        "decision": decision.reason,
+        "channels_last": net[0].weight.is_contiguous(memory_format=torch.channels_last),
+        "avg_err": max((p - e).abs().max().item() for p, e in zip(net.parameters(), expected)),
+    }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_post_local_sgd_groups_by_real_node_and_averages_in_place():
+    for rank, out in enumerate(run_ranks(_post_local_sgd_nodes_and_layout, 4)):
+        assert out["subgroup"] == [rank % 2, rank % 2 + 2], out
+        assert "within each of 2 nodes (2 ranks)" in out["decision"]
+        assert out["channels_last"] and out["avg_err"] < 1e-6, out
 
 
 # ---------------------------------------------------------------- through Lightning (fork launcher)
