@@ -14,10 +14,14 @@ Example::
     # on a raw DDP model (the process group is already initialised)
     hook = CommHook("fp16")
     print(hook.register(ddp_model))         # Decision: what was registered and why
-    extra = hook.state_dict()               # call on every rank; rank 0's result goes into the checkpoint
+    extra = hook.state_dict(ckpt_path)      # every rank: writes its error-feedback shard beside ckpt_path
 """
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
+import glob
+import hashlib
+import io
+import os
 import re
 import socket
 import warnings
@@ -271,8 +275,8 @@ class CommHook:
 
         hook = CommHook("powersgd", powersgd_rank=2, powersgd_start_iter=100)
         decision = hook.register(ddp_model)        # any backend: gloo, nccl
-        state = hook.state_dict()                  # on every rank (gathers error feedback to rank 0)
-        hook.load_state_dict(state)                # on every rank, before or after register()
+        state = hook.state_dict(path)              # every rank: its own error-feedback shard beside path
+        hook.load_state_dict(state, path)          # every rank, before or after register()
     """
 
     def __init__(
@@ -399,11 +403,13 @@ class CommHook:
         """Average ``module``'s trainable parameters over all ranks now (collective)."""
         average_in_place([p for p in module.parameters() if p.requires_grad])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, checkpoint_path: Any = None) -> dict[str, Any]:
         """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.
 
-        PowerSGD's error feedback differs per rank, so every rank's is gathered to rank 0 (the checkpoint
-        holds ``world_size`` copies of the gradients' size); Q memory and counters are the same on all ranks.
+        PowerSGD's error feedback differs per rank and is as large as the gradients, so it is never gathered:
+        with ``checkpoint_path``, each rank writes its own atomically into :func:`shard_dir` beside it and
+        the result (for rank 0's checkpoint) records every shard's sha256; without, it holds this rank's
+        own, for this rank's :meth:`load_state_dict`. Q memory and counters are the same on all ranks.
         """
         if self.state is None:
             return {}
@@ -415,9 +421,7 @@ class CommHook:
         errors = {**state.pending.get("error", {}), **live["error"]}
         qs = {**state.pending.get("q", {}), **live["q"]}
         mine = {name: t.detach().cpu().clone() for name, t in errors.items()}
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        return {
+        saved = {
             "hook": self.name,
             "world_size": dist.get_world_size(),
             "iter": state.iter,
@@ -428,11 +432,17 @@ class CommHook:
                 state.next_stats_report,
             ],
             "q": {name: t.detach().cpu().clone() for name, t in qs.items()},
-            "error": gathered,
         }
+        if checkpoint_path is None:
+            return {**saved, "error": mine}
+        digests: list[Any] = [None] * dist.get_world_size()
+        stem = os.path.join(shard_dir(checkpoint_path), f"rank{dist.get_rank()}")
+        dist.all_gather_object(digests, _write_shard(stem, mine))
+        return {**saved, "shards": {"dir": os.path.basename(shard_dir(checkpoint_path)), "sha256": digests}}
 
-    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
-        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`."""
+    def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
+        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
+        ``checkpoint_path``: the checkpoint it came from, beside which this rank's shard is read."""
         if not saved:
             return
         if saved.get("hook") != self.name:
@@ -441,7 +451,19 @@ class CommHook:
                 stacklevel=2,
             )
             return
-        self._saved = dict(saved)
+        saved, world, rank = dict(saved), dist.get_world_size(), dist.get_rank()
+        if saved.get("world_size", world) != world:
+            warnings.warn(
+                f"PowerSGD error feedback was saved with {saved['world_size']} ranks and this run has {world}: it "
+                "restarts from zero",
+                stacklevel=2,
+            )
+            saved["error"] = None
+        elif "shards" in saved:
+            saved["error"] = _read_shard(checkpoint_path, saved["shards"], rank)
+        elif isinstance(saved.get("error"), list):  # written before per-rank shards: every rank's, gathered
+            saved["error"] = saved["error"][rank]
+        self._saved = saved
         if self.state is not None:
             self._apply_saved()
 
@@ -463,17 +485,65 @@ class CommHook:
         state.error_dict.clear()
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
-        state.pending = {"q": dict(saved["q"]), "error": {}}
-        errors, world = saved.get("error"), dist.get_world_size()
-        if errors is not None and len(errors) == world:
-            state.pending["error"] = dict(errors[dist.get_rank()])
-        elif errors:
-            warnings.warn(
-                f"PowerSGD error feedback was saved with {len(errors)} ranks and this run has {world}: it restarts from zero",
-                stacklevel=2,
-            )
+        state.pending = {"q": dict(saved["q"]), "error": dict(saved.get("error") or {})}
         state.layout, state.seen, state.watch = {}, set(), _WATCH_ITERATIONS
         self._saved = {}
+
+
+# PowerSGD error feedback, one file per rank: <checkpoint>.powersgd/rank<r>.<sha256 prefix>.pt. The digest in
+# the name keeps the files a checkpoint references intact while the same path is saved again (last.ckpt).
+_SHARD_SUFFIX = ".powersgd"
+
+
+def shard_dir(checkpoint_path: Any) -> str:
+    """The folder of a checkpoint's PowerSGD shards; remove it with the checkpoint:
+    ``shutil.rmtree(shard_dir(path), ignore_errors=True)``."""
+    return os.fspath(checkpoint_path) + _SHARD_SUFFIX
+
+
+def _write_shard(stem: str, errors: dict[str, torch.Tensor]) -> str:
+    """Write atomically (temporary file, fsync, rename) and return the sha256 of the bytes."""
+    buffer = io.BytesIO()
+    torch.save(errors, buffer)
+    data = buffer.getbuffer()
+    digest = hashlib.sha256(data).hexdigest()
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    path = f"{stem}.{digest[:16]}.pt"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    # This rank's shards of earlier saves to this path: the newest stays, the checkpoint file on disk may
+    # still be that save's until rank 0 has replaced it.
+    older = sorted((p for p in glob.glob(f"{glob.escape(stem)}.*.pt") if p != path), key=os.path.getmtime)
+    for stale in older[:-1]:
+        os.remove(stale)
+    return digest
+
+
+def _read_shard(checkpoint_path: Any, record: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    if checkpoint_path is None:
+        raise ValueError("this PowerSGD state keeps its error feedback in shard files: pass checkpoint_path")
+    # Beside the file itself (last.ckpt may be a link), under the name recorded when it was saved (or copied).
+    folder = os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), record["dir"])
+    digest = record["sha256"][rank]
+    path = os.path.join(folder, f"rank{rank}.{digest[:16]}.pt")
+    problem = None
+    if not os.path.isfile(path):
+        problem = "is missing"
+    else:
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                problem = "does not match the sha256 the checkpoint recorded (damaged or from another save)"
+    if problem:
+        raise RuntimeError(
+            f"PowerSGD error feedback of rank {rank} for {os.fspath(checkpoint_path)!r}: {path!r} {problem}. "
+            f"Each rank's shard is written beside the checkpoint, in {record['dir']!r}; copy that folder with "
+            "the checkpoint, or resume from another checkpoint."
+        )
+    return torch.load(path, mmap=True, weights_only=True)
 
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")

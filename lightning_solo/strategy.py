@@ -280,7 +280,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             checkpoint[resume.RESUME_KEY] = resume.capture(trainer, getattr(self, "_train_sampler", None))
         if "optimizer_states" in checkpoint:  # a full checkpoint; a collective for PowerSGD (all ranks are here)
-            if hook_state := self._comm.state_dict():
+            if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it
                 checkpoint[comm.CHECKPOINT_KEY] = hook_state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -288,7 +288,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_record = checkpoint.get(resume.RESUME_KEY)
-        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY))  # applied when the hook is registered
+        # Applied when the hook is registered; each rank reads its own PowerSGD shard beside the checkpoint.
+        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
         return checkpoint
 
     @override
