@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import torchvision
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_solo import SoloDDP, syncbn
 from lightning_solo.syncbn import SoloSyncBatchNorm
+from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
 
 TOL = 1e-5
@@ -176,24 +176,6 @@ def test_ddp_steps_with_sync_equal_one_process_with_the_double_batch():
         assert errors["sync=False"] > 100 * TOL, errors  # plain BN sees only half the batch
 
 
-class _CollectivesAndSyncs(TorchDispatchMode):
-    """Records each all-reduce's (dtype, numel) and counts host syncs: every `.item()`, `float(t)`, `bool(t)`
-    and boolean-mask index goes through `_local_scalar_dense` or `nonzero`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.allreduces: list[tuple[str, int]] = []
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        if name.startswith("c10d::allreduce"):
-            self.allreduces += [(str(t.dtype), t.numel()) for t in args[0]]
-        elif name.split("::")[-1].split(".")[0] in ("_local_scalar_dense", "nonzero", "masked_select"):
-            self.syncs.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _empty_rank_under_bf16_autocast(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))
@@ -201,7 +183,7 @@ def _empty_rank_under_bf16_autocast(rank: int, world_size: int) -> dict:
     mine = syncbn.convert(copy.deepcopy(net))
     x = torch.randn(6, 3, 5, 5) + 3.0
     local = x[: 0 if rank == 0 else 6].clone().requires_grad_()  # rank 0's batch is empty
-    mode = _CollectivesAndSyncs()
+    mode = HostSyncRecorder()
     with torch.autocast("cpu", dtype=torch.bfloat16), mode:
         y = mine(local)
         y.float().square().sum().backward()
