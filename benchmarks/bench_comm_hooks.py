@@ -36,7 +36,7 @@ def run_hook(name, width, steps, rank, world_size) -> tuple[float, float]:
     net = make_net(width)
     ddp = nn.parallel.DistributedDataParallel(net)
     hook = CommHook(name, powersgd_start_iter=2, local_sgd_warmup=2, local_sgd_period=4)
-    hook.register(ddp, local_world_size=world_size)
+    hook.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     if name == "post_local_sgd":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager

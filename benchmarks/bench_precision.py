@@ -1,8 +1,13 @@
-"""Peak memory and throughput of fp32 vs bf16-mixed vs 16-mixed for torchvision ResNet-18.
+"""Peak memory and throughput of fp32 vs TF32 vs bf16-mixed vs 16-mixed for torchvision ResNet-18.
 
 Each (round, precision) runs in a fresh subprocess, through a Lightning Trainer with the plugin SoloDDP
-would install (``Precision()`` for 32-true, :class:`SoloMixedPrecision` otherwise). Precisions are
+would install (``Precision()`` for 32-true/32-tf32, :class:`SoloMixedPrecision` otherwise). Precisions are
 interleaved and their order rotates every round; the figures are medians over rounds.
+
+What is measured is the precision, not the input pipeline: one batch is generated once, on the device, and
+fed every step (no host-to-device copy); on CUDA ``cudnn.benchmark`` autotunes the convolutions. ``32-true``
+is strict fp32 (TF32 off for matmuls *and* cuDNN, whose default is on); ``32-tf32`` is fp32 with TF32
+allowed, its own row (on CPU it is the same as fp32: there is no TF32).
 
 Memory:
 * CPU: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the fresh process, which is why each measurement
@@ -14,7 +19,7 @@ Usage::
 
     python benchmarks/bench_precision.py                              # CPU, small images (this machine)
     python benchmarks/bench_precision.py --device cuda --image-size 224 --batch-size 128 --steps 30 \
-        --warmup 5 --channels-last
+        --warmup 5 --channels-last                                    # adds the 32-tf32 row by default
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import subprocess
 import sys
 import time
 
-ALL_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+ALL_PRECISIONS = ("32-true", "32-tf32", "bf16-mixed", "16-mixed")
+CPU_DEFAULT = ("32-true", "bf16-mixed", "16-mixed")  # TF32 does not exist on CPU
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -36,11 +42,13 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torchvision
     from lightning.pytorch.plugins.precision import Precision
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, Dataset
 
     from lightning_solo.precision import SoloMixedPrecision, to_channels_last
 
     torch.manual_seed(0)
+    tf32 = args.precision == "32-tf32"  # strict fp32 otherwise: cuDNN allows TF32 unless told not to
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
     class Net(L.LightningModule):
         def __init__(self) -> None:
@@ -51,8 +59,6 @@ def worker(args: argparse.Namespace) -> dict:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            if args.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
             return torch.nn.functional.cross_entropy(self.model(x), y)
 
         def configure_optimizers(self):
@@ -74,14 +80,28 @@ def worker(args: argparse.Namespace) -> dict:
         def on_train_end(self, trainer, pl_module):
             self.end = self._now()
 
-    n = args.batch_size * (args.warmup + args.steps)
-    data = TensorDataset(torch.randn(n, 3, args.image_size, args.image_size), torch.randint(0, 10, (n,)))
-    loader = DataLoader(data, batch_size=args.batch_size)
-    plugin = Precision() if args.precision == "32-true" else SoloMixedPrecision(args.precision, args.device)
+    class SameBatch(Dataset):
+        """One batch made on the device, handed out whole (batch_size=None: no collation, no copy)."""
+
+        def __init__(self) -> None:
+            size = (args.batch_size, 3, args.image_size, args.image_size)
+            memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+            self.x = torch.randn(size, device=args.device).contiguous(memory_format=memory_format)
+            self.y = torch.randint(0, 10, (args.batch_size,), device=args.device)
+
+        def __len__(self) -> int:
+            return args.warmup + args.steps
+
+        def __getitem__(self, i):
+            return self.x, self.y
+
+    loader = DataLoader(SameBatch(), batch_size=None)
+    plugin = Precision() if args.precision.startswith("32-") else SoloMixedPrecision(args.precision, args.device)
     clock, model = Clock(), Net()
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
+        benchmark=args.device == "cuda",  # cudnn autotuning
         plugins=[plugin],
         max_steps=args.warmup + args.steps,
         callbacks=[clock],
@@ -108,7 +128,7 @@ def worker(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--precisions", default=",".join(ALL_PRECISIONS), help=f"comma list of {ALL_PRECISIONS}")
+    p.add_argument("--precisions", default=None, help=f"comma list of {ALL_PRECISIONS} (default: all on cuda; no tf32 on cpu)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps timed")
@@ -123,7 +143,7 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
 
-    precisions = args.precisions.split(",")
+    precisions = (args.precisions or ",".join(ALL_PRECISIONS if args.device == "cuda" else CPU_DEFAULT)).split(",")
     bad = [x for x in precisions if x not in ALL_PRECISIONS]
     if bad:
         raise ValueError(f"unknown precision(s) {bad}; accepted: {ALL_PRECISIONS}")

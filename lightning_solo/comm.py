@@ -14,11 +14,16 @@ Example::
     # on a raw DDP model (the process group is already initialised)
     hook = CommHook("fp16")
     print(hook.register(ddp_model))         # Decision: what was registered and why
-    extra = hook.state_dict()               # call on every rank; rank 0's result goes into the checkpoint
+    extra = hook.state_dict(ckpt_path)      # every rank: writes its error-feedback shard beside ckpt_path
 """
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
+import glob
+import hashlib
+import io
+import os
 import re
+import socket
 import warnings
 from datetime import timedelta
 from math import prod
@@ -30,7 +35,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.decision import Decision
@@ -221,6 +226,39 @@ def _set_rng_state(rng, saved: dict[str, Any]) -> None:
     rng.set_state(("MT19937", keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
 
 
+def node_groups(nodes: list[Any]) -> list[list[int]]:
+    """The ranks of each node, given each rank's node (``nodes[rank]``), in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
+    """Average ``params`` over ``group`` (a collective), writing into each parameter's own storage.
+
+    torch's ``average_parameters`` makes every ``p.data`` a view of one flat buffer: ``channels_last`` weights
+    turn contiguous, convolutions re-layout on every call and DDP warns about mismatched strides.
+    """
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params])  # one all-reduce; reshape copies each once
+    flat /= dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        p.detach().copy_(chunk.view(p.shape))  # copy_ honours p's strides
+
+
+class InPlaceAverager(PeriodicModelAverager):
+    """torch's ``PeriodicModelAverager`` (same ``period``/``warmup_steps``/``step``) averaging with
+    :func:`average_in_place`, so parameters keep their memory layout."""
+
+    def average_parameters(self, params) -> None:
+        if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
+            average_in_place(list(params), self.process_group)
+        self.step += 1
+
+
 class CommHook:
     """A DDP gradient communication hook chosen by name, registered on any device, with checkpointable state.
 
@@ -237,8 +275,8 @@ class CommHook:
 
         hook = CommHook("powersgd", powersgd_rank=2, powersgd_start_iter=100)
         decision = hook.register(ddp_model)        # any backend: gloo, nccl
-        state = hook.state_dict()                  # on every rank (gathers error feedback to rank 0)
-        hook.load_state_dict(state)                # on every rank, before or after register()
+        state = hook.state_dict(path)              # every rank: its own error-feedback shard beside path
+        hook.load_state_dict(state, path)          # every rank, before or after register()
     """
 
     def __init__(
@@ -271,11 +309,12 @@ class CommHook:
         """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
         return self.local_sgd_period if self.name == "post_local_sgd" else None
 
-    def register(self, ddp: DistributedDataParallel, *, local_world_size: int | None = None) -> Decision:
+    def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
 
-        ``local_world_size`` (processes per node) picks post-local-SGD's intra-node subgroup. Calling it again
-        on a new DDP wrapper of the same module keeps the hook's state.
+        ``node`` names this rank's node (default: its hostname); post-local-SGD all-reduces gradients within
+        the ranks of each node, whatever their rank numbers. Calling it again on a new DDP wrapper of the same
+        module keeps the hook's state.
         """
         if self.name is None:
             return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
@@ -290,7 +329,7 @@ class CommHook:
             )
         if self.name == "powersgd":
             return self._register_powersgd(ddp)
-        return self._register_post_local_sgd(ddp, local_world_size)
+        return self._register_post_local_sgd(ddp, socket.gethostname() if node is None else node)
 
     def _register_powersgd(self, ddp: DistributedDataParallel) -> Decision:
         if self.state is None:
@@ -307,7 +346,7 @@ class CommHook:
         self.state.shapes = {id(p): p.shape for _, p in named}
         self.state.layout, self.state.seen, self.state.watch = {}, set(), _WATCH_ITERATIONS
         # Only NCCL on CUDA tensors runs the hook's chained collectives in issue order (see the hook).
-        self.state.serial = ddp.device_type == "cpu" or "nccl" not in dist.get_backend(ddp.process_group)
+        self.state.serial = backend_for(dist.get_backend(ddp.process_group), ddp.device_type) != "nccl"
         self.hook = resumable_powerSGD_hook
         self._apply_saved()
         _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
@@ -323,16 +362,17 @@ class CommHook:
             f"(torch's powerSGD_hook; its batched variant is broken in current torch){serial}",
         )
 
-    def _register_post_local_sgd(
-        self, ddp: DistributedDataParallel, local_world_size: int | None
-    ) -> Decision:
+    def _register_post_local_sgd(self, ddp: DistributedDataParallel, node: Any) -> Decision:
         world = dist.get_world_size()
-        local = local_world_size or world
         if self.state is None:
-            # torch's default subgroup (one per node) needs CUDA to find the node size; pass it explicitly.
-            if 1 < local < world:
-                subgroup, _ = dist.new_subgroups(group_size=local)
-                between = f"gradients all-reduced within each node of {local} processes"
+            nodes: list[Any] = [None] * world
+            dist.all_gather_object(nodes, node)
+            groups = node_groups(nodes)
+            if 1 < len(groups) < world:
+                # Ranks of a node need not be contiguous (SLURM's cyclic distribution): group by the real node.
+                subgroup, _ = dist.new_subgroups_by_enumeration(groups)
+                sizes = sorted({len(g) for g in groups})
+                between = f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
             else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
                 subgroup, between = None, "no gradient communication"
             self.state = post_local.PostLocalSGDState(
@@ -352,20 +392,24 @@ class CommHook:
             f"averaged over all {world} ranks every {self.local_sgd_period} steps",
         )
 
-    def attach_averager(self, averager) -> None:
-        """Post-local-SGD: the ``PeriodicModelAverager`` that averages parameters after optimizer steps."""
-        self.averager = averager
+    def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
+        """Post-local-SGD: take Lightning's ``PeriodicModelAverager`` and return the one to use instead: same
+        schedule, but averaging in place (see :func:`average_in_place`)."""
+        self.averager = InPlaceAverager(averager.period, averager.warmup_steps, averager.process_group)
         self._apply_saved()
+        return self.averager
 
     def average_parameters(self, module: torch.nn.Module) -> None:
         """Average ``module``'s trainable parameters over all ranks now (collective)."""
-        average_parameters(iter([p for p in module.parameters() if p.requires_grad]), dist.group.WORLD)
+        average_in_place([p for p in module.parameters() if p.requires_grad])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, checkpoint_path: Any = None) -> dict[str, Any]:
         """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.
 
-        PowerSGD's error feedback differs per rank, so every rank's is gathered to rank 0 (the checkpoint
-        holds ``world_size`` copies of the gradients' size); Q memory and counters are the same on all ranks.
+        PowerSGD's error feedback differs per rank and is as large as the gradients, so it is never gathered:
+        with ``checkpoint_path``, each rank writes its own atomically into :func:`shard_dir` beside it and
+        the result (for rank 0's checkpoint) records every shard's sha256; without, it holds this rank's
+        own, for this rank's :meth:`load_state_dict`. Q memory and counters are the same on all ranks.
         """
         if self.state is None:
             return {}
@@ -377,9 +421,7 @@ class CommHook:
         errors = {**state.pending.get("error", {}), **live["error"]}
         qs = {**state.pending.get("q", {}), **live["q"]}
         mine = {name: t.detach().cpu().clone() for name, t in errors.items()}
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        return {
+        saved = {
             "hook": self.name,
             "world_size": dist.get_world_size(),
             "iter": state.iter,
@@ -390,11 +432,17 @@ class CommHook:
                 state.next_stats_report,
             ],
             "q": {name: t.detach().cpu().clone() for name, t in qs.items()},
-            "error": gathered,
         }
+        if checkpoint_path is None:
+            return {**saved, "error": mine}
+        digests: list[Any] = [None] * dist.get_world_size()
+        stem = os.path.join(shard_dir(checkpoint_path), f"rank{dist.get_rank()}")
+        dist.all_gather_object(digests, _write_shard(stem, mine))
+        return {**saved, "shards": {"dir": os.path.basename(shard_dir(checkpoint_path)), "sha256": digests}}
 
-    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
-        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`."""
+    def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
+        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
+        ``checkpoint_path``: the checkpoint it came from, beside which this rank's shard is read."""
         if not saved:
             return
         if saved.get("hook") != self.name:
@@ -403,7 +451,19 @@ class CommHook:
                 stacklevel=2,
             )
             return
-        self._saved = dict(saved)
+        saved, world, rank = dict(saved), dist.get_world_size(), dist.get_rank()
+        if saved.get("world_size", world) != world:
+            warnings.warn(
+                f"PowerSGD error feedback was saved with {saved['world_size']} ranks and this run has {world}: it "
+                "restarts from zero",
+                stacklevel=2,
+            )
+            saved["error"] = None
+        elif "shards" in saved:
+            saved["error"] = _read_shard(checkpoint_path, saved["shards"], rank)
+        elif isinstance(saved.get("error"), list):  # written before per-rank shards: every rank's, gathered
+            saved["error"] = saved["error"][rank]
+        self._saved = saved
         if self.state is not None:
             self._apply_saved()
 
@@ -425,17 +485,65 @@ class CommHook:
         state.error_dict.clear()
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
-        state.pending = {"q": dict(saved["q"]), "error": {}}
-        errors, world = saved.get("error"), dist.get_world_size()
-        if errors is not None and len(errors) == world:
-            state.pending["error"] = dict(errors[dist.get_rank()])
-        elif errors:
-            warnings.warn(
-                f"PowerSGD error feedback was saved with {len(errors)} ranks and this run has {world}: it restarts from zero",
-                stacklevel=2,
-            )
+        state.pending = {"q": dict(saved["q"]), "error": dict(saved.get("error") or {})}
         state.layout, state.seen, state.watch = {}, set(), _WATCH_ITERATIONS
         self._saved = {}
+
+
+# PowerSGD error feedback, one file per rank: <checkpoint>.powersgd/rank<r>.<sha256 prefix>.pt. The digest in
+# the name keeps the files a checkpoint references intact while the same path is saved again (last.ckpt).
+_SHARD_SUFFIX = ".powersgd"
+
+
+def shard_dir(checkpoint_path: Any) -> str:
+    """The folder of a checkpoint's PowerSGD shards; remove it with the checkpoint:
+    ``shutil.rmtree(shard_dir(path), ignore_errors=True)``."""
+    return os.fspath(checkpoint_path) + _SHARD_SUFFIX
+
+
+def _write_shard(stem: str, errors: dict[str, torch.Tensor]) -> str:
+    """Write atomically (temporary file, fsync, rename) and return the sha256 of the bytes."""
+    buffer = io.BytesIO()
+    torch.save(errors, buffer)
+    data = buffer.getbuffer()
+    digest = hashlib.sha256(data).hexdigest()
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    path = f"{stem}.{digest[:16]}.pt"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    # This rank's shards of earlier saves to this path: the newest stays, the checkpoint file on disk may
+    # still be that save's until rank 0 has replaced it.
+    older = sorted((p for p in glob.glob(f"{glob.escape(stem)}.*.pt") if p != path), key=os.path.getmtime)
+    for stale in older[:-1]:
+        os.remove(stale)
+    return digest
+
+
+def _read_shard(checkpoint_path: Any, record: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    if checkpoint_path is None:
+        raise ValueError("this PowerSGD state keeps its error feedback in shard files: pass checkpoint_path")
+    # Beside the file itself (last.ckpt may be a link), under the name recorded when it was saved (or copied).
+    folder = os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), record["dir"])
+    digest = record["sha256"][rank]
+    path = os.path.join(folder, f"rank{rank}.{digest[:16]}.pt")
+    problem = None
+    if not os.path.isfile(path):
+        problem = "is missing"
+    else:
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                problem = "does not match the sha256 the checkpoint recorded (damaged or from another save)"
+    if problem:
+        raise RuntimeError(
+            f"PowerSGD error feedback of rank {rank} for {os.fspath(checkpoint_path)!r}: {path!r} {problem}. "
+            f"Each rank's shard is written beside the checkpoint, in {record['dir']!r}; copy that folder with "
+            "the checkpoint, or resume from another checkpoint."
+        )
+    return torch.load(path, mmap=True, weights_only=True)
 
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
@@ -465,31 +573,75 @@ def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
         ) from err
 
 
-def barrier_group(timeout: timedelta):
-    """The group :func:`monitored_barrier` runs on (collective: call on every rank, once).
+# Creating the gloo side group connects every pair of ranks over the network interface gloo picks from the
+# hostname; on a wrong one it would wait the whole collective timeout. Healthy creation takes seconds.
+SIDE_GROUP_TIMEOUT = timedelta(seconds=60)
 
-    The world when its backend runs on CPU (gloo); for NCCL, which has no monitored barrier, a gloo side
-    group; ``None`` when gloo is unavailable (then only a plain barrier is possible).
-    """
-    world = dist.group.WORLD
-    if torch.device("cpu") in getattr(world, "_device_types", ()) or dist.get_backend() == "gloo":
-        return world
-    if not dist.is_gloo_available():
-        return None
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group string uses for ``device_type`` tensors: ``"gloo"`` for any device, and
+    ``"cuda:nccl,cpu:gloo"`` per device (``None`` when that device has none)."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.strip().split(":", 1) for part in backend.split(",") if part.strip())
+    return pairs.get(device_type)
+
+
+def _new_gloo_group(timeout: timedelta):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def barrier_decision(group, timeout: timedelta) -> Decision:
-    """What ``SoloDDP.barrier`` does, for the run summary."""
-    seconds = f"{timeout.total_seconds():g} s"
-    if group is None:
-        return Decision(
-            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
+def barrier_group(
+    timeout: timedelta,
+    *,
+    side_group: bool = True,
+    create_timeout: timedelta = SIDE_GROUP_TIMEOUT,
+    create=_new_gloo_group,
+    backend: str | None = None,
+    device: torch.device | None = None,
+) -> tuple[Any, Decision]:
+    """The group :func:`monitored_barrier` (and the unused-parameter evidence) runs on, and why: a collective,
+    call it on every rank, once.
+
+    The world when it runs CPU tensors on gloo (``"gloo"``, ``"cuda:nccl,cpu:gloo"``). For NCCL, which has no
+    monitored barrier, a gloo side group made by ``create`` within ``create_timeout``; ``None`` (a plain
+    barrier, evidence over the world) when ``side_group`` is False, gloo is unavailable, or the creation
+    failed on any rank: the ranks agree over the world group, so they all take the same path.
+    ``backend``/``device`` default to the world's backend and the device its collectives use.
+    """
+    world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
+    backend = backend or dist.get_backend()
+    if backend_for(backend, "cpu") == "gloo":
+        return world, Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
+    if not side_group:
+        return None, Decision(
+            "barrier", "plain", "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world"
         )
-    if group is dist.group.WORLD:
-        return Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
-    return Decision(
-        "barrier",
-        "monitored (gloo side group)",
-        f"NCCL has no monitored barrier; names missing ranks after {seconds}",
+    if not dist.is_gloo_available():
+        return None, Decision("barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks")
+    group, error = None, None
+    try:
+        group = create(create_timeout)
+        dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
+    except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
+        group, error = None, err
+    made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
+    dist.all_reduce(made, op=dist.ReduceOp.MIN)
+    if not made.item():  # once, at setup
+        why = f"this rank: {type(error).__name__}: {error}" if error else "another rank failed"
+        return None, Decision(
+            "barrier",
+            "plain",
+            f"the gloo side group could not be made within {create_timeout.total_seconds():g} s ({why}); "
+            "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, or "
+            "SoloDDP(gloo_side_group=False) to skip it",
+        )
+    return group, Decision(
+        "barrier", "monitored (gloo side group)", f"NCCL has no monitored barrier; names missing ranks after {seconds}"
     )
+
+
+def _world_device(backend: str) -> torch.device:
+    if backend_for(backend, "cuda") is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

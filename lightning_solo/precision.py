@@ -36,6 +36,7 @@ from numbers import Real
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -98,16 +99,53 @@ def auto_rule(device_type: str, bf16_supported: bool) -> Decision:
     )
 
 
-def auto_precision(device: torch.device) -> Decision:
-    """:func:`auto_rule` for a concrete device."""
-    bf16 = False
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-    return auto_rule(device.type, bf16)
+# What a rank's device can run, ordered: a job runs the lowest level any of its ranks has.
+CAPABILITIES = ("32-true", "16-mixed", "bf16-mixed")
 
 
-def resolve_precision(requested: str | None, trainer_precision: str, device: torch.device) -> Decision:
+def device_capability(device: torch.device) -> int:
+    """This device's index in :data:`CAPABILITIES`: bf16 on a GPU that has it natively, fp16 on other GPUs,
+    fp32 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    with torch.cuda.device(device):
+        return 2 if torch.cuda.is_bf16_supported(including_emulation=False) else 1
+
+
+def agreed_rule(levels: list[int]) -> Decision:
+    """The ``"auto"`` rule for a job whose rank ``r`` has capability ``levels[r]``: :func:`auto_rule` at the
+    lowest level, the same on every rank. A job spanning A100 and V100 nodes thus runs fp16 + GradScaler
+    everywhere: DDP must not average loss-scaled fp16 gradients with unscaled bf16 ones."""
+    level = min(levels)
+    decision = auto_rule("cuda" if level else "cpu", level == 2)
+    if len(levels) == 1:
+        return decision
+    if len(set(levels)) == 1:
+        return Decision("precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks")
+    lowest = [rank for rank, have in enumerate(levels) if have == level]
+    shown = f"{lowest[:8]}{' ...' if len(lowest) > 8 else ''}"
+    return Decision(
+        "precision",
+        decision.value,
+        f"{decision.reason}; the lowest capability of {len(levels)} ranks (rank(s) {shown} cannot do more)",
+    )
+
+
+def auto_precision(device: torch.device, capability: int | None = None) -> Decision:
+    """:func:`agreed_rule` over every rank's :func:`device_capability` (or ``capability``, for this rank): a
+    collective when a process group of several ranks exists, so call it on every rank, after the group."""
+    levels = [device_capability(device) if capability is None else capability]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        mine = torch.tensor(levels, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        levels = torch.cat(gathered).tolist()  # once, at setup
+    return agreed_rule(levels)
+
+
+def resolve_precision(
+    requested: str | None, trainer_precision: str, device: torch.device, capability: int | None = None
+) -> Decision:
     """Decide the run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)``.
 
     The rule:
@@ -116,7 +154,8 @@ def resolve_precision(requested: str | None, trainer_precision: str, device: tor
     * a concrete ``requested`` (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``) is used; if the Trainer
       was given a *different* explicit precision, this raises ``ValueError`` instead of letting one of them
       win silently.
-    * ``requested="auto"`` defers to an explicit Trainer precision and otherwise applies :func:`auto_rule`.
+    * ``requested="auto"`` defers to an explicit Trainer precision and otherwise applies :func:`auto_rule` to the
+      lowest capability of all ranks (:func:`auto_precision`, a collective).
     * ``Trainer(precision="32-true")`` cannot be told apart from the Trainer's default, so it counts as
       "not set": ``SoloDDP(precision="bf16-mixed")`` with it runs bf16 and ``"auto"`` applies its rule.
     """
@@ -127,7 +166,7 @@ def resolve_precision(requested: str | None, trainer_precision: str, device: tor
     trainer_explicit = None if trainer_precision == _TRAINER_DEFAULT else trainer_precision
     if requested == "auto":
         if trainer_explicit is None:
-            return auto_precision(device)
+            return auto_precision(device, capability)
         if trainer_explicit not in PRECISIONS:
             raise ValueError(
                 f"SoloDDP(precision='auto') can defer to Trainer(precision=...) only for {PRECISIONS[1:]}, got "

@@ -1,9 +1,12 @@
 """Checks that must pass before any worker starts: devices that exist, a world size that agrees with
-the launcher's environment, and no Hydra multirun on top of a launcher that re-runs the command."""
+the launcher's environment, no Hydra multirun on top of a launcher that re-runs the command, and (a
+warning) gloo's network interface on a multi-node job."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 
 import torch
 
@@ -65,3 +68,35 @@ def refuse_multirun_relaunch(trainer) -> None:
             "the whole sweep with its own output folders. Use parallelism.strategy.start_method=spawn (or fork) "
             "for local sweeps, or a cluster launcher that starts one task per rank (hydra/launcher=submitit_slurm)."
         )
+
+
+def gloo_interface_warning(
+    hostname: str | None = None, ifname: str | None = None, resolve=socket.gethostbyname
+) -> str | None:
+    """What is wrong with gloo's network interface on this node of a multi-node job, with the fix; ``None``
+    when nothing is.
+
+    Gloo (SoloDDP's side group on NCCL jobs, and CPU jobs) binds to the address this host's name resolves to
+    unless ``GLOO_SOCKET_IFNAME`` names an interface. On many clusters that address is loopback, which ranks
+    on other nodes cannot reach: creating the group then waits until it times out.
+    """
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") if ifname is None else ifname
+    if ifname:
+        return None
+    hostname = hostname or socket.gethostname()
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME")
+    fix = (
+        f"Set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on "
+        f"({'e.g. GLOO_SOCKET_IFNAME=' + nccl + ', as NCCL uses' if nccl else 'see `ip -br addr`'}), "
+        "or pass SoloDDP(gloo_side_group=False) to do without gloo on an NCCL job."
+    )
+    try:
+        address = resolve(hostname)
+    except OSError as err:
+        return f"gloo picks its interface from the hostname {hostname!r}, which does not resolve ({err}). {fix}"
+    if ipaddress.ip_address(address).is_loopback:
+        return (
+            f"gloo picks its interface from the hostname {hostname!r}, which resolves to the loopback address "
+            f"{address}: ranks on other nodes cannot connect to it. {fix}"
+        )
+    return None

@@ -16,6 +16,7 @@ This module is wiring only: each decision is made by a function in its own modul
 from __future__ import annotations
 
 import sys
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint_io import SoloCheckpointIO
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
+from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
@@ -137,6 +139,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         powersgd_start_iter: int = 1000,
         local_sgd_period: int = 4,
         local_sgd_warmup: int = 100,
+        gloo_side_group: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = resolve_start_method(start_method)
@@ -185,7 +188,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sync_batchnorm_threshold = sync_batchnorm_threshold
         self._precision_options = precision_options
         self._comm = comm_hooks
-        self._barrier_group = None
+        self._gloo_side_group = bool(gloo_side_group)
+        self._barrier_group = None  # the monitored barrier's and unused-parameter evidence's group; None: world
+        self._barrier_made = False
         self._grad_gather_group = None  # gloo, apart from DDP's group: see all_gather
         self._unused = unused
         self._decide(unused.decision)
@@ -235,20 +240,28 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # The device is known now: replace the placeholder precision plugin before anything uses it.
+        super().setup_environment()  # the device, then the process group
+        # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
+        # ranks, a collective). Nothing uses the plugin before this.
         self.precision_plugin, decisions = amp.settle_precision(
             self.precision_plugin, self._precision_options, self.lightning_module.trainer, self.root_device
         )
         for decision in decisions:
             self._decide(decision)
-        super().setup_environment()
         if self.root_device.type == "cpu":
             # Lightning's launchers already split the cores between local ranks; record what is in force.
             self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
         self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
-        if self._barrier_group is None:  # a group creation is a collective: once per process
-            self._barrier_group = comm.barrier_group(self._timeout)
-        self._decide(comm.barrier_decision(self._barrier_group, self._timeout))
+        if not self._barrier_made:  # a group creation is a collective: once per process
+            if self.num_nodes > 1 and self._gloo_side_group and self.local_rank == 0:
+                if warning := gloo_interface_warning():
+                    warnings.warn(warning, stacklevel=2)
+            # None (the plain barrier, evidence over the world) when gloo cannot be had in time, on every rank.
+            self._barrier_group, decision = comm.barrier_group(
+                self._timeout, side_group=self._gloo_side_group, device=self.root_device
+            )
+            self._barrier_made = True
+            self._decide(decision)
 
     @override
     def on_train_start(self) -> None:
@@ -280,7 +293,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             checkpoint[resume.RESUME_KEY] = resume.capture(trainer, getattr(self, "_train_sampler", None))
         if "optimizer_states" in checkpoint:  # a full checkpoint; a collective for PowerSGD (all ranks are here)
-            if hook_state := self._comm.state_dict():
+            if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it
                 checkpoint[comm.CHECKPOINT_KEY] = hook_state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -288,7 +301,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_record = checkpoint.get(resume.RESUME_KEY)
-        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY))  # applied when the hook is registered
+        # Applied when the hook is registered; each rank reads its own PowerSGD shard beside the checkpoint.
+        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
         return checkpoint
 
     @override
@@ -299,7 +313,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
             self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
             return
-        self._decide(self._comm.register(self.model, local_world_size=self.num_processes))
+        self._decide(self._comm.register(self.model, node=self.node_rank))
         if self._comm.averaging_period is not None:
             # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
             self._ddp_comm_state = self._comm.state
@@ -308,7 +322,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def _enable_model_averaging(self) -> None:
         super()._enable_model_averaging()
-        self._comm.attach_averager(self._model_averager)  # restores its step count on resume
+        # Same schedule, averaging in place (keeps channels_last); restores its step count on resume.
+        self._model_averager = self._comm.attach_averager(self._model_averager)
 
     @property
     def _cpu_group(self) -> Any:

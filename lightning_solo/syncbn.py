@@ -4,9 +4,10 @@
 ``sync_batchnorm=True`` reverts layers to a generic ``_BatchNormXd`` after fit. This module gives:
 
 * :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
-  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` values), running
-  statistics identical to BatchNorm over the concatenated batch, uneven per-rank batches weighted by
-  their element counts, no communication in eval mode.
+  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` float64 values),
+  running statistics identical to BatchNorm over the concatenated batch, uneven or empty per-rank batches
+  weighted by their element counts, no communication in eval mode. The same code on CPU and CUDA: no host
+  sync, no copy of fp16/bf16 activations, same collectives on every rank whatever its autocast dtype.
 * :func:`convert` / :func:`revert`: swap a model's BatchNorm layers in place and back to their
   *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible).
 * :func:`decide`: the ``sync_batchnorm="auto"`` policy, returning a :class:`Decision`.
@@ -58,81 +59,92 @@ def _channel_view(t: Tensor, x: Tensor) -> Tensor:
     return t.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    # Half-precision sums over a whole batch lose too many digits; torch's BN accumulates in fp32 too.
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    # Statistics of fp16/bf16 activations are kept in fp32, as torch's BN does; the activations never are.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Batch-norm over the batch of all ranks in ``group``; each rank holds its own slice of it."""
+    """Batch-norm over the batch of all ranks in ``group``; each rank holds its own slice of it.
+
+    The same code runs on CPU/gloo and CUDA/nccl, with three properties a GPU run needs:
+
+    * no host sync: the global count stays a device tensor (shapes alone choose the branches);
+    * no copy of the activations in another dtype: torch's BN kernels take fp16/bf16 activations with
+      fp32 statistics and parameters and accumulate in fp32 themselves;
+    * every rank sends the same collectives, whatever its batch (empty included) or autocast dtype:
+      ``2C + 1`` float64 values forward, ``2C`` backward.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
-        xc = x.to(_compute_dtype(x))
-        channels = x.shape[1]
-        count = x.numel() // channels
-        if count:
-            # The fused BN statistics kernel (mean, biased var): several times faster than torch.var_mean.
-            mean, var = torch.batch_norm_update_stats(xc, None, None, 0.0)
-        else:  # an empty slice still takes part in the collectives
-            var = mean = xc.new_zeros(channels)
-        # Per-rank mean/var are computed stably in the input's precision; combining them as float64 sums
-        # (n·mean, n·(var + mean²), n) is then exact enough and needs one all-reduce of 2C+1 values,
-        # whatever the world size, and weights uneven batches by their counts.
-        mean64, n = mean.double(), float(count)
-        stats = torch.cat([mean64 * n, (var.double() + mean64.square()) * n, mean64.new_full((1,), n)])
-        dist.all_reduce(stats, group=group)
-        total = stats[-1].item()  # a host sync; on CUDA + nccl SoloDDP uses torch's kernels instead
-        if total <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got {int(total)} in all ranks")
-        g_mean = stats[:channels] / total
-        g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
-
-        if running_mean is not None:
-            running_mean.mul_(1 - factor).add_(g_mean.to(running_mean.dtype), alpha=factor)
-        if running_var is not None:
-            unbiased = g_var * (total / (total - 1))
-            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-
-        mean_c, var_c = g_mean.to(xc.dtype), g_var.to(xc.dtype)
-        # Normalising with given statistics is batch_norm in eval mode: one fused kernel on CPU and GPU.
-        y = F.batch_norm(xc, mean_c, var_c, weight, bias, training=False, momentum=0.0, eps=eps)
-        ctx.save_for_backward(x, weight, mean_c, torch.rsqrt(var_c + eps))
-        ctx.group, ctx.total = group, total
-        return y.to(x.dtype)
+        channels, count = x.shape[1], x.numel() // x.shape[1]
+        dtype = _stats_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the kernels below handle mixed dtypes natively
+            if count:
+                # The fused statistics kernel; scratch running buffers (momentum 0) make it return fp32 stats
+                # of fp16/bf16 input on CPU as well (without them the CPU kernel rounds them to bf16).
+                scratch = x.new_zeros(channels, dtype=dtype), x.new_ones(channels, dtype=dtype)
+                mean, var = torch.batch_norm_update_stats(x, *scratch, 0.0)
+            else:  # an empty slice still takes part in the collectives
+                mean = var = x.new_zeros(channels, dtype=dtype)
+            # Combined as float64 sums (n·mean, n·(var + mean²), n): exact enough, one all-reduce of a fixed
+            # size and dtype whatever the world size, and uneven batches weighted by their counts.
+            mean64, var64 = mean.double(), var.double()
+            stats = torch.cat([mean64 * count, (var64 + mean64.square()) * count, mean64.new_full((1,), count)])
+            dist.all_reduce(stats, group=group)
+            total = stats[-1:]
+            # A device-side check: on CUDA it fails the step later rather than sync now.
+            torch._assert_async(total > 1, "Expected more than 1 value per channel when training, in all ranks")
+            g_mean = stats[:channels] / total
+            g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
+            if running_mean is not None:
+                running_mean.mul_(1 - factor).add_(g_mean.to(running_mean.dtype), alpha=factor)
+            if running_var is not None:
+                unbiased = g_var * total / (total - 1).clamp_min(1)
+                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+            mean, var = g_mean.to(dtype), g_var.to(dtype)
+            w = weight.to(dtype) if weight is not None else None
+            b = bias.to(dtype) if bias is not None else None
+            # Normalising with given statistics is batch_norm in eval mode: one fused kernel, output in x's dtype.
+            y = F.batch_norm(x, mean, var, w, b, training=False, momentum=0.0, eps=eps)
+        ctx.save_for_backward(x, weight, mean, var, total)
+        ctx.eps, ctx.group = eps, group
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, weight, mean, invstd = ctx.saved_tensors
-        xc, gy = x.to(mean.dtype), grad_out.to(mean.dtype)
+        x, weight, mean, var, total = ctx.saved_tensors
         channels = mean.numel()
-        if xc.numel():
-            # The fused BN backward kernel's weight/bias gradients are exactly the per-channel sums
-            # Σ dy·x̂ and Σ dy; its input gradient (local-batch formula) is not asked for.
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                gy, xc, torch.ones_like(mean), None, None, mean, invstd, True, 0.0, [False, True, True]
-            )
-        else:
-            sum_dy_xhat = sum_dy = mean.new_zeros(channels)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
-        grad_x = None
-        # Every rank has the same graph, so either all of them or none take part in this all-reduce.
-        # Weight/bias gradients stay local: DDP averages them like any other parameter's.
-        if ctx.needs_input_grad[0]:
-            sums = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(sums, group=ctx.group)
-            mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
-            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-            # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs):
-            #   scale·(dy - mean(dy) - x̂·mean(dy·x̂)),  x̂ = (x - μ)·invstd,  means over the global batch,
-            # written as dy·a + x·b + c with per-channel a, b, c: two passes over the activations.
-            b = -scale * invstd * mean_dy_xhat
-            c = -scale * mean_dy - b * mean
-            grad_x = torch.addcmul(_channel_view(c, x), xc, _channel_view(b, x))
-            grad_x.addcmul_(gy, _channel_view(scale, x))
-            grad_x = grad_x.to(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            invstd = torch.rsqrt(var + ctx.eps)
+            if x.numel():
+                # The fused BN backward kernel's weight/bias gradients are exactly the per-channel sums
+                # Σ dy·x̂ and Σ dy; its input gradient (local-batch formula) is not asked for.
+                _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                    grad_out, x, torch.ones_like(mean), None, None, mean, invstd, True, 0.0, [False, True, True]
+                )
+            else:
+                sum_dy_xhat = sum_dy = mean.new_zeros(channels)
+            grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+            grad_x = None
+            # Every rank has the same graph, so either all of them or none take part in this all-reduce.
+            # Weight/bias gradients stay local: DDP averages them like any other parameter's.
+            if ctx.needs_input_grad[0]:
+                sums = torch.cat([sum_dy, sum_dy_xhat]).double()
+                dist.all_reduce(sums, group=ctx.group)
+                means = (sums / total).to(mean.dtype)
+                scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+                # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs):
+                #   scale·(dy - mean(dy)) - scale·mean(dy·x̂)·x̂,  x̂ = (x - μ)·invstd,  means over the global batch.
+                # The x̂ term is batch_norm in eval mode (weight -scale·mean(dy·x̂), bias -scale·mean(dy)): fused,
+                # x - μ in fp32, output in x's dtype; then dy·scale is added in that dtype.
+                grad_x = F.batch_norm(
+                    x, mean, var, -scale * means[channels:], -scale * means[:channels], False, 0.0, ctx.eps
+                )
+                grad_x.addcmul_(grad_out, _channel_view(scale.to(grad_out.dtype), x))
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -356,12 +368,9 @@ def per_device_batch_size(trainer: pl.Trainer) -> int | None:
 class _SoloLayerSync(LayerSync):
     """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
 
-    def __init__(self, native: bool) -> None:
-        self.native = native
-
     @override
     def apply(self, model: nn.Module) -> nn.Module:
-        return convert(model, native=self.native)
+        return convert(model)
 
     @override
     def revert(self, model: nn.Module) -> nn.Module:
@@ -375,10 +384,10 @@ def plan(
 
     ``requested`` is what Lightning's connector put on the strategy: ``TorchSyncBatchNorm`` for
     ``Trainer(sync_batchnorm=True)`` (replaced by ours: torch's refuses CPU), a custom ``LayerSync``
-    plugin (kept as is), or ``None``. On CUDA with nccl torch's fused ``SyncBatchNorm`` is used (same
-    statistics and gradients); elsewhere :class:`SoloSyncBatchNorm`.
+    plugin (kept as is), or ``None``. :class:`SoloSyncBatchNorm` is used on every device and backend:
+    torch's ``SyncBatchNorm`` syncs the host once per layer and step and, under autocast, sends half-precision
+    zeros from an empty rank while the others send fp32 (NCCL then hangs or corrupts memory).
     """
-    strategy = trainer.strategy
     if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
         return Decision("sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"), requested
     decision = decide(
@@ -391,6 +400,4 @@ def plan(
     )
     if not decision.value:
         return decision, None
-    native = strategy.root_device.type == "cuda" and getattr(strategy, "_process_group_backend", None) == "nccl"
-    impl = "torch.nn.SyncBatchNorm (CUDA + nccl)" if native else "SoloSyncBatchNorm (any backend)"
-    return Decision(decision.setting, True, f"{decision.reason}; {impl}"), _SoloLayerSync(native)
+    return Decision(decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm"), _SoloLayerSync()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,3 +75,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Within ``with HostSyncRecorder() as rec:``, records each all-reduce's ``(dtype, numel)`` in
+    ``rec.allreduces`` and every host sync in ``rec.syncs``: ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``
+    all go through ``_local_scalar_dense``, boolean-mask indexing through ``nonzero``. Works on any device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allreduces: list[tuple[str, int]] = []
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("c10d::allreduce"):
+            self.allreduces += [(str(t.dtype), t.numel()) for t in args[0]]
+        elif name.split("::")[-1].split(".")[0] in ("_local_scalar_dense", "nonzero", "masked_select"):
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))

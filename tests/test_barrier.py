@@ -10,13 +10,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import barrier_group, monitored_barrier
+import torch.distributed as dist
+
+from lightning_solo.comm import backend_for, barrier_group, monitored_barrier
+from lightning_solo.preflight import gloo_interface_warning
 from tests.distributed import run_ranks
 
 
 def _late_rank_two(rank: int, world_size: int) -> str:
     timeout = timedelta(seconds=1.5)
-    group = barrier_group(timeout)
+    group, _ = barrier_group(timeout)
     monitored_barrier("everyone", timeout, group)  # all arrive: passes
     if rank == 2:
         time.sleep(3)
@@ -72,3 +75,50 @@ def test_soloddp_barrier_names_the_sleeping_rank():
     with pytest.raises(Exception, match=r"barrier 'after_sleep' timed out after 3 s: rank\(s\) \[1\] did not arrive"):
         trainer.fit(SleepyRankOne())
     assert time.monotonic() - start < 30
+
+
+def _side_group_paths(rank: int, world_size: int) -> dict:
+    cpu, timeout = torch.device("cpu"), timedelta(seconds=30)
+    out = {}
+    # The world of "nccl"/"cuda:nccl,cpu:gloo" jobs, told by the backend string (the world here is gloo).
+    group, decision = barrier_group(timeout, backend="nccl", device=cpu)
+    monitored_barrier("side", timeout, group)
+    out["made"] = (group is not dist.group.WORLD and group is not None, decision.value)
+    group, decision = barrier_group(timeout, backend="cuda:nccl,cpu:gloo", device=cpu)
+    out["mixed"] = (group is dist.group.WORLD, decision.value)
+    group, decision = barrier_group(timeout, side_group=False, backend="nccl", device=cpu)
+    out["off"] = (group, decision.value, decision.reason)
+
+    def unreachable(create_timeout):
+        if rank == 1:  # e.g. gloo bound to loopback: this rank fails, rank 0 waits for it and times out
+            raise RuntimeError("Gloo connectFullMesh failed")
+        return dist.new_group(backend="gloo", timeout=create_timeout)
+
+    start = time.monotonic()
+    group, decision = barrier_group(
+        timeout, backend="nccl", device=cpu, create=unreachable, create_timeout=timedelta(seconds=2)
+    )
+    out["failed"] = (group, decision.value, decision.reason, time.monotonic() - start)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
+    for rank, out in enumerate(run_ranks(_side_group_paths, 2)):
+        assert out["made"] == (True, "monitored (gloo side group)")
+        assert out["mixed"] == (True, "monitored")
+        assert out["off"][:2] == (None, "plain") and "gloo_side_group=False" in out["off"][2]
+        group, value, reason, seconds = out["failed"]
+        assert group is None and value == "plain" and seconds < 15  # not the 30 s collective timeout
+        assert "GLOO_SOCKET_IFNAME" in reason
+        assert ("connectFullMesh" if rank == 1 else "DistStoreError") in reason
+
+
+def test_backend_strings_and_gloo_interface_check():
+    assert backend_for("cuda:nccl,cpu:gloo", "cpu") == "gloo" and backend_for("cuda:nccl,cpu:gloo", "cuda") == "nccl"
+    assert backend_for("nccl", "cuda") == "nccl" and backend_for("cuda:nccl", "cpu") is None
+    loopback = gloo_interface_warning("node7", ifname="", resolve=lambda host: "127.0.1.1")
+    assert "loopback address 127.0.1.1" in loopback and "GLOO_SOCKET_IFNAME" in loopback
+    assert gloo_interface_warning("node7", ifname="", resolve=lambda host: "10.0.0.7") is None
+    assert gloo_interface_warning("node7", ifname="ib0", resolve=lambda host: "127.0.0.1") is None

@@ -50,7 +50,7 @@ def test_resnet_4gpu_cpu_dry_run(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 4
     assert summary["global_step"] == 3
-    assert summary["precision"] == "bf16-mixed"
+    assert summary["precision"] == "32-true"  # precision: auto, on CPU
     assert {f"train_ddp_process_{k}.log" for k in (1, 2, 3)} <= {p.name for p in (tmp_path / "run").iterdir()}
 
 

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook, _read_shard, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
 
@@ -66,7 +66,7 @@ def test_batched_powersgd_is_not_offered():
 # ---------------------------------------------------------------- raw DDP, 2 gloo ranks
 
 
-def _powersgd_resume_across_rebucketing(rank: int) -> dict:
+def _powersgd_resume_across_rebucketing(rank: int, ckpt: str) -> dict:
     """6 PowerSGD steps straight vs 3 + save + fresh DDP/hook + load + 3. DDP's first iteration after the
     restore uses one bucket in forward order, later ones two buckets in gradient order: the restored error
     feedback and Q memory must follow the parameters, not the bucket indices."""
@@ -77,7 +77,7 @@ def _powersgd_resume_across_rebucketing(rank: int) -> dict:
             net.load_state_dict(weights)
         ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
         hook = CommHook("powersgd", powersgd_start_iter=2)
-        hook.load_state_dict(state)
+        hook.load_state_dict(state, ckpt)
         hook.register(ddp)
         return net, ddp, hook, torch.optim.SGD(ddp.parameters(), lr=0.1)
 
@@ -93,21 +93,20 @@ def _powersgd_resume_across_rebucketing(rank: int) -> dict:
     straight, straight_state = flat(net), hook.state_dict()
     net, ddp, hook, opt = start()
     train(ddp, opt, range(3))
-    saved = [hook.state_dict(), net.state_dict()]
+    saved = [hook.state_dict(ckpt), net.state_dict()]  # each rank writes its error-feedback shard
     dist.broadcast_object_list(saved, src=0)  # what every rank reads back from rank 0's checkpoint
     net, ddp, hook, opt = start(*saved)
     train(ddp, opt, range(3, 6))
     resumed_state = hook.state_dict()
     result = {"param_diff": (flat(net) - straight).abs().max().item(), "iter": resumed_state["iter"]}
-    if rank == 0:
-        pairs = [(a, resumed_state["error"][r][k]) for r in range(2) for k, a in straight_state["error"][r].items()]
-        pairs += [(a, resumed_state["q"][k]) for k, a in straight_state["q"].items()]
-        result["state_diff"] = max((a - b).abs().max().item() for a, b in pairs)
-        result["state_entries"] = len(pairs)
+    pairs = [(a, resumed_state["error"][k]) for k, a in straight_state["error"].items()]
+    pairs += [(a, resumed_state["q"][k]) for k, a in straight_state["q"].items()]
+    result["state_diff"] = max((a - b).abs().max().item() for a, b in pairs)
+    result["state_entries"] = len(pairs)
     return result
 
 
-def _hooks_against_exact_allreduce(rank: int, world_size: int) -> dict:
+def _hooks_against_exact_allreduce(rank: int, world_size: int, ckpt: str) -> dict:
     out: dict = {}
     for name, cap in (("fp16", 25), ("bf16", 25), ("powersgd", 0.001)):  # several buckets for PowerSGD
         ref, net = make_net(), make_net()
@@ -134,13 +133,13 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int) -> dict:
             "errors": errors,
             "params": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),  # no shared memory
         }
-    out["resume_across_rebucketing"] = _powersgd_resume_across_rebucketing(rank)
+    out["resume_across_rebucketing"] = _powersgd_resume_across_rebucketing(rank, ckpt)
     # post-local-SGD counters come back from a state dict on every rank
     net = make_net()
     ddp = nn.parallel.DistributedDataParallel(net)
     hook = CommHook("post_local_sgd", local_sgd_period=3, local_sgd_warmup=2)
     hook.load_state_dict({"hook": "post_local_sgd", "iter": 7, "averager_step": 9})
-    out["post_local_sgd"] = {"decision": hook.register(ddp, local_world_size=world_size).reason}
+    out["post_local_sgd"] = {"decision": hook.register(ddp).reason}
     hook.attach_averager(PeriodicModelAverager(period=3, warmup_steps=2))
     out["post_local_sgd"].update(
         logged=ddp._get_ddp_logging_data().get("comm_hook"), iter=hook.state.iter, step=hook.averager.step
@@ -150,8 +149,8 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int) -> dict:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(60)
-def test_hooks_registered_on_cpu_and_close_to_exact_allreduce():
-    r0, r1 = run_ranks(_hooks_against_exact_allreduce, 2)
+def test_hooks_registered_on_cpu_and_close_to_exact_allreduce(tmp_path):
+    r0, r1 = run_ranks(_hooks_against_exact_allreduce, 2, str(tmp_path / "raw.ckpt"))
     for name, low, high in (("fp16", 1e-6, 2e-3), ("bf16", 1e-4, 2e-2)):
         assert r0[name]["logged"] == f"{name}_compress_hook" and r0[name]["decision"] == name
         # compressed (not exact) but within the format's precision
@@ -162,14 +161,46 @@ def test_hooks_registered_on_cpu_and_close_to_exact_allreduce():
     assert max(psgd["errors"][:2]) < 1e-6  # exact all-reduce before start_powerSGD_iter
     assert min(psgd["errors"][2:]) > 1e-3  # low-rank compression afterwards
     assert psgd["params"] == r1["powersgd"]["params"]
-    resumed = r0["resume_across_rebucketing"]
-    # error feedback for 6 parameters on each rank, Q memory for the 3 compressed matrices
-    assert resumed["iter"] == 6 and resumed["state_entries"] == 6 * 2 + 3
-    assert resumed["state_diff"] == 0.0 and resumed["param_diff"] == 0.0
-    assert r1["resume_across_rebucketing"]["param_diff"] == 0.0
+    # error feedback for 6 parameters on each rank (its own shard), Q memory for the 3 compressed matrices
+    for resumed in (r0["resume_across_rebucketing"], r1["resume_across_rebucketing"]):
+        assert resumed["iter"] == 6 and resumed["state_entries"] == 6 + 3
+        assert resumed["state_diff"] == 0.0 and resumed["param_diff"] == 0.0
     local = r0["post_local_sgd"]
     assert local["logged"] == "post_localSGD_hook" and "no gradient communication" in local["decision"]
     assert (local["iter"], local["step"]) == (7, 9)
+
+
+def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # every rank starts from different parameters: the average is visible
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
+    start = [p.detach().clone() for p in net.parameters()]
+    ddp = nn.parallel.DistributedDataParallel(net)  # broadcasts rank 0's parameters
+    for p, mine in zip(net.parameters(), start):
+        p.data.copy_(mine)
+    hook = CommHook("post_local_sgd", local_sgd_period=2, local_sgd_warmup=0)
+    decision = hook.register(ddp, node=f"node{rank % 2}")  # SLURM's cyclic layout: nodes 0,1,0,1
+    averager = hook.attach_averager(PeriodicModelAverager(period=2, warmup_steps=0))
+    averager.average_parameters(iter(list(net.parameters())))  # step 0: averages
+    expected = []
+    for mine in start:
+        total = mine.clone()
+        dist.all_reduce(total)
+        expected.append(total / world_size)
+    return {
+        "subgroup": dist.get_process_group_ranks(hook.state.subgroup),
+        "decision": decision.reason,
+        "channels_last": net[0].weight.is_contiguous(memory_format=torch.channels_last),
+        "avg_err": max((p - e).abs().max().item() for p, e in zip(net.parameters(), expected)),
+    }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_post_local_sgd_groups_by_real_node_and_averages_in_place():
+    for rank, out in enumerate(run_ranks(_post_local_sgd_nodes_and_layout, 4)):
+        assert out["subgroup"] == [rank % 2, rank % 2 + 2], out
+        assert "within each of 2 nodes (2 ranks)" in out["decision"]
+        assert out["channels_last"] and out["avg_err"] < 1e-6, out
 
 
 # ---------------------------------------------------------------- through Lightning (fork launcher)
@@ -255,21 +286,34 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
     fit(tmp_path / "first", max_epochs=1, save=True, **opts)
     ckpt = tmp_path / "first" / "epoch=0.ckpt"
     saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
-    assert saved["iter"] == 8 and len(saved["error"]) == 2  # 8 steps, both ranks' error feedback
-    assert not torch.equal(saved["error"][0]["net.0.weight"], saved["error"][1]["net.0.weight"])
+    # 8 steps; no rank's error feedback in rank 0's file: one shard per rank beside it, hashed in it
+    assert saved["iter"] == 8 and "error" not in saved and len(saved["shards"]["sha256"]) == 2
+    shards = sorted(Path(shard_dir(ckpt)).glob("rank*.pt"))
+    assert [f.name[:6] for f in shards] == ["rank0.", "rank1."]
+    errors = [torch.load(f, weights_only=True) for f in shards]
+    assert not torch.equal(errors[0]["net.0.weight"], errors[1]["net.0.weight"])
     resumed = fit(tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt), **opts)
 
     assert full[0]["logged"] == resumed[0]["logged"] == "resumable_powerSGD_hook"
-    a, b = full[0]["hook_state"], resumed[0]["hook_state"]
-    assert a["iter"] == b["iter"] == 16
-    for rank in range(2):
-        for name, err in a["error"][rank].items():
-            torch.testing.assert_close(b["error"][rank][name], err, rtol=1e-5, atol=1e-7)
+    assert full[0]["hook_state"]["iter"] == resumed[0]["hook_state"]["iter"] == 16
+    for rank in range(2):  # each rank's own error feedback continued as if never interrupted
+        a, b = full[rank]["hook_state"], resumed[rank]["hook_state"]
+        for name, err in a["error"].items():
+            torch.testing.assert_close(b["error"][name], err, rtol=1e-5, atol=1e-7)
     for name, q in a["q"].items():
         torch.testing.assert_close(b["q"][name], q, rtol=1e-5, atol=1e-7)
     for rank in range(2):
         torch.testing.assert_close(resumed[rank]["final"], full[rank]["final"], rtol=1e-5, atol=1e-7)
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
+
+    # Self-verifying: a damaged or missing shard is a clear error naming the rank, not a silent zero.
+    assert _read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
+    shards[1].write_bytes(shards[1].read_bytes()[:-8] + b"damaged!")
+    with pytest.raises(RuntimeError, match="rank 1 .* does not match the sha256"):
+        _read_shard(ckpt, saved["shards"], 1)
+    shards[0].unlink()
+    with pytest.raises(RuntimeError, match="rank 0 .* is missing"):
+        _read_shard(ckpt, saved["shards"], 0)
 
 
 @pytest.mark.multiproc

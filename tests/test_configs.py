@@ -33,7 +33,7 @@ def test_resnet_4gpu_is_what_it_says(tmp_path):
     with composed(["+experiment=resnet_4gpu"], tmp_path) as cfg:
         assert cfg.model.arch == "resnet50"
         assert cfg.parallelism.devices == 4 and cfg.parallelism.accelerator == "gpu"
-        assert cfg.parallelism.precision == "bf16-mixed"
+        assert cfg.parallelism.precision == "auto"
         assert cfg.data._target_.endswith("CIFAR10DataModule")
 
 

@@ -13,10 +13,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
+from tests.distributed import run_ranks
 from lightning_solo.precision import (
     CHECKPOINT_KEY,
     EXTRA_KEY,
     SoloMixedPrecision,
+    agreed_rule,
+    auto_precision,
     auto_rule,
     precision_options,
     resolve_precision,
@@ -143,6 +146,33 @@ def test_auto_rule_and_trainer_strategy_agreement():
         resolve_precision("16-mixed", "bf16-mixed", CPU)
     with pytest.raises(ValueError, match="precision=None"):
         resolve_precision("auto", "16-true", CPU)
+
+
+def test_agreed_rule_takes_the_lowest_capability_of_all_ranks():
+    assert agreed_rule([2]) == auto_rule("cuda", bf16_supported=True)
+    assert agreed_rule([2, 2]).value == "bf16-mixed" and "the same on all 2 ranks" in agreed_rule([2, 2]).reason
+    mixed = agreed_rule([2, 1, 2, 1])  # A100 and V100 nodes: fp16 + GradScaler everywhere
+    assert mixed.value == "16-mixed" and "rank(s) [1, 3] cannot do more" in mixed.reason
+    assert agreed_rule([0, 2]).value == "32-true"
+
+
+def _auto_where_rank_one_lacks_bf16(rank: int, world_size: int):
+    return auto_precision(CPU, capability=1 if rank == 1 else 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(30)
+def test_auto_precision_is_agreed_across_ranks():
+    first, second = run_ranks(_auto_where_rank_one_lacks_bf16, 2)
+    assert first == second and first.value == "16-mixed" and "rank(s) [1]" in first.reason
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_soloddp_agrees_auto_precision_after_the_process_group_exists(tmp_path):
+    t = trainer(1, devices=2, strategy=SoloDDP(start_method="fork", precision="auto"))
+    t.fit(TinyNet(overflow_step=None), loader(n=8))
+    assert t.strategy.decisions["precision"].reason.endswith("the same on all 2 ranks")
 
 
 def _settle(strategy: SoloDDP, **trainer_kwargs):

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_solo import SoloDDP, syncbn
 from lightning_solo.syncbn import SoloSyncBatchNorm
+from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
 
 TOL = 1e-5
@@ -173,6 +174,40 @@ def test_ddp_steps_with_sync_equal_one_process_with_the_double_batch():
     for errors in run_ranks(_ddp_vs_single, 2):
         assert errors["sync=True"] <= TOL, errors
         assert errors["sync=False"] > 100 * TOL, errors  # plain BN sees only half the batch
+
+
+def _empty_rank_under_bf16_autocast(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))
+    net.to(memory_format=torch.channels_last)
+    mine = syncbn.convert(copy.deepcopy(net))
+    x = torch.randn(6, 3, 5, 5) + 3.0
+    local = x[: 0 if rank == 0 else 6].clone().requires_grad_()  # rank 0's batch is empty
+    mode = HostSyncRecorder()
+    with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        y = mine(local)
+        y.float().square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the reference: plain BN over the joined batch
+        ref_x = x.clone().requires_grad_()
+        net(ref_x).float().square().sum().backward()
+    out = {"allreduces": mode.allreduces, "syncs": mode.syncs, "y_dtype": str(y.dtype)}
+    out["running_var"] = rel_err(mine[1].running_var, net[1].running_var)
+    if rank == 1:
+        out["y"] = rel_err(y, net(x).detach())
+        out["grad_x"] = rel_err(local.grad, ref_x.grad)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_empty_rank_under_bf16_autocast_no_host_sync_and_same_collectives():
+    empty, full = run_ranks(_empty_rank_under_bf16_autocast, 2)
+    # Both ranks issue identical all-reduces (fixed dtype and size), or gloo/NCCL would mismatch and hang.
+    assert empty["allreduces"] == full["allreduces"] == [("torch.float64", 9), ("torch.float64", 8)]
+    assert empty["syncs"] == full["syncs"] == []
+    assert full["y_dtype"] == "torch.bfloat16"  # computed from the bf16 activations, not an fp32 copy
+    assert empty["running_var"] <= 1e-5 and full["running_var"] <= 1e-5
+    assert full["y"] <= 2e-2 and full["grad_x"] <= 3e-2, full  # bf16 rounding of BN's output/gradient
 
 
 # ---------------------------------------------------------------- single process: convert / revert / policy
