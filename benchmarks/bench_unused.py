@@ -3,7 +3,8 @@
 Two models: an MLP that uses every parameter, and the same MLP with a large head that is never called.
 ``False`` cannot train the second one (DDP raises on the second step), so there it is shown as such.
 Each rank runs a plain DDP loop that makes the same policy calls as SoloDDP (``at_boundary`` before a
-batch, ``after_backward`` after it), so the figures are the policy's cost and nothing else. Every setting
+batch, ``before_backward``/``after_backward`` around backward, the re-wrap), so the figures are the policy's
+cost and nothing else. Every setting
 has its own copy of the model (same initial weights); after ``--warmup`` untimed steps (which include auto's
 4-step evidence window and its re-wrap) the settings run in short blocks, interleaved in a rotating order,
 and the figures are the median over blocks of rank 0's steps per second and, for the ratios, the
@@ -46,7 +47,7 @@ def _model(head: bool):
 class _Run:
     """One setting on one model: its own weights (same initial values), DDP wrapper, policy and optimizer."""
 
-    def __init__(self, setting, head: bool, rank: int):
+    def __init__(self, setting, head: bool, rank: int, group):
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,7 +56,8 @@ class _Run:
         torch.manual_seed(0)
         self.model = _model(head)
         self.policy = UnusedParameters(setting)
-        self.ddp = DDP(self.model, find_unused_parameters=self.policy.initial, gradient_as_bucket_view=True)
+        ddp = DDP(self.model, find_unused_parameters=self.policy.initial, gradient_as_bucket_view=True)
+        self.ddp, self.group = self.policy.bind(ddp, group), group
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         data = torch.Generator().manual_seed(rank)
         self.x, self.y = torch.randn(BATCH, WIDTH, generator=data), torch.randint(0, 10, (BATCH,), generator=data)
@@ -69,13 +71,17 @@ class _Run:
             t0 = time.perf_counter()
             rewrap = self.policy.at_boundary(self.ddp)  # what SoloDDP.on_train_batch_start does
             t1 = time.perf_counter()
-            if rewrap:
-                self.ddp = DDP(self.policy.unwrap(self.ddp), find_unused_parameters=self.policy.find_unused,
-                               gradient_as_bucket_view=True)  # fmt: skip
+            if rewrap:  # what SoloDDP._rewrap does
+                self.ddp = self.policy.rewrap(self.ddp, lambda module: DDP(
+                    module, find_unused_parameters=self.policy.find_unused, gradient_as_bucket_view=True,
+                    init_sync=False), self.group)  # fmt: skip
+            t1b = time.perf_counter()
+            self.policy.before_backward(self.ddp)  # what SoloDDP.backward does around backward
+            t1c = time.perf_counter()
             F.cross_entropy(self.ddp(self.x), self.y).backward()
             t2 = time.perf_counter()
-            self.policy.after_backward(self.ddp)  # what SoloDDP.post_backward does
-            self.policy_s += time.perf_counter() - t2 + t1 - t0
+            self.policy.after_backward(self.ddp)
+            self.policy_s += time.perf_counter() - t2 + t1 - t0 + t1c - t1b
             self.policy_steps += 1
             self.opt.step()
             self.opt.zero_grad()
@@ -92,9 +98,10 @@ def _worker(rank: int, world: int, args) -> dict:
     rank_zero_only.rank = rank
     warnings.filterwarnings("ignore")
     results: dict = {}
+    side_channel = dist.new_group(backend="gloo")  # SoloDDP's: a gloo group apart from DDP's
     for head in (False, True):
         # False on the unused-head model raises on its second step (and leaves the peer waiting): not run.
-        runs = {s: _Run(s, head, rank) for s in (["auto", True] if head else ["auto", True, False])}
+        runs = {s: _Run(s, head, rank, side_channel) for s in (["auto", True] if head else ["auto", True, False])}
         for run in runs.values():
             run.steps(args.warmup)  # includes auto's evidence window and its re-wrap
         names = list(runs)

@@ -73,11 +73,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     Args:
         gradient_as_bucket_view: let gradients alias DDP's buckets (saves one copy of the gradients).
-        find_unused_parameters: ``"auto"`` (default), ``True`` or ``False``. ``"auto"``: DDP's fast path, decided
-            from the first steps' evidence; parameters that never get a gradient are named in one warning
-            and excluded from synchronisation, a varying set switches to ``True``, and a safety net keeps a
-            parameter that first goes unused later from crashing or hanging the run. See
-            :mod:`lightning_solo.unused`. The end-of-fit advice from DDP's logging data is in ``self.advice``.
+        find_unused_parameters: ``"auto"`` (default), ``True`` or ``False``. ``"auto"``: the first steps on
+            ``True`` as evidence, then DDP's fast path if every parameter was used (parameters never used are
+            named and excluded), else ``True``; ``True`` also whenever something communicates inside backward
+            (SyncBN, ``all_gather(sync_grads=True)``). On the fast path a parameter that goes unused later is
+            completed exactly as ``True`` would, then ``True``. Whatever the setting, DDP is re-wrapped when the
+            set of trainable parameters changes (fine-tuning), so every trainable parameter is synchronised.
+            See :mod:`lightning_solo.unused`. The end-of-fit advice from DDP's logging data is in ``self.advice``.
         start_method: ``"auto"`` (fork in notebooks, popen in scripts), or one of Lightning's launchers. With
             fork/spawn/forkserver, the notebook gets the fit's state back (true ``global_step``, callback state,
             decisions) and can fit again on the same Trainer: see :mod:`lightning_solo.launcher`.
@@ -191,7 +193,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._gloo_side_group = bool(gloo_side_group)
         self._barrier_group = None  # the monitored barrier's and unused-parameter evidence's group; None: world
         self._barrier_made = False
-        self._grad_gather_group = None  # gloo, apart from DDP's group: see all_gather
+        self._side_group, self._side_channel_made = None, False
         self._unused = unused
         self._decide(unused.decision)
         self.advice: list[str] = []
@@ -325,28 +327,38 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # Same schedule, averaging in place (keeps channels_last); restores its step count on resume.
         self._model_averager = self._comm.attach_averager(self._model_averager)
 
-    @property
-    def _cpu_group(self) -> Any:
-        """A group for small CPU-side collectives: the gloo side group, or the world when it is gloo."""
-        if self._barrier_group is not None:
-            return self._barrier_group
-        world_is_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-        return torch.distributed.group.WORLD if world_is_gloo else None
+    def _side_channel(self) -> Any:
+        """A gloo group apart from DDP's, for the collectives "auto" issues while DDP may still hold buckets
+        back (the fast path's usage map, a gradient-carrying all_gather's backward): gloo matches collectives
+        per group. ``None`` when gloo cannot be had; "auto" then stays on True. Call on every rank alike."""
+        if not self._side_channel_made:
+            self._side_channel_made = True
+            world = torch.distributed.group.WORLD
+            if self._barrier_group is not None and self._barrier_group is not world:
+                self._side_group = self._barrier_group  # the gloo side group of an nccl job
+            elif torch.distributed.get_backend() == "gloo":
+                self._side_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+        return self._side_group
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        return self._unused.bind(super()._setup_model(model), self._cpu_group)
+        return self._unused.bind(super()._setup_model(model), self._side_channel())
 
     def _rewrap(self) -> None:
-        module = self._unused.unwrap(self.model, keep_grads=not self.lightning_module.automatic_optimization)
         self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
         # Not Lightning's _setup_model: it builds DDP on a side stream that does not wait for the optimizer
         # step still running on the current one, and DDP's initial broadcast would then send rank 0's half-
         # updated parameters. The replicas are in step already (post-local-SGD: deliberately not, between
         # averages), so no broadcast at all.
         kwargs = {**self._ddp_kwargs, "init_sync": False}
-        ddp = DistributedDataParallel(module, device_ids=self.determine_ddp_device_ids(), **kwargs)
-        self.model = self._unused.bind(ddp, self._cpu_group)
+        device_ids = self.determine_ddp_device_ids()
+        self.model = self._unused.rewrap(
+            self.model,
+            lambda module: DistributedDataParallel(module, device_ids=device_ids, **kwargs),
+            self._side_channel(),
+            keep_grads=not self.lightning_module.automatic_optimization,
+            exact_allreduce=self._comm.name is None and self._ddp_comm_hook is None,
+        )
         self._register_ddp_hooks()
 
     @override
@@ -366,12 +378,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         if sync_grads and torch.is_grad_enabled() and torch.distributed.is_initialized():
             # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary,
-            # and until then that collective runs on a gloo group of its own, apart from DDP's buckets.
+            # and until then that collective runs on the side channel, apart from DDP's buckets.
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
-            if self._unused.phase in (Phase.FAST, Phase.EXCLUDING) and torch.distributed.is_gloo_available():
-                if self._grad_gather_group is None:  # every rank is here: the gather is a collective too
-                    self._grad_gather_group = torch.distributed.new_group(backend="gloo")
-                return all_gather_grad_on(tensor, group, self._grad_gather_group)
+            if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
+                return all_gather_grad_on(tensor, group, self._side_channel())
         return super().all_gather(tensor, group, sync_grads)
 
     @override

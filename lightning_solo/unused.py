@@ -23,11 +23,14 @@ evidence, the same way on every rank:
 3. **Fast path** (``False``), exact step by step. A hook on each parameter records whether its gradient
    arrived in the synchronised backward. Right after backward (before ``on_after_backward``, so no user
    collective can come first) a rank whose parameters went without one feeds them zero gradients, which
-   releases DDP's held buckets, as ``True`` contributes for a locally unused parameter. One small all-reduce
-   on a CPU (gloo) group then tells every rank which parameters were unused where: one that no rank used
-   gets ``grad=None`` on every rank (weight decay and momentum leave it alone, as under ``True``), an
-   excluded parameter that got a gradient is all-reduced by hand, and at the next batch boundary every rank
-   re-wraps with ``True`` and warns with the names.
+   releases DDP's held buckets, as ``True`` contributes for a locally unused parameter. Every rank learns
+   whether any rank had such an event from a one-element sentinel parameter in DDP's last bucket (each rank
+   feeds it its flag; DDP's own all-reduce averages them: no collective of its own; with a comm hook, which
+   may compress or skip that all-reduce, a small all-reduce on a gloo side channel instead). After an event
+   a usage map tells every rank which parameters were unused where: one that no rank used gets
+   ``grad=None`` on every rank (weight decay and momentum leave it alone, as under ``True``), an excluded
+   parameter that got a gradient is all-reduced by hand, and at the next batch boundary every rank re-wraps
+   with ``True`` and warns with the names.
 4. **The trainable set changes** (a layer frozen or unfrozen mid-fit, ``BackboneFinetuning``): checked at
    every batch boundary; DDP is re-wrapped so that every trainable parameter is synchronised (DDP only
    knows the parameters that required grad when it was built), and "auto" decides again from a new window.
@@ -38,11 +41,12 @@ on automatically: it promises that the graph can never change, the one thing "au
 Example::
 
     policy = UnusedParameters("auto")
+    group = torch.distributed.new_group(backend="gloo")  # apart from DDP's
     ddp = policy.bind(DistributedDataParallel(model, find_unused_parameters=policy.initial), group)
     for step, batch in enumerate(loader):
         if policy.at_boundary(ddp):                      # re-wrap decided (same on every rank)
-            module = policy.unwrap(ddp)
-            ddp = policy.bind(DistributedDataParallel(module, find_unused_parameters=policy.find_unused), group)
+            build = lambda m: DistributedDataParallel(m, find_unused_parameters=policy.find_unused, init_sync=False)
+            ddp = policy.rewrap(ddp, build, group)
         policy.before_backward(ddp)
         ddp(batch).sum().backward()
         policy.after_backward(ddp)                       # before optimizer.step()
@@ -54,6 +58,7 @@ Example::
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -67,6 +72,7 @@ from lightning_solo.decision import Decision
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
+_SENTINEL = "_lightning_solo_usage_sentinel"
 _REDUCER_ERRORS = ("Expected to mark a variable ready only once", "Expected to have finished reduction")
 # Where DDP's reducer errors list parameter indices (presentation only).
 _INDICES = re.compile(r"(?:did not receive grad for rank \d+|Parameter at index)[: ]+([\d ,]+)")
@@ -153,16 +159,16 @@ class UnusedParameters:
             )
         self.initial = self.find_unused
         self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
+        self._trainable_flags: list[tuple[Parameter, bool]] = []
         self._to_ours: list[int] = []  # reducer index -> our index, for the current DDP wrapper
         self._ignored: list[int] = []  # ours, excluded from synchronisation
         self._user_ignore: list[str] | None = None
         self._group: Any = None
         self._ddp: DistributedDataParallel | None = None
-        self._seen: bytearray = bytearray()  # fast path: gradient arrived in this synchronised backward
-        self._hooks: list[Any] = []
+        self._arrivals: _Arrivals | None = None  # fast path: which gradients arrived in this backward
+        self._sentinel: Parameter | None = None  # fast path without a comm hook: rides in DDP's last bucket
         self._never: torch.Tensor | None = None  # window: unused on every rank at every step so far
         self._varying: torch.Tensor | None = None  # window: unused on some rank at some step
-        self._map: torch.Tensor | None = None  # fast path: [missing | unused | dropped] per parameter
         self._window_steps = 0
         self._backward_collective: str | None = None  # why collectives run inside backward, once known
         self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
@@ -172,27 +178,53 @@ class UnusedParameters:
         return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
 
     # ----------------------------------------------------------------------------------------- hooks
-    def bind(self, ddp: DistributedDataParallel, group: Any = None) -> DistributedDataParallel:
-        """Call on every new DDP wrapper. ``group``: a CPU (gloo) group for the fast path's small per-step
-        all-reduce (``None``: no such group, so "auto" stays on ``True``)."""
+    def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
+             reducer_parameters: list[Parameter] | None = None) -> DistributedDataParallel:  # fmt: skip
+        """Call on every new DDP wrapper (:meth:`rewrap` does). ``group``: a gloo group apart from DDP's
+        (``None``: there is none, so "auto" stays on ``True``)."""
         self._remove_hooks()
-        self._ddp, self._group = ddp, group
+        self._ddp, self._group, self._sentinel = ddp, group, sentinel
         self._named = _trainable(ddp.module)
+        self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        self._to_ours = [index[id(p)] for p in _reducer_parameters(ddp)]
+        self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or _reducer_parameters(ddp)]
         if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
             more = ", ..." if len(found) > 3 else ""
             self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
             self._search(f"{self._backward_collective} communicate inside backward")
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
-            self._seen = bytearray(len(self._named))
-            self._map = torch.zeros(3, len(self._named), dtype=torch.int32)
-            seen = self._seen
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(lambda _, i=i: seen.__setitem__(i, 1))
-                for i, (_, p) in enumerate(self._named)
-            ]
+            self._arrivals = arrivals = _Arrivals(self._named, [i for i in self._to_ours if i >= 0], group)
+            # On FAST every event shows by the end of backward: signal as soon as the last gradient arrives,
+            # so DDP's last bucket leaves on time. Excluded parameters may get a gradient until the very end.
+            if self.phase is Phase.FAST:
+                if sentinel is None:
+                    arrivals.on_last = arrivals.send
+                else:
+                    index = (reducer_parameters or []).index(sentinel)
+                    arrivals.on_last = lambda: self._signal(ddp, index, arrivals.flag)
         return ddp
+
+    def rewrap(self, ddp: DistributedDataParallel, build: Callable[[Module], DistributedDataParallel],
+               group: Any = None, *, keep_grads: bool = False, exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
+        """Unwrap ``ddp``, ``build`` the new wrapper (``find_unused_parameters=self.find_unused``) and bind it.
+
+        ``exact_allreduce`` (no comm hook): on the fast path a one-element sentinel parameter rides in DDP's
+        last bucket. Every rank feeds it 1 if it had an event, 0 if not, so the averaged value tells every
+        rank, with no collective of its own, whether the step needs the usage map. A comm hook may compress
+        or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
+        module = self.unwrap(ddp, keep_grads)
+        if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
+            return self.bind(build(module), group)
+        device = next(module.parameters()).device
+        sentinel = Parameter(torch.zeros(1, device=device))
+        # Registered only while DDP collects its parameters: never in the module's state_dict or optimizer.
+        module.register_parameter(_SENTINEL, sentinel)
+        try:
+            new = build(module)
+            params = _reducer_parameters(new)
+        finally:
+            del module._parameters[_SENTINEL]
+        return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
         """A collective will run inside this step's backward (e.g. a gradient-carrying ``all_gather``). Called
@@ -203,8 +235,8 @@ class UnusedParameters:
                 self._switch = f"{what} communicates inside backward"
 
     def before_backward(self, ddp: Module) -> None:
-        if self._map is not None and getattr(ddp, "require_backward_grad_sync", False):
-            self._seen[:] = bytes(len(self._seen))
+        if self._arrivals is not None and getattr(ddp, "require_backward_grad_sync", False):
+            self._arrivals.arm()
 
     def after_backward(self, ddp: Module) -> None:
         """Right after every backward, on every rank, before any other collective and the optimizer step."""
@@ -213,7 +245,7 @@ class UnusedParameters:
         self.steps += 1
         if self.phase is Phase.WINDOW:
             self._window_step(ddp)
-        elif self._map is not None:
+        elif self._arrivals is not None:
             self._fast_step(ddp)
 
     def at_boundary(self, ddp: Module) -> bool:
@@ -221,7 +253,7 @@ class UnusedParameters:
         :meth:`unwrap` and ``find_unused_parameters=self.find_unused``, then :meth:`bind`."""
         if not isinstance(ddp, DistributedDataParallel):
             return False
-        if _trainable(ddp.module) != self._named:
+        if any(p.requires_grad is not was for p, was in self._trainable_flags):
             self._trainable_set_changed(ddp.module)
             return True
         if self.phase is Phase.WINDOW and self._window_steps >= self.window:
@@ -283,7 +315,7 @@ class UnusedParameters:
         if not isinstance(exception, RuntimeError) or not any(m in text for m in _REDUCER_ERRORS):
             return
         indices = [int(i) for found in _INDICES.findall(text) for i in re.findall(r"\d+", found)]
-        names = [self._named[self._to_ours[i]][0] for i in indices if i < len(self._to_ours)]
+        names = [self._named[self._to_ours[i]][0] for i in indices if i < len(self._to_ours) and self._to_ours[i] >= 0]
         named = f" DDP's parameter indices there are: {', '.join(names)}." if names else ""
         exception.args = (
             f"{text}\n\nSoloDDP (find_unused_parameters='auto', {self.phase.value} phase, DDP built with "
@@ -296,9 +328,9 @@ class UnusedParameters:
         )
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks, self._map = [], None
+        if self._arrivals is not None:
+            self._arrivals.remove()
+            self._arrivals = None
 
     # ------------------------------------------------------------------------------------- internals
     def _window_step(self, ddp: DistributedDataParallel) -> None:
@@ -315,18 +347,22 @@ class UnusedParameters:
         self._varying = varying if self._varying is None else self._varying | varying
 
     def _fast_step(self, ddp: DistributedDataParallel) -> None:
-        self._map.zero_()
-        missing = [ours for ours in self._to_ours if not self._seen[ours]]
-        if missing:
-            self._release(missing)
-        for i in self._ignored:
-            if self._named[i][1].grad is not None:
-                self._map[2, i] = 1
-        # Every rank takes part, events or not: a rank cannot know that another one had one.
-        dist.all_reduce(self._map, group=self._group)
-        if not self._map.any():
+        arrivals = self._arrivals
+        missing = [ours for ours in self._to_ours if ours >= 0 and not arrivals.seen[ours]]
+        dropped = [i for i in self._ignored if self._named[i][1].grad is not None]
+        if missing or dropped:
+            arrivals.map[2, dropped] = 1
+            arrivals.flag = 1.0
+        self._release(missing, arrivals.map, feed_sentinel=arrivals.on_last is None)
+        if self._sentinel is not None:
+            anyone = bool(self._sentinel.grad.item() > 0)  # the ranks' flags, averaged by DDP
+            self._sentinel.grad = None
+            if not anyone:
+                arrivals.armed = False
+                return
+        counts = arrivals.receive()
+        if not counts.any():
             return
-        counts = self._map
         world = ddp.process_group.size()
         for i in (counts[1] == world).nonzero().flatten().tolist():
             self._named[i][1].grad = None  # no rank used it: leave it alone, as True does
@@ -345,9 +381,12 @@ class UnusedParameters:
             )
             rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
 
-    def _release(self, missing: list[int]) -> None:
+    def _release(self, missing: list[int], usage: torch.Tensor, feed_sentinel: bool) -> None:
         """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
-        the held-back buckets all-reduce in order, and the reduction finishes."""
+        the held-back buckets all-reduce in order, and the reduction finishes (``feed_sentinel``: with the
+        sentinel, held back on every rank, given this rank's event flag)."""
+        if not missing and not feed_sentinel:
+            return
         params = [self._named[i][1] for i in missing]
         frozen = [self._named[i][0] for i, p in zip(missing, params) if not p.requires_grad]
         if frozen:
@@ -358,9 +397,20 @@ class UnusedParameters:
                 "re-wraps DDP there."
             )
         for i, p in zip(missing, params):
-            self._map[0, i] = 1
-            self._map[1, i] = int(p.grad is None)
-        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+            usage[0, i] = 1
+            usage[1, i] = int(p.grad is None)
+        grads = [torch.zeros_like(p) for p in params]
+        if self._sentinel is not None and feed_sentinel:
+            params.append(self._sentinel)
+            grads.append(torch.full_like(self._sentinel, self._arrivals.flag))
+        if params:
+            torch.autograd.backward(params, grads)
+
+    def _signal(self, ddp: DistributedDataParallel, index: int, flag: float) -> None:
+        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
+        # and mark it ready, as its own gradient hook would.
+        self._sentinel.grad = torch.full_like(self._sentinel, flag)
+        ddp.reducer._autograd_hook(index)
 
     def _decide(self) -> bool:
         never = self._never.nonzero().flatten().tolist()
@@ -429,6 +479,52 @@ class UnusedParameters:
             f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "
             f"next {self.window} steps (on True meanwhile)",
         )  # fmt: skip
+
+
+class _Arrivals:
+    """Fast path: whose gradients arrived in the synchronised backward, this rank's event flag, and the
+    step's usage map ``[missing | unused | dropped]``, all-reduced on ``group`` (:meth:`send`, :meth:`receive`).
+    ``on_last`` runs in the hook of the last synchronised gradient to arrive."""
+
+    def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], group: Any):
+        self.seen = bytearray(len(named))
+        self.map = torch.zeros(3, len(named), dtype=torch.int32)
+        self.group, self.synced = group, set(synced)
+        self.on_last: Callable[[], None] | None = None
+        self.left, self.armed, self.work, self.flag = 0, False, None, 0.0
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
+
+    def _hook(self, i: int):
+        synced = i in self.synced
+
+        def arrived(_: Parameter) -> None:
+            if self.armed and not self.seen[i]:
+                self.seen[i] = 1
+                if synced:
+                    self.left -= 1
+                    if self.left == 0 and self.on_last is not None:
+                        self.on_last()
+
+        return arrived
+
+    def arm(self) -> None:
+        self.seen[:] = bytes(len(self.seen))
+        self.map.zero_()
+        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, 0.0
+
+    def send(self) -> None:
+        self.work = dist.all_reduce(self.map, group=self.group, async_op=True)
+
+    def receive(self) -> torch.Tensor:
+        if self.work is None:
+            self.send()
+        self.work.wait()
+        self.armed, self.work = False, None
+        return self.map
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def all_gather_grad_on(tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:

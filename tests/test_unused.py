@@ -77,22 +77,21 @@ SCENARIOS = {
 }
 
 
-def _train(rank: int, name: str, setting, accumulate: int):
+def _train(rank: int, name: str, setting, accumulate: int, group):
     has_head, plan = SCENARIOS[name]
     torch.manual_seed(0)
     model = _Raw(has_head)
     policy = UnusedParameters(setting, window=WINDOW)
-    group = torch.distributed.group.WORLD
     ddp = policy.bind(DDP(model, find_unused_parameters=policy.initial, gradient_as_bucket_view=True), group)
     # AdamW with weight decay: a parameter given a zero gradient instead of None moves (momentum, decay).
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     data = torch.Generator().manual_seed(1 + rank)
-    wrappers = 1
+    wrappers, errors = 1, 0
     for step in range(RAW_STEPS):
         if policy.at_boundary(ddp):
-            module = policy.unwrap(ddp)
-            ddp = DDP(module, find_unused_parameters=policy.find_unused, gradient_as_bucket_view=True, init_sync=False)
-            policy.bind(ddp, group)
+            errors += ddp._get_ddp_logging_data().get("has_error", 0)
+            ddp = policy.rewrap(ddp, lambda module: DDP(module, find_unused_parameters=policy.find_unused,
+                                                        gradient_as_bucket_view=True, init_sync=False), group)  # fmt: skip
             wrappers += 1
         use_b, use_head = plan(step, rank)
         for micro in range(accumulate):
@@ -114,15 +113,17 @@ def _train(rank: int, name: str, setting, accumulate: int):
         "params": params, "value": policy.decision.value, "reason": policy.decision.reason, "phase": policy.phase,
         "unused": policy.unused_names, "varying": policy.varying_names, "ignored": sorted(ddp.parameters_to_ignore),
         "find_unused": ddp.find_unused_parameters, "wrappers": wrappers, "advice": advice,
+        "ddp_errors": errors + ddp._get_ddp_logging_data().get("has_error", 0),
     }  # fmt: skip
 
 
 def _all_scenarios(rank: int, world_size: int):
+    group = torch.distributed.new_group(backend="gloo")  # the side channel: apart from DDP's group
     out = {}
     for name in SCENARIOS:
         for accumulate in (1, 2):
-            out[name, accumulate, "auto"] = _train(rank, name, "auto", accumulate)
-            out[name, accumulate, True] = _train(rank, name, True, accumulate)
+            out[name, accumulate, "auto"] = _train(rank, name, "auto", accumulate, group)
+            out[name, accumulate, True] = _train(rank, name, True, accumulate, group)
     return out
 
 
@@ -164,11 +165,41 @@ def test_raw_ddp_auto_decides_never_crashes_and_trains_like_true(raw, name, accu
         assert any("excluded from synchronisation" in line and "head.weight" in line for line in r0["advice"])
     if wrappers == 3:
         assert "switched to find_unused_parameters=True" in r0["reason"]
+    assert r0["ddp_errors"] == 0  # the fast path's events are handled, not recorded by DDP as errors
     # Every step, the event steps included, computes what find_unused_parameters=True computes (AdamW with
     # weight decay: a zero gradient where True leaves None would move the parameter).
     exact = raw[0][name, accumulate, True]["params"]
     for n, p in r0["params"].items():
         np.testing.assert_allclose(p, exact[n], rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+def _freeze_inside_a_step(rank: int, world_size: int):
+    torch.manual_seed(0)
+    model = _Raw(head=False)
+    policy = UnusedParameters("auto", window=WINDOW)
+    group = torch.distributed.new_group(backend="gloo")
+    ddp = policy.bind(DDP(model, find_unused_parameters=True), group)
+    for step in range(RAW_STEPS):
+        if policy.at_boundary(ddp):
+            ddp = policy.rewrap(ddp, lambda module: DDP(module, init_sync=False), group)
+        if step == 6:
+            model.b.requires_grad_(False)  # inside the step: DDP was built with b trainable
+        policy.before_backward(ddp)
+        ddp(torch.randn(3, 4)).sum().backward()
+        try:
+            policy.after_backward(ddp)
+        except RuntimeError as error:
+            return str(error)
+    return None
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_parameter_frozen_inside_a_step_is_named_with_the_step_and_the_fix():
+    messages = run_ranks(_freeze_inside_a_step, 2, timeout=50)
+    for message in messages:
+        assert "b.weight, b.bias stopped requiring grad during step 6" in message
+        assert "change requires_grad at a batch boundary" in message.replace("Change", "change")
 
 
 @pytest.mark.multiproc
