@@ -145,8 +145,8 @@ class SoloCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if _zip_comment(path) == b"" and not self.require_manifest:
-            rank_zero_warn(f"{os.fspath(path)!r} has no lightning_solo manifest; loading it unverified")
+        if not self.require_manifest and (legacy := _unverifiable(path)):
+            rank_zero_warn(f"{os.fspath(path)!r} {legacy}; loading it unverified")
         else:
             verify(path)
         return load_weights_only(path, map_location=map_location, weights_only=weights_only)
@@ -204,6 +204,7 @@ def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, An
     prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
         with os.fdopen(fd, "w+b") as raw:
             writer = _HashingWriter(raw)
             dump(writer)
@@ -225,6 +226,17 @@ def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, An
         raise
     if fsync:
         _fsync_dir(directory)
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc has it without that race (Linux >= 4.7).
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def _comment_bytes(manifest: dict[str, Any]) -> bytes:
@@ -386,10 +398,18 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None
 
 
-def _zip_comment(path) -> bytes | None:
-    """The zip comment (``b""`` for a stock checkpoint), ``None`` when the file has no intact zip ending."""
+# torch.save(..., _use_new_zipfile_serialization=False) starts with pickle protocol 2 and torch's magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _unverifiable(path) -> str | None:
+    """Why ``path`` is a complete checkpoint with nothing to verify it against (a zip without a comment, e.g.
+    stock Lightning's, or torch's pre-zip format), or ``None`` when it must verify."""
     located = _locate_comment(*_tail(path))
-    return None if located is None else located[1]
+    if located is not None:
+        return "has no lightning_solo manifest" if located[1] == b"" else None
+    with open(path, "rb") as f:
+        return "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:

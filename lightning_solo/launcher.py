@@ -72,6 +72,13 @@ class SoloLauncher(_MultiProcessingLauncher):
         # Lightning refuses a second fit on one Trainer because its parent kept none of the first fit's
         # state; this parent keeps it (see the module docstring), so the second fit continues correctly.
         self._already_fit = False
+        if self._start_method == "fork" and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
+                " rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and call"
+                " trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that"
+                " allocate); the ranks move the model to their GPUs themselves."
+            )
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override

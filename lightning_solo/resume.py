@@ -114,7 +114,10 @@ def rng_state() -> dict[str, Any]:
     """This process's torch, CUDA, numpy and Python RNG states."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # Only this rank's device: another layout (8 GPUs per process before, 4 now, or per-task binding)
+        # has other device indices, but each rank still draws from the generator of its own device.
+        device = torch.cuda.current_device()
+        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
     try:
         import numpy as np
     except ImportError:
@@ -128,7 +131,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:

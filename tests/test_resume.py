@@ -143,3 +143,37 @@ def test_resumable_sampler_skips_once_and_keeps_its_length():
     assert len(sampler) == len(inner) == 10
     assert list(sampler) == full[6:] and calls == ["rng"]
     assert list(sampler) == full  # only once: the next epoch is whole again
+
+
+def test_cuda_rng_is_saved_and_restored_per_rank_across_device_layouts(monkeypatch):
+    """Saved on device 5 of 8 visible GPUs, restored in a process that sees 4 and runs on device 1: only the
+    rank's own generator travels, onto the device the rank uses now (all-device restore: IndexError)."""
+    from lightning_solo import resume
+
+    def fake_cuda(count: int, current: int, store: dict):
+        def check(device):
+            index = torch.device("cuda", device).index if not isinstance(device, int) else device
+            if index >= count:
+                raise IndexError(f"device {index} of {count}")
+            return index
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": store[check(device)].clone())
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [store[i].clone() for i in range(count)])
+
+        def set_state(state, device="cuda"):
+            store[check(device)] = state.clone()
+
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+
+    saved_side = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
+    fake_cuda(8, 5, saved_side)
+    state = resume.rng_state()
+    restored_side = {i: torch.zeros(16, dtype=torch.uint8) for i in range(4)}
+    fake_cuda(4, 1, restored_side)
+    resume.set_rng_state(state)
+    assert torch.equal(restored_side[1], saved_side[5])
+    assert all(not restored_side[i].any() for i in (0, 2, 3))
