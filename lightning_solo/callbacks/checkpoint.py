@@ -203,6 +203,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         def save() -> None:
             try:
                 checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
+                    trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
                 if isinstance(io, SoloCheckpointIO):
                     note = {"trigger": "exception", "exception": f"{type(exception).__name__}: {exception}"[:500]}
