@@ -504,6 +504,14 @@ def find_latest_valid(dirpath: str | os.PathLike | None, include_exception: bool
     return decide_resume(dirpath, include_exception).value
 
 
+def checkpoint_dir(trainer) -> str | None:
+    """The first checkpoint callback's directory: where ``resume=auto`` and ``ckpt_path="auto"`` look."""
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            return str(callback.dirpath)
+    return None
+
+
 def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, dirpath: str | os.PathLike | None) -> str | None:
     """Map the runner's ``resume`` value to ``Trainer.fit(ckpt_path=...)``: ``None`` stays ``None``,
     ``"auto"`` becomes the newest checkpoint in ``dirpath`` that verifies (or ``None``, logged either way),

@@ -33,7 +33,13 @@ from typing_extensions import override
 from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
-from lightning_solo.checkpoint_io import SoloCheckpointIO, decide_resume, load_weights_only, read_manifest
+from lightning_solo.checkpoint_io import (
+    SoloCheckpointIO,
+    checkpoint_dir,
+    decide_resume,
+    load_weights_only,
+    read_manifest,
+)
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
 from lightning_solo.unused import UnusedParameters
@@ -325,10 +331,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         """``fit(ckpt_path="auto")``: rank 0 picks the newest checkpoint in the checkpoint callback's directory
         that verifies (hashing it once) and broadcasts it; every rank checks it sees the same file."""
         trainer = self.lightning_module.trainer
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         chosen = None
         if self.global_rank == 0:
-            decision = decide_resume(dirpath)
+            decision = decide_resume(checkpoint_dir(trainer))
             chosen = (decision, decision.value and read_manifest(decision.value))
         decision, manifest = self.broadcast(chosen, src=0)
         self._decide(decision)
