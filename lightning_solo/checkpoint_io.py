@@ -31,6 +31,7 @@ import os
 import pickle
 import platform
 import re
+import shutil
 import socket
 import struct
 import tempfile
@@ -45,6 +46,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_solo.comm import shard_dir
 from lightning_solo.decision import Decision
 
 log = logging.getLogger(__name__)
@@ -145,8 +147,8 @@ class SoloCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if _zip_comment(path) == b"" and not self.require_manifest:
-            rank_zero_warn(f"{os.fspath(path)!r} has no lightning_solo manifest; loading it unverified")
+        if not self.require_manifest and (legacy := _unverifiable(path)):
+            rank_zero_warn(f"{os.fspath(path)!r} {legacy}; loading it unverified")
         else:
             verify(path)
         return load_weights_only(path, map_location=map_location, weights_only=weights_only)
@@ -155,6 +157,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
     def remove_checkpoint(self, path) -> None:
         if not _is_local_file_protocol(path):
             return super().remove_checkpoint(path)
+        shutil.rmtree(shard_dir(path), ignore_errors=True)  # its PowerSGD shards, if any
         try:
             os.remove(path)
         except FileNotFoundError:
@@ -204,6 +207,7 @@ def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, An
     prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
         with os.fdopen(fd, "w+b") as raw:
             writer = _HashingWriter(raw)
             dump(writer)
@@ -225,6 +229,17 @@ def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, An
         raise
     if fsync:
         _fsync_dir(directory)
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc has it without that race (Linux >= 4.7).
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def _comment_bytes(manifest: dict[str, Any]) -> bytes:
@@ -386,10 +401,18 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None
 
 
-def _zip_comment(path) -> bytes | None:
-    """The zip comment (``b""`` for a stock checkpoint), ``None`` when the file has no intact zip ending."""
+# torch.save(..., _use_new_zipfile_serialization=False) starts with pickle protocol 2 and torch's magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _unverifiable(path) -> str | None:
+    """Why ``path`` is a complete checkpoint with nothing to verify it against (a zip without a comment, e.g.
+    stock Lightning's, or torch's pre-zip format), or ``None`` when it must verify."""
     located = _locate_comment(*_tail(path))
-    return None if located is None else located[1]
+    if located is not None:
+        return "has no lightning_solo manifest" if located[1] == b"" else None
+    with open(path, "rb") as f:
+        return "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -482,6 +505,14 @@ def decide_resume(dirpath: str | os.PathLike | None, include_exception: bool = F
 def find_latest_valid(dirpath: str | os.PathLike | None, include_exception: bool = False) -> str | None:
     """Path of the newest checkpoint in ``dirpath`` that verifies, or ``None``."""
     return decide_resume(dirpath, include_exception).value
+
+
+def checkpoint_dir(trainer) -> str | None:
+    """The first checkpoint callback's directory: where ``resume=auto`` and ``ckpt_path="auto"`` look."""
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            return str(callback.dirpath)
+    return None
 
 
 def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, dirpath: str | os.PathLike | None) -> str | None:

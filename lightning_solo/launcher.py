@@ -14,7 +14,10 @@ SoloLauncher sends back, from local rank 0, after the fit:
   fit would have left there, e.g. ``ModelCheckpoint.best_model_score``, ``RunSummary.summary``,
   ``WarmupScaledLR.schedule``) and its ``state_dict()``, loaded with ``load_state_dict``;
 * the public data attributes of the LightningModule (``self.losses = []`` that ``training_step`` appended to);
-* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions.
+* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions;
+* the settled precision plugin with its GradScaler state, and the comm hook's state (PowerSGD's iteration
+  and every rank's error feedback, post-local-SGD's counters), so a second fit continues them. The
+  unused-parameter policy is the parent's own object, used by every fit's ranks as it is.
 
 Objects that are not data (modules, optimizers, hooks, file handles, functions) are never copied: the
 parent keeps its own. The weights are loaded onto the CPU, so the parent never touches CUDA and the next
@@ -72,13 +75,28 @@ class SoloLauncher(_MultiProcessingLauncher):
         # Lightning refuses a second fit on one Trainer because its parent kept none of the first fit's
         # state; this parent keeps it (see the module docstring), so the second fit continues correctly.
         self._already_fit = False
+        if self._start_method == "fork" and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
+                " rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and call"
+                " trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that"
+                " allocate); the ranks move the model to their GPUs themselves."
+            )
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
+        # Every rank is here: the comm hook's state (PowerSGD gathers each rank's error feedback) is a collective.
+        hooks = getattr(trainer.strategy, "_comm", None)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._comm_state = hooks.state_dict() if hooks is not None and fitting else None
+        return super()._collect_rank_zero_results(trainer, results)
 
     @override
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         # Bytes: the queue's pickler would share tensors through memory that dies with this process.
-        extra[_STATE_KEY] = pickle.dumps(capture(trainer))
+        extra[_STATE_KEY] = pickle.dumps({**capture(trainer), "training_state": _training_state(trainer, self)})
         return extra
 
     @override
@@ -118,8 +136,28 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     }
 
 
+def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, bytes | None]:
+    """What the next fit continues from beyond the module: the settled precision plugin (a pickled GradScaler
+    keeps its scale and growth tracker as numbers, no device tensors) and the comm hook's state."""
+    try:
+        plugin = pickle.dumps(trainer.strategy.precision_plugin)
+    except Exception:  # noqa: BLE001 - a plugin that does not pickle stays behind; the parent keeps its own
+        plugin = None
+    return {"precision_plugin": plugin, "comm_hook": _pack(getattr(launcher, "_comm_state", None))}
+
+
+def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> None:
+    if (plugin := _unpack(state["precision_plugin"], "the precision plugin")) is not _LEFT_BEHIND:
+        strategy.precision_plugin = plugin
+    hook_state = _unpack(state["comm_hook"], "the comm hook's state")
+    if hook_state not in (_LEFT_BEHIND, None) and getattr(strategy, "_comm", None) is not None:
+        strategy._comm.load_state_dict(hook_state)  # the next fit's ranks apply it when they register the hook
+
+
 def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     """Apply :func:`capture`'s result to the parent's trainer, callbacks, module, strategy and loggers."""
+    if "training_state" in state:
+        _restore_training_state(trainer.strategy, state["training_state"])
     fit_loop = _unpack(state["fit_loop"], "the fit loop's progress")
     if fit_loop is not _LEFT_BEHIND:
         _restore_progress(trainer.fit_loop, fit_loop)

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import warnings
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
 from lightning_solo.decision import Decision
 
@@ -35,13 +36,15 @@ RESUME_KEY = "lightning_solo.resume"
 
 
 class ResumableSampler(Sampler):
-    """Forwards to ``sampler``; after :meth:`resume_once` its next iteration sets that epoch, runs
+    """Forwards to ``sampler`` (``tag_epoch``: as ``(epoch, index)`` pairs, for a :class:`SeededDataset`);
+    after :meth:`resume_once` its next iteration sets that epoch, runs
     ``on_start`` (the RNG restore) and drops the first ``skip_samples`` indices. ``len`` is unchanged, so
     Lightning's batch counts (and its ``batch_idx``, which continues from the checkpoint) still hold."""
 
-    def __init__(self, sampler: Sampler | Any, batch_size: int) -> None:
+    def __init__(self, sampler: Sampler | Any, batch_size: int, tag_epoch: bool = False) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
+        self.tag_epoch = tag_epoch
         self.epoch = int(getattr(sampler, "epoch", 0))
         self._plan: tuple[int | None, int, Callable[[], None] | None] | None = None
 
@@ -62,21 +65,68 @@ class ResumableSampler(Sampler):
         # built (which itself draws from the RNG), so the restored RNG state is the one at the save.
         plan, self._plan = self._plan, None
         if plan is None:
-            yield from self.sampler
+            yield from self._tag(iter(self.sampler))
             return
         epoch, skip, on_start = plan
         if epoch is not None:
             self.set_epoch(epoch)
         if on_start is not None:
             on_start()
-        yield from itertools.islice(iter(self.sampler), skip, None)
+        yield from self._tag(itertools.islice(iter(self.sampler), skip, None))
+
+    def _tag(self, indices: Iterator[Any]) -> Iterator[Any]:
+        # The epoch travels with each index to the (possibly persistent) worker that loads it.
+        return ((self.epoch, i) for i in indices) if self.tag_epoch else indices
 
 
-def make_resumable(dataloader: Any) -> tuple[Any, Decision]:
-    """Re-instantiate a training ``DataLoader`` around a :class:`ResumableSampler` (as Lightning does to
-    inject its ``DistributedSampler``); loaders it cannot handle are returned as they are."""
+class SeededDataset(Dataset):
+    """Loads ``dataset[index]`` with the torch, Python and numpy RNGs seeded from ``(seed, epoch, index)``
+    and puts the caller's RNG states back afterwards.
+
+    A worker's RNG otherwise depends on the seed its iterator drew, on which worker got the sample and on
+    everything that worker loaded before (across epochs with ``persistent_workers``), none of which a resume
+    that skips batches can replay; in the main process (``num_workers=0``) the draws would shift the training
+    RNG. Here a sample's augmentation is a function of the sample, so a resumed epoch loads exactly what the
+    uninterrupted one would. Randomness in a ``collate_fn`` or ``worker_init_fn`` is not covered.
+    """
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:  # the user's dataset attributes, as before the wrap
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, key: tuple[int, Any]) -> Any:
+        epoch, index = key
+        state = rng_state(cuda=False)
+        digest = hashlib.blake2b(f"{self.seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+        sample_seed = int.from_bytes(digest, "little") >> 1
+        torch.manual_seed(sample_seed)
+        random.seed(sample_seed)
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.seed(sample_seed % 2**32)
+        try:
+            return self.dataset[index]
+        finally:
+            set_rng_state(state)
+
+
+def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
+    """Re-instantiate a training ``DataLoader`` around a :class:`ResumableSampler` and a :class:`SeededDataset`
+    (as Lightning does to inject its ``DistributedSampler``); loaders it cannot handle are returned as they are."""
     from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning.pytorch.utilities.data import (
+        _get_dataloader_init_args_and_kwargs,
+        _reinstantiate_wrapped_cls,
+    )
 
     def refuse(why: str) -> tuple[Any, Decision]:
         return dataloader, Decision("resumable_data", False, why + "; a mid-epoch resume restarts the epoch")
@@ -91,13 +141,23 @@ def make_resumable(dataloader: Any) -> tuple[Any, Decision]:
         return refuse(f"custom batch sampler {type(dataloader.batch_sampler).__name__}")
     inner = dataloader.sampler
     try:
-        wrapped = _update_dataloader(dataloader, ResumableSampler(inner, dataloader.batch_size),
-                                     mode=RunningStage.TRAINING)
+        args, kwargs = _get_dataloader_init_args_and_kwargs(
+            dataloader, ResumableSampler(inner, dataloader.batch_size, tag_epoch=True), mode=RunningStage.TRAINING)
+        seeded = SeededDataset(dataloader.dataset, seed)
+        if "dataset" in kwargs:
+            kwargs["dataset"] = seeded
+        elif args and args[0] is dataloader.dataset:
+            args = (seeded, *args[1:])
+        else:
+            return refuse("the DataLoader does not take its dataset as `dataset`")
+        wrapped = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - any re-instantiation failure just means "not resumable"
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
     if hasattr(inner, "set_epoch") or isinstance(inner, SequentialSampler):
-        return wrapped, Decision("resumable_data", True,
-                                 f"{type(inner).__name__} order is fixed by seed and epoch: skip the batches done")
+        return wrapped, Decision(
+            "resumable_data", True,
+            f"{type(inner).__name__} order is fixed by seed and epoch: skip the batches done; each sample is loaded"
+            " with the RNGs seeded from (seed, epoch, index), so augmentation and loader workers resume exactly")
     return wrapped, Decision(
         "resumable_data", "approximate",
         f"{type(inner).__name__} draws a new order from the global RNG each epoch, so a mid-epoch resume skips"
@@ -110,11 +170,14 @@ def make_resumable(dataloader: Any) -> tuple[Any, Decision]:
 # RNG states, stored in a form that loads with torch.load(weights_only=True)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's torch, CUDA, numpy and Python RNG states."""
+def rng_state(cuda: bool = True) -> dict[str, Any]:
+    """This process's torch, CUDA (this device's), numpy and Python RNG states."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Only this rank's device: another layout (8 GPUs per process before, 4 now, or per-task binding)
+        # has other device indices, but each rank still draws from the generator of its own device.
+        device = torch.cuda.current_device()
+        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
     try:
         import numpy as np
     except ImportError:
@@ -128,7 +191,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
@@ -147,59 +210,110 @@ def _python_state() -> list[Any]:
 # save and restore the position
 
 
-def capture(trainer: Any, sampler: ResumableSampler | None) -> dict[str, Any]:
-    """The resume record; call on every rank (it gathers the RNG states of all ranks to each)."""
-    dist = torch.distributed
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    local = rng_state()
-    if world_size > 1:
+def capture(trainer: Any, loader: Any, last_step: tuple[dict[str, Any], int] | None,
+            collective: bool = True) -> dict[str, Any]:
+    """The resume record; call on every rank (it gathers the RNG states of all ranks to each), or with
+    ``collective=False`` on one rank (only its own RNG state: a resume then restores none).
+
+    ``last_step`` is this rank's RNG state and the batches of the epoch consumed, taken right after the last
+    optimizer step: the record is the state as of that step. A save in the middle of an accumulation cycle
+    therefore holds no half-accumulated gradients (the weights and optimizer have not moved since that step);
+    the resume replays the cycle's batches with the same RNG. A validation after the step does not count: SoloDDP
+    puts the RNG back after it (:func:`validation_neutral`), so the resumed run, which skips it, matches.
+    """
+    world_size = _world_size()
+    sampler = getattr(loader, "sampler", None)
+    sampler = sampler if isinstance(sampler, ResumableSampler) else None
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    local, consumed = last_step if last_step is not None else (rng_state(), int(progress.ready))
+    if world_size > 1 and collective:
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, local)
+        torch.distributed.all_gather_object(gathered, local)
     else:
         gathered = [local]
     per_epoch = trainer.num_training_batches
+    dataset = getattr(loader, "dataset", None)
     return {
         "epoch": sampler.epoch if sampler is not None else trainer.current_epoch,
-        # batches of this epoch that were trained on (Lightning counts a batch "ready" when fetched for
-        # training; a save in on_train_batch_end or on_validation_end has trained all of them)
-        "consumed_batches": int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
+        "consumed_batches": consumed,
         "batches_in_epoch": int(per_epoch) if per_epoch != float("inf") else -1,
         "batch_size": sampler.batch_size if sampler is not None else None,
         "world_size": world_size,
+        "sample_seed": dataset.seed if isinstance(dataset, SeededDataset) else None,
         "rng": gathered,
     }
 
 
-def plan(record: dict[str, Any] | None, trainer: Any, sampler: ResumableSampler | None) -> Decision | None:
-    """Arm ``sampler`` to continue where ``record`` left off (call once Lightning restored its loops)."""
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """This rank's RNG state in ``record``, if the record holds one for every rank."""
+    rng = (record or {}).get("rng") or []
+    world_size = _world_size()
+    return rng[torch.distributed.get_rank() if world_size > 1 else 0] if len(rng) == world_size else None
+
+
+def validation_neutral(last_step: tuple[dict[str, Any], int] | None) -> None:
+    """After a validation inside a fit: the RNG as it was after the last optimizer step (validation draws, e.g.
+    its DataLoader's worker seed, must not shift the training stream: a resumed run skips that validation)."""
+    if last_step is not None:
+        set_rng_state(last_step[0])
+
+
+def _rewind(trainer: Any, batches: int) -> None:
+    # Lightning's restored batch counters, moved back to the batches this resume really continues after.
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counter in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counter, name, max(0, getattr(counter, name) - batches))
+
+
+def plan(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision | None:
+    """Arm the loader's sampler to continue where ``record`` left off (call once Lightning restored its loops)."""
     if record is None:
         return None
-    dist = torch.distributed
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world_size > 1 else 0
-    rng = record.get("rng") or []
-    restore = (lambda: set_rng_state(rng[rank])) if len(rng) == world_size else None
+    sampler = getattr(loader, "sampler", None)
+    sampler = sampler if isinstance(sampler, ResumableSampler) else None
+    saved = saved_rng(record)
+    restore = (lambda: set_rng_state(saved)) if saved is not None else None
+    rng, world_size = record.get("rng") or [], _world_size()
     rng_note = "RNG states restored" if restore else f"RNG states not restored ({len(rng)} saved, {world_size} ranks)"
     if sampler is None:
         if restore is not None:
             restore()
         return Decision("mid_epoch_resume", False, "the training sampler is not resumable; " + rng_note)
+    if isinstance(loader.dataset, SeededDataset) and record.get("sample_seed") is not None:
+        loader.dataset.seed = record["sample_seed"]
     epoch, consumed, per_epoch = record["epoch"], record["consumed_batches"], record["batches_in_epoch"]
     mid_epoch = consumed > 0 and (per_epoch < 0 or consumed < per_epoch)
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
     loop_epoch = trainer.fit_loop.epoch_progress.current.processed
     if not mid_epoch or loop_epoch != epoch:
-        # At a boundary the uninterrupted run built the next epoch's DataLoader iterator (one RNG draw for its
-        # worker seed) after the save; here it is built right after this call, so restore now.
-        if restore is not None:
+        # At a boundary the uninterrupted run built the next epoch's DataLoader iterator after the save, which
+        # drew its worker seed from the RNG, unless persistent workers reuse the iterator. Here it is built
+        # right after this call: restore before it, or at the first index (after it) to skip that draw.
+        persistent = loader.persistent_workers and loader.num_workers > 0
+        if restore is not None and not persistent:
             restore()
+        elif restore is not None:
+            sampler.resume_once(None, 0, restore)
         return Decision("mid_epoch_resume", 0, f"the checkpoint is at an epoch boundary; {rng_note}")
+    # Lightning's "your dataloader is not resumable" warning is about the loader it restarts; this one resumes.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     if record.get("world_size") != world_size or record.get("batch_size") != sampler.batch_size:
+        _rewind(trainer, progress.ready)
         sampler.resume_once(epoch, 0, restore)
         return Decision("mid_epoch_resume", 0,
                         f"saved with {record.get('world_size')} ranks x batch {record.get('batch_size')}, now"
-                        f" {world_size} x {sampler.batch_size}: the shards differ, so epoch {epoch} restarts")
+                        f" {world_size} x {sampler.batch_size}: the shards differ, so epoch {epoch} restarts in full"
+                        f" on the new shards (its first {consumed} batches per old rank are trained again); {rng_note}")
+    replay = progress.ready - consumed
+    _rewind(trainer, replay)
     sampler.resume_once(epoch, consumed * sampler.batch_size, restore)
-    # Lightning's "your dataloader is not resumable" warning is about the loader it restarts; this one resumes.
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    note = (f"; the checkpoint was written {replay} batch(es) into an accumulation cycle: it holds the state of the"
+            " last optimizer step and those batches are trained again" if replay > 0 else "")
     return Decision("mid_epoch_resume", consumed,
-                    f"epoch {epoch} continues after the {consumed} batches already trained on; {rng_note}")
+                    f"epoch {epoch} continues after the {consumed} batches already trained on; {rng_note}{note}")

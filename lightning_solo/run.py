@@ -16,9 +16,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_solo.checkpoint_io import resolve_ckpt_path
+from lightning_solo.checkpoint_io import checkpoint_dir, resolve_ckpt_path
 from lightning_solo.config_check import check_config
 from lightning_solo.preflight import check_devices, check_world_size_env, refuse_multirun_relaunch
+from lightning_solo.strategy import SoloDDP
 
 
 def config_path() -> str:
@@ -71,8 +72,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     refuse_multirun_relaunch(trainer)
-    # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start)
-    ckpt_path = resolve_ckpt_path(cfg.get("resume"), checkpoint_dir(trainer))
+    # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start);
+    # SoloDDP chooses it on rank 0 once the process group exists, so the ranks cannot pick different files.
+    resume = cfg.get("resume")
+    ckpt_path = "auto" if resume == "auto" and isinstance(trainer.strategy, SoloDDP) \
+        else resolve_ckpt_path(resume, checkpoint_dir(trainer))
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     _close_process_group()
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -93,14 +97,6 @@ def _close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def checkpoint_dir(trainer) -> str | None:
-    """The first checkpoint callback's directory: where ``resume=auto`` looks."""
-    for callback in trainer.checkpoint_callbacks:
-        if getattr(callback, "dirpath", None):
-            return str(callback.dirpath)
-    return None
 
 
 def _dry_run_hint(cfg: DictConfig) -> str | None:

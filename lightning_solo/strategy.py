@@ -15,11 +15,13 @@ This module is wiring only: each decision is made by a function in its own modul
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -33,11 +35,26 @@ from typing_extensions import override
 from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
-from lightning_solo.checkpoint_io import SoloCheckpointIO
+from lightning_solo.checkpoint_io import (
+    SoloCheckpointIO,
+    checkpoint_dir,
+    decide_resume,
+    load_weights_only,
+    read_manifest,
+)
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher
 from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
+
+
+# Lightning skips every restore step for a falsy checkpoint: "auto" that found nothing starts fresh.
+class _NoCheckpoint(dict):
+    def __bool__(self) -> bool:
+        return False
+
+
+_NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
@@ -272,40 +289,90 @@ class SoloDDP(DecisionLog, DDPStrategy):
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
 
-    # Exact mid-epoch resume (lightning_solo.resume): a resumable training sampler, its position and every
-    # rank's RNG saved in each checkpoint (all ranks run save_checkpoint), replayed after a restore.
+    # Exact mid-epoch resume (lightning_solo.resume): a resumable training loader, its position and every
+    # rank's RNG as of the last optimizer step saved in each checkpoint (all ranks run save_checkpoint),
+    # replayed after a restore.
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.training:
             return dataloader
-        dataloader, decision = resume.make_resumable(dataloader)
+        dataloader, decision = resume.make_resumable(dataloader, seed=torch.initial_seed())
         self._decide(decision)
-        sampler = getattr(dataloader, "sampler", None)
-        self._train_sampler = sampler if isinstance(sampler, resume.ResumableSampler) else None
-        if (planned := resume.plan(getattr(self, "_resume_record", None), trainer, self._train_sampler)) is not None:
+        self._train_loader = dataloader
+        record, self._resume_record = getattr(self, "_resume_record", None), None
+        if (planned := resume.plan(record, trainer, dataloader)) is not None:
             self._decide(planned)
-        self._resume_record = None
+        # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g. in
+        # a replayed accumulation cycle, must leave the RNG there too).
+        ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        self._last_step = (resume.saved_rng(record) or resume.rng_state(), ready)
         return dataloader
 
     @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        # The point a checkpoint's record describes, whenever the save happens before the next step.
+        trainer = self.lightning_module.trainer
+        self._last_step = (resume.rng_state(), int(trainer.fit_loop.epoch_loop.batch_progress.current.ready))
+        return output
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            resume.validation_neutral(getattr(self, "_last_step", None))
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        self.add_resume_state(checkpoint, filepath=filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def add_resume_state(self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None) -> None:
+        """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
+        on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            checkpoint[resume.RESUME_KEY] = resume.capture(trainer, getattr(self, "_train_sampler", None))
-        if "optimizer_states" in checkpoint:  # a full checkpoint; a collective for PowerSGD (all ranks are here)
+            checkpoint[resume.RESUME_KEY] = resume.capture(
+                trainer, getattr(self, "_train_loader", None), getattr(self, "_last_step", None), collective)
+        # A full checkpoint. PowerSGD's state is a collective (rank 0 records every rank's shard): only with all.
+        if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
             if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it
                 checkpoint[comm.CHECKPOINT_KEY] = hook_state
-        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if os.fspath(checkpoint_path) == "auto":
+            checkpoint_path = self._choose_auto_checkpoint()
+            if checkpoint_path is None:
+                return _NO_CHECKPOINT
+            checkpoint = load_weights_only(checkpoint_path, map_location=lambda storage, loc: storage,
+                                           weights_only=getattr(self.checkpoint_io, "weights_only", True)
+                                           if weights_only is None else weights_only)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_record = checkpoint.get(resume.RESUME_KEY)
         # Applied when the hook is registered; each rank reads its own PowerSGD shard beside the checkpoint.
         self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
         return checkpoint
+
+    def _choose_auto_checkpoint(self) -> str | None:
+        """``fit(ckpt_path="auto")``: rank 0 picks the newest checkpoint in the checkpoint callback's directory
+        that verifies (hashing it once) and broadcasts it; every rank checks it sees the same file."""
+        trainer = self.lightning_module.trainer
+        chosen = None
+        if self.global_rank == 0:
+            decision = decide_resume(checkpoint_dir(trainer))
+            chosen = (decision, decision.value and read_manifest(decision.value))
+        decision, manifest = self.broadcast(chosen, src=0)
+        self._decide(decision)
+        rank_zero_info(f"ckpt_path='auto': {decision}")
+        if decision.value is not None and read_manifest(decision.value) != manifest:
+            raise RuntimeError(f"rank {self.global_rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
+                               f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share")
+        trainer._checkpoint_connector._ckpt_path = decision.value
+        return decision.value
 
     @override
     def _register_ddp_hooks(self) -> None:

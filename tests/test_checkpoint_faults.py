@@ -2,7 +2,9 @@
 
 * kill -9 of a 2-rank training run (the Lightning process and both ranks) while it checkpoints every
   step, over and over: ``last.ckpt`` must always verify and ``resume=auto`` must always resume;
-* a damaged ``last.ckpt`` makes auto-resume fall back to the previous checkpoint;
+* a damaged ``last.ckpt`` and a truncated newest checkpoint make auto-resume fall back to the one before;
+* odd trials (and the run after the damage) resume with ``Trainer.fit(ckpt_path="auto")``, the others with
+  the runner's ``resolve_ckpt_path("auto", ...)``;
 * an exception on one rank ends the run promptly with that exception visible, and the exception-time
   save enters no collective;
 * keep-last-k rotation, atomic ``last`` link, and never deleting the only good checkpoint.
@@ -86,12 +88,30 @@ def _temp_files(ckpt_dir: str) -> list[str]:
     return [n for n in os.listdir(ckpt_dir) if ".solo-tmp-" in n] if os.path.isdir(ckpt_dir) else []
 
 
-def _child_train(run_dir: str, max_steps: int, label: str) -> None:
-    ckpt_dir = os.path.join(run_dir, "ckpt")
+class _RecordResume(L.Callback):
+    """Rank 0 notes the checkpoint SoloDDP chose for ``fit(ckpt_path="auto")``."""
+
+    def __init__(self, path: str, label: str) -> None:
+        self.path, self.label = path, label
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            resumed = trainer.strategy.decisions["resume"].value
+            with open(self.path, "a") as f:
+                f.write(f"{self.label} {resumed} {_step(resumed) if resumed else 0}\n")
+
+
+def _child_train(run_dir: str, max_steps: int, label: str, fit_auto: bool) -> None:
+    """``fit_auto``: ``Trainer.fit(ckpt_path="auto")``; else the runner's way, ``resolve_ckpt_path`` first."""
+    ckpt_dir, record = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "resumes.txt")
+    trainer = _trainer(ckpt_dir, max_steps, keep_last_k=2)
+    if fit_auto:
+        trainer.callbacks.append(_RecordResume(record, label))
+        return trainer.fit(Wide(), ckpt_path="auto")
     resumed = resolve_ckpt_path("auto", ckpt_dir)
-    with open(os.path.join(run_dir, "resumes.txt"), "a") as f:
+    with open(record, "a") as f:
         f.write(f"{label} {resumed} {_step(resumed) if resumed else 0}\n")
-    _trainer(ckpt_dir, max_steps, keep_last_k=2).fit(Wide(), ckpt_path=resumed)
+    trainer.fit(Wide(), ckpt_path=resumed)
 
 
 def _fork(fn, *args) -> int:
@@ -120,7 +140,7 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
            "steps": [], "errors": []}
     for trial in range(trials):
         before = _step(last)
-        pid = _fork(_child_train, run_dir, 100_000, f"trial{trial}")
+        pid = _fork(_child_train, run_dir, 100_000, f"trial{trial}", trial % 2 == 1)
         deadline = time.monotonic() + 60
         while _step(last) <= before:  # wait until this trial has trained and saved at least once
             if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
@@ -150,20 +170,23 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
 
     # A run that is left alone resumes, finishes, and cleans the temp files its killed predecessors left.
     final_step = _step(last) + 3
-    pid = _fork(_child_train, run_dir, final_step, "final")
+    pid = _fork(_child_train, run_dir, final_step, "final", False)
     out["final_exit"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     out["final_step"], out["final_target"] = _step(last), final_step
     out["temp_files_after_final"] = _temp_files(ckpt_dir)
 
-    # Damage `last`: auto-resume must pass over it to the newest keep-last-k checkpoint, and train on.
+    # Damage `last` and truncate the newest keep-last-k checkpoint: auto-resume must pass over both to the
+    # one before, and train on.
     with open(last, "r+b") as f:
         f.seek(os.path.getsize(last) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+    newest = next(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir) if n.endswith(f"-step={final_step}.ckpt"))
+    os.truncate(newest, os.path.getsize(newest) // 2)
     out["fallback"] = decide_resume(ckpt_dir).as_dict()
     out["fallback_step"] = verify(out["fallback"]["value"])["global_step"] if out["fallback"]["value"] else None
-    pid = _fork(_child_train, run_dir, final_step + 2, "after_damage")
+    pid = _fork(_child_train, run_dir, final_step + 2, "after_damage", True)
     out["after_damage_exit"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     out["after_damage_step"] = _step(last)
     with open(os.path.join(run_dir, "resumes.txt")) as f:
@@ -189,7 +212,8 @@ def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
     assert out["temp_files_after_final"] == []
     fallback = out["fallback"]
     assert not fallback["value"].endswith("last.ckpt") and "last.ckpt: sha256 mismatch" in fallback["reason"]
-    assert out["fallback_step"] == out["final_target"]  # the keep-last-k copy of the same step
+    assert f"step={out['final_target']}.ckpt: the file does not end in a zip directory" in fallback["reason"]
+    assert out["fallback_step"] == out["final_target"] - 1  # the keep-last-k checkpoint before the truncated one
     assert out["after_damage_exit"] == 0 and out["after_damage_step"] == out["final_target"] + 2
     assert out["resumes"][-1].split()[1] == fallback["value"]
 

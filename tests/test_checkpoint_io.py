@@ -222,3 +222,74 @@ def test_bad_options_raise_value_error():
         SoloCheckpointIO(weights_only="yes")
     with pytest.raises(TypeError, match="storage_options"):
         SoloCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options="s3")
+
+
+def test_file_mode_follows_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        SoloCheckpointIO().save_checkpoint(_ckpt(1), tmp_path / "a.ckpt")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.ckpt").st_mode & 0o777 == 0o644  # group and others can read it
+
+
+def test_stock_and_legacy_format_checkpoints_load_with_a_warning(tmp_path):
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "stock.ckpt")  # Lightning's own TorchCheckpointIO
+    torch.save(_ckpt(3), tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    for name, key in (("stock.ckpt", "state_dict"), ("legacy.ckpt", "global_step")):
+        with pytest.warns(UserWarning, match="loading it unverified"):
+            assert key in SoloCheckpointIO().load_checkpoint(tmp_path / name)
+    with open(tmp_path / "legacy.ckpt", "r+b") as f:  # a damaged zip checkpoint is still refused
+        f.truncate(10)
+    SoloCheckpointIO().save_checkpoint(_ckpt(3), tmp_path / "cut.ckpt")
+    with open(tmp_path / "cut.ckpt", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "cut.ckpt") // 2)
+    for name in ("legacy.ckpt", "cut.ckpt"):
+        with pytest.raises(CheckpointVerificationError, match="truncated"):
+            SoloCheckpointIO().load_checkpoint(tmp_path / name)
+
+
+def test_crash_order_file_fsync_then_rename_then_directory_fsync(tmp_path, monkeypatch):
+    """The kill -9 tests cannot see fsync (the page cache survives SIGKILL): record the real calls instead. A
+    power loss is survived only if the data is on disk before the rename, and the rename before we go on."""
+    import stat
+
+    from lightning_solo.callbacks import SoloCheckpoint
+
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        calls.append((f"fsync_{kind}", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("rename", os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = str(tmp_path / "a.ckpt")
+    SoloCheckpointIO().save_checkpoint(_ckpt(1), target)
+    kinds = [kind for kind, _ in calls]
+    assert kinds == ["fsync_file", "rename", "fsync_dir"], calls
+    assert ".solo-tmp-" in calls[0][1] and calls[1][1] == target and calls[2][1] == str(tmp_path)
+
+    # The atomic `last` link swap: a rename of the new link, then the directory.
+    calls.clear()
+
+    class _Trainer:
+        is_global_zero = True
+        strategy = type("S", (), {"barrier": staticmethod(lambda *a, **k: None)})()
+
+    SoloCheckpoint._link_checkpoint(_Trainer(), target, str(tmp_path / "last.ckpt"))
+    assert calls == [("rename", str(tmp_path / "last.ckpt")), ("fsync_dir", str(tmp_path))]
+    assert os.readlink(tmp_path / "last.ckpt") == "a.ckpt"

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import WarmupScaledLR
+from lightning_solo.decision import Decision
 from lightning_solo.lr_schedule import LRSchedule, scale_factor
 
 BASE_LR = 0.1
@@ -82,6 +83,7 @@ class Tiny(L.LightningModule):
             "lrs": self.trainer.optimizers[0].lrs,
             "decisions": {k: d.as_dict() for k, d in cb.decisions.items()},
             "global_step": self.trainer.global_step,
+            "resume": self.trainer.strategy.decisions.get("mid_epoch_resume", Decision("", None, "")).as_dict(),
         }
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
@@ -306,8 +308,9 @@ def test_resume_mid_warmup_continues_the_uninterrupted_curve(tmp_path, accumulat
 
 
 def _expected_2proc(step: int) -> float:
-    # 2 ranks × batch 4 = 8 vs reference 2 → ×4, warmup 6 of 16 steps, then cosine.
-    return _warmup_then_cosine(step, 4.0, 6, 16)
+    # 2 ranks × batch 4 = 8 vs reference 2 → ×4, warmup 6 steps, then cosine to step 20: 4 steps at 1 process,
+    # then epoch 0 restarted in full on the 2-process shards (8 steps) and epoch 1 (8 steps).
+    return _warmup_then_cosine(step, 4.0, 6, 20)
 
 
 @pytest.mark.multiproc
@@ -330,7 +333,7 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
     one = tmp_path / "one"
     cb1 = WarmupScaledLR(reference_batch_size=2, warmup_steps=6, decay="cosine")
     ckpt_cb = ModelCheckpoint(dirpath=one, every_n_train_steps=4, save_top_k=-1)
-    t1 = _trainer(one, [cb1, ckpt_cb], enable_checkpointing=True)
+    t1 = _trainer(one, [cb1, ckpt_cb], enable_checkpointing=True, strategy=SoloDDP(start_method="fork"))
     t1.fit(Tiny())
     assert cb1.decisions["lr_scale"].value == 2.0
     two = tmp_path / "two"
@@ -339,9 +342,22 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
     _trainer(two, [cb2], devices=2).fit(Tiny(two), ckpt_path=one / "epoch=0-step=4.ckpt")
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
-    assert ranks[0]["global_step"] == 16
+    # The interrupted epoch restarts whole on the new shards (not its first 8 - 4 batches only): 4 + 8 + 8 steps.
+    assert ranks[0]["global_step"] == 20
+    assert "restarts in full" in ranks[0]["resume"]["reason"]
     applied = [lrs[0] for lrs in ranks[0]["lrs"]]
-    assert applied == pytest.approx([_expected_2proc(s) for s in range(4, 16)], rel=1e-12)
+    assert applied == pytest.approx([_expected_2proc(s) for s in range(4, 20)], rel=1e-12)
     rescaled = ranks[0]["decisions"]["lr_rescaled_on_resume"]
     assert rescaled["value"] == {"global_batch": [4, 8], "scale": [2.0, 4.0]}
     assert "world size 1" in rescaled["reason"] and "world size 2" in rescaled["reason"]
+
+    # (3) And back: saved at 2 processes in the middle of epoch 0, resumed at 1 process; epoch 0 restarts whole.
+    ckpt_cb = ModelCheckpoint(dirpath=two, every_n_train_steps=3, save_top_k=-1)
+    _trainer(two, [WarmupScaledLR(reference_batch_size=2, warmup_steps=6), ckpt_cb], devices=2, max_epochs=1,
+             enable_checkpointing=True).fit(Tiny(two))
+    back = tmp_path / "back"
+    back.mkdir()
+    _trainer(back, [WarmupScaledLR(reference_batch_size=2, warmup_steps=6)], strategy=SoloDDP(start_method="fork"),
+             ).fit(Tiny(back), ckpt_path=two / "epoch=0-step=3.ckpt")
+    record = json.loads((back / "rank0.json").read_text())
+    assert record["global_step"] == 3 + 16 + 16 and "restarts in full" in record["resume"]["reason"]

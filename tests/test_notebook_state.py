@@ -190,3 +190,40 @@ def test_capture_outside_a_fit_is_empty_of_progress():
     state = capture(trainer)
     assert state["fit_loop"] is None
     assert unpack_attributes(state["module"], "TinyClassifier")["losses"] == []
+
+
+class TrainingStateRecorder(L.Callback):
+    """Rank 0 writes the GradScaler's scale and PowerSGD's iteration at the start and end of each fit."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def _write(self, trainer, when: str) -> None:
+        if trainer.global_rank == 0:
+            state = {"scale": trainer.precision_plugin.scaler.get_scale(), "iter": trainer.strategy._comm.state.iter}
+            torch.save(state, f"{self.directory}/{when}_{trainer.global_step}.pt")
+
+    def on_train_start(self, trainer, pl_module):
+        self._write(trainer, "start")
+
+    def on_train_end(self, trainer, pl_module):
+        self._write(trainer, "end")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
+    strategy = SoloDDP(start_method="fork", precision="16-mixed", scaler={"init_scale": 2.0**8, "growth_interval": 1},
+                       comm_hook="powersgd", powersgd_start_iter=2)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=3, logger=False,
+                        callbacks=[TrainingStateRecorder(tmp_path)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    model = TinyClassifier()
+    trainer.fit(model, loader())
+    first_end = torch.load(tmp_path / "end_3.pt")
+    assert first_end["scale"] > 2.0**8 and first_end["iter"] >= 3  # the scale grew every step
+    assert trainer.strategy.precision_plugin.scaler.get_scale() == first_end["scale"]  # the parent holds it
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(model, loader())
+    second_start = torch.load(tmp_path / "start_3.pt")
+    assert second_start == first_end  # not init_scale and PowerSGD's exact warm-up again

@@ -143,3 +143,119 @@ def test_resumable_sampler_skips_once_and_keeps_its_length():
     assert len(sampler) == len(inner) == 10
     assert list(sampler) == full[6:] and calls == ["rng"]
     assert list(sampler) == full  # only once: the next epoch is whole again
+
+
+def test_cuda_rng_is_saved_and_restored_per_rank_across_device_layouts(monkeypatch):
+    """Saved on device 5 of 8 visible GPUs, restored in a process that sees 4 and runs on device 1: only the
+    rank's own generator travels, onto the device the rank uses now (all-device restore: IndexError)."""
+    from lightning_solo import resume
+
+    def fake_cuda(count: int, current: int, store: dict):
+        def check(device):
+            index = torch.device("cuda", device).index if not isinstance(device, int) else device
+            if index >= count:
+                raise IndexError(f"device {index} of {count}")
+            return index
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": store[check(device)].clone())
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [store[i].clone() for i in range(count)])
+
+        def set_state(state, device="cuda"):
+            store[check(device)] = state.clone()
+
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+
+    saved_side = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
+    fake_cuda(8, 5, saved_side)
+    state = resume.rng_state()
+    restored_side = {i: torch.zeros(16, dtype=torch.uint8) for i in range(4)}
+    fake_cuda(4, 1, restored_side)
+    resume.set_rng_state(state)
+    assert torch.equal(restored_side[1], saved_side[5])
+    assert all(not restored_side[i].any() for i in (0, 2, 3))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# real loaders: workers, augmentation, validation inside the epoch, accumulation
+
+REAL_SAMPLES = 48  # 24 per rank, batch 4: 6 batches per epoch, validation after batches 3 and 6
+
+
+class Augmented(Dataset):
+    """Random augmentation in __getitem__ from all three RNGs, as torchvision/albumentations transforms do."""
+
+    def __len__(self) -> int:
+        return REAL_SAMPLES
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i)) + 0.1 * torch.randn(8)
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x + float(np.random.uniform(-0.1, 0.1)), i
+
+
+class RealNet(Net):
+    def __init__(self, log_dir: str, crash_at_batch: int | None = None) -> None:
+        super().__init__(log_dir)
+        self.crash_at_batch = crash_at_batch
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.fit_loop.epoch_loop.total_batch_idx == self.crash_at_batch:
+            raise Crash(f"simulated crash before batch {self.crash_at_batch}")
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val", self.net(batch[0]).pow(2).mean() + torch.rand(()), sync_dist=True)  # validation draws too
+
+    def train_dataloader(self):
+        return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+
+    def val_dataloader(self):
+        return DataLoader(Augmented(), batch_size=BATCH)
+
+
+def _fit_real(run_dir: str, crash_at_batch: int | None = None, resume: bool = False, **trainer_kwargs) -> dict:
+    os.makedirs(run_dir, exist_ok=True)
+    L.seed_everything(1234, verbose=False)
+    model = RealNet(run_dir, crash_at_batch)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_epochs=2, val_check_interval=0.5,
+        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs,
+    )
+    if crash_at_batch is None:
+        trainer.fit(model, ckpt_path="auto" if resume else None)
+    else:
+        with pytest.raises(Exception, match="simulated crash"):
+            trainer.fit(model)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_with_workers_augmentation_validation_and_accumulation_is_exact(tmp_path, accumulate):
+    """Loader workers (persistent), augmentation from torch/Python/numpy RNGs in __getitem__, dropout, validation
+    twice per epoch that draws random numbers, the checkpoint written at a validation (with accumulation: in the
+    middle of a cycle), then a crash and ``fit(ckpt_path="auto")``: the weights end bit-identical."""
+    reference = _fit_real(str(tmp_path / "reference"), accumulate_grad_batches=accumulate)
+    run = str(tmp_path / "crash")
+    _fit_real(run, crash_at_batch=10, accumulate_grad_batches=accumulate)  # after epoch 1's first validation
+    manifest = verify(os.path.join(run, "ckpt", "last.ckpt"))
+    assert manifest["global_step"] == (9 if accumulate == 1 else 4)
+    resumed = _fit_real(run, resume=True, accumulate_grad_batches=accumulate)
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), f"{name}: {(resumed[name] - value).abs().max()} after resuming"
+    with open(os.path.join(run, "decisions.json")) as f:
+        decisions = json.load(f)
+    consumed, reason = decisions["mid_epoch_resume"]
+    assert consumed == (3 if accumulate == 1 else 2) and "RNG states restored" in reason
+    assert ("accumulation cycle" in reason) == (accumulate == 2)
+    assert decisions["resume"][0].endswith("last.ckpt")

@@ -59,3 +59,18 @@ def test_explicit_start_method_is_kept_and_bad_one_rejected(notebook):
     assert resolve_start_method("spawn").reason == "set by the user"
     with pytest.raises(ValueError, match="'auto', 'popen', 'spawn', 'fork', 'forkserver'"):
         SoloDDP(start_method="thread")
+
+
+def test_notebook_fork_after_cuda_init_fails_before_forking(notebook, monkeypatch):
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def no_fork():
+        raise AssertionError("forked after CUDA was initialised")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr("os.fork", no_fork)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(), max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="Restart the kernel"):
+        trainer.fit(BoringModel())

@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_solo.checkpoint_io import SoloCheckpointIO, clean_stale_temp_files, read_manifest
+from lightning_solo.checkpoint_io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files, read_manifest
 from lightning_solo.decision import Decision, DecisionLog
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 os.remove(tmp)
             os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
             os.replace(tmp, linkpath)
+            _fsync_dir(os.path.dirname(os.path.abspath(linkpath)))  # the swap itself must survive a power loss
         trainer.strategy.barrier()
 
     # -- exceptions -----------------------------------------------------------------------------------------
@@ -202,6 +203,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         def save() -> None:
             try:
                 checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
+                    trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
                 if isinstance(io, SoloCheckpointIO):
                     note = {"trigger": "exception", "exception": f"{type(exception).__name__}: {exception}"[:500]}

@@ -215,6 +215,15 @@ class WarmupScaledLR(DecisionLog, Callback):
                     "warmup_steps with decay='none'"
                 )
             return 2**62
+        batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
+            # Counted from where the loop stands: after a resume at another world size the steps already done
+            # had other epoch lengths, and SoloDDP restarts the interrupted epoch on the new shards.
+            per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            by_epochs = (trainer.global_step + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
+                         + (max_epochs - trainer.current_epoch - 1) * per_epoch)
+            total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
         return int(total)
 
     # ---------------------------------------------------------------- Lightning hooks
