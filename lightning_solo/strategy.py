@@ -400,11 +400,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         per group. ``None`` when gloo cannot be had; "auto" then stays on True. Call on every rank alike."""
         if not self._side_channel_made:
             self._side_channel_made = True
-            world = torch.distributed.group.WORLD
-            if self._barrier_group is not None and self._barrier_group is not world:
-                self._side_group = self._barrier_group  # the gloo side group of an nccl job
-            elif torch.distributed.get_backend() == "gloo":
+            if self._barrier_group is torch.distributed.group.WORLD:  # the world runs gloo (on CPU tensors)
                 self._side_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+            else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
+                self._side_group = self._barrier_group
         return self._side_group
 
     @override

@@ -155,7 +155,9 @@ class UnusedParameters:
         else:
             self.phase, self.find_unused = Phase.WINDOW, True
             self.decision = Decision(
-                "find_unused_parameters", "auto", f"deciding from the first {window} steps (on True meanwhile)"
+                "find_unused_parameters", "auto",
+                f"deciding from the first {window} steps (on True meanwhile, so DDP may warn once that it found "
+                "no unused parameter: expected)",
             )
         self.initial = self.find_unused
         self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
