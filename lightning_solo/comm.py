@@ -303,6 +303,7 @@ class CommHook:
         self.hook: Any = None
         self.averager: Any = None
         self._saved: dict[str, Any] = {}
+        self._saved_path: Any = None
 
     @property
     def averaging_period(self) -> int | None:
@@ -408,8 +409,9 @@ class CommHook:
 
         PowerSGD's error feedback differs per rank and is as large as the gradients, so it is never gathered:
         with ``checkpoint_path``, each rank writes its own atomically into :func:`shard_dir` beside it and
-        the result (for rank 0's checkpoint) records every shard's sha256; without, it holds this rank's
-        own, for this rank's :meth:`load_state_dict`. Q memory and counters are the same on all ranks.
+        the result (for rank 0's checkpoint) records every shard's sha256; without (a notebook parent's copy
+        for the next fit, small models), every rank's is gathered. Q memory and counters are the same on all
+        ranks.
         """
         if self.state is None:
             return {}
@@ -433,8 +435,10 @@ class CommHook:
             ],
             "q": {name: t.detach().cpu().clone() for name, t in qs.items()},
         }
-        if checkpoint_path is None:
-            return {**saved, "error": mine}
+        if checkpoint_path is None:  # for a notebook's next fit: every rank's, gathered (a collective)
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            return {**saved, "error": gathered}
         digests: list[Any] = [None] * dist.get_world_size()
         stem = os.path.join(shard_dir(checkpoint_path), f"rank{dist.get_rank()}")
         dist.all_gather_object(digests, _write_shard(stem, mine))
@@ -451,21 +455,25 @@ class CommHook:
                 stacklevel=2,
             )
             return
-        saved, world, rank = dict(saved), dist.get_world_size(), dist.get_rank()
+        # Kept as given until a rank applies it (a notebook parent holds it without a process group).
+        self._saved, self._saved_path = dict(saved), checkpoint_path
+        if self.state is not None:
+            self._apply_saved()
+
+    def _this_ranks_errors(self, saved: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        world, rank = dist.get_world_size(), dist.get_rank()
         if saved.get("world_size", world) != world:
             warnings.warn(
                 f"PowerSGD error feedback was saved with {saved['world_size']} ranks and this run has {world}: it "
                 "restarts from zero",
                 stacklevel=2,
             )
-            saved["error"] = None
-        elif "shards" in saved:
-            saved["error"] = _read_shard(checkpoint_path, saved["shards"], rank)
-        elif isinstance(saved.get("error"), list):  # written before per-rank shards: every rank's, gathered
-            saved["error"] = saved["error"][rank]
-        self._saved = saved
-        if self.state is not None:
-            self._apply_saved()
+            return None
+        if "shards" in saved:
+            return _read_shard(self._saved_path, saved["shards"], rank)
+        if isinstance(saved.get("error"), list):  # every rank's, gathered (a notebook's second fit)
+            return saved["error"][rank]
+        return saved.get("error")
 
     def _apply_saved(self) -> None:
         saved, state = self._saved, self.state
@@ -485,7 +493,7 @@ class CommHook:
         state.error_dict.clear()
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
-        state.pending = {"q": dict(saved["q"]), "error": dict(saved.get("error") or {})}
+        state.pending = {"q": dict(saved["q"]), "error": dict(self._this_ranks_errors(saved) or {})}
         state.layout, state.seen, state.watch = {}, set(), _WATCH_ITERATIONS
         self._saved = {}
 

@@ -99,7 +99,8 @@ def _powersgd_resume_across_rebucketing(rank: int, ckpt: str) -> dict:
     train(ddp, opt, range(3, 6))
     resumed_state = hook.state_dict()
     result = {"param_diff": (flat(net) - straight).abs().max().item(), "iter": resumed_state["iter"]}
-    pairs = [(a, resumed_state["error"][k]) for k, a in straight_state["error"].items()]
+    # Without a checkpoint path the state holds every rank's error feedback, gathered (a notebook's next fit).
+    pairs = [(a, resumed_state["error"][rank][k]) for k, a in straight_state["error"][rank].items()]
     pairs += [(a, resumed_state["q"][k]) for k, a in straight_state["q"].items()]
     result["state_diff"] = max((a - b).abs().max().item() for a, b in pairs)
     result["state_entries"] = len(pairs)
@@ -298,8 +299,8 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
     assert full[0]["hook_state"]["iter"] == resumed[0]["hook_state"]["iter"] == 16
     for rank in range(2):  # each rank's own error feedback continued as if never interrupted
         a, b = full[rank]["hook_state"], resumed[rank]["hook_state"]
-        for name, err in a["error"].items():
-            torch.testing.assert_close(b["error"][name], err, rtol=1e-5, atol=1e-7)
+        for name, err in a["error"][rank].items():  # every rank's, gathered
+            torch.testing.assert_close(b["error"][rank][name], err, rtol=1e-5, atol=1e-7)
     for name, q in a["q"].items():
         torch.testing.assert_close(b["q"][name], q, rtol=1e-5, atol=1e-7)
     for rank in range(2):
