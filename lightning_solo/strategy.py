@@ -271,7 +271,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             # Lightning's launchers already split the cores between local ranks; record what is in force.
             self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
         self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
-        if not self._barrier_made:  # a group creation is a collective: once per process
+        # A group creation is a collective: once per process, and only with a live process group (none exists
+        # when `init_process_group` is mocked, as in Lightning's own strategy tests); the next setup makes it.
+        if not self._barrier_made and torch.distributed.is_available() and torch.distributed.is_initialized():
             if self.num_nodes > 1 and self._gloo_side_group and self.local_rank == 0:
                 if warning := gloo_interface_warning():
                     warnings.warn(warning, stacklevel=2)
