@@ -19,7 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo.checkpoint_io import checkpoint_dir, resolve_ckpt_path
 from lightning_solo.config_check import ConfigError, check_config
-from lightning_solo.preflight import PreflightError, check_devices, check_world_size_env, refuse_multirun_relaunch
+from lightning_solo.preflight import (
+    PreflightError,
+    check_devices,
+    check_world_size_env,
+    refuse_multirun_relaunch,
+)
 from lightning_solo.strategy import SoloDDP
 
 

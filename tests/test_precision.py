@@ -13,7 +13,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from tests.distributed import run_ranks
 from lightning_solo.precision import (
     CHECKPOINT_KEY,
     EXTRA_KEY,
@@ -27,6 +26,7 @@ from lightning_solo.precision import (
     settle_precision,
     to_channels_last,
 )
+from tests.distributed import run_ranks
 
 CPU = torch.device("cpu")
 OVERFLOW_STEP = 2
