@@ -62,7 +62,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     # ModelCheckpoint's arguments are spelled out (not **kwargs) so that config checks see a typo.
     def __init__(
         self,
-        dirpath=None,
+        dirpath: str | os.PathLike[str] | None = None,
         filename: str | None = None,
         monitor: str | None = None,
         verbose: bool = False,
