@@ -112,7 +112,13 @@ def plot_schedule(
 ) -> Path:
     """Write the lr curve ``base_lr × schedule.factor(s)`` over the whole run to a PNG; returns the path."""
     # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps its inline one).
-    from matplotlib.figure import Figure
+    # matplotlib is an optional extra: imported here, where it is used, and only here.
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(
+            "plot_schedule needs matplotlib, an optional dependency: pip install 'lightning_solo[plot]'"
+        ) from err
 
     steps = list(range(schedule.total_steps))
     lrs = [base_lr * schedule.factor(s) for s in steps]

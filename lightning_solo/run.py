@@ -10,6 +10,7 @@ one run directory.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo.checkpoint_io import checkpoint_dir, resolve_ckpt_path
-from lightning_solo.config_check import check_config
-from lightning_solo.preflight import check_devices, check_world_size_env, refuse_multirun_relaunch
+from lightning_solo.config_check import ConfigError, check_config
+from lightning_solo.preflight import (
+    PreflightError,
+    check_devices,
+    check_world_size_env,
+    refuse_multirun_relaunch,
+)
 from lightning_solo.strategy import SoloDDP
 
 
@@ -108,9 +114,26 @@ def _dry_run_hint(cfg: DictConfig) -> str | None:
     return "python -m lightning_solo.run " + " ".join([*overrides, "+dryrun=cpu"])
 
 
+#: Exit status for bad input (a config key or value, or a machine that cannot run the config), as argparse uses.
+BAD_INPUT_EXIT = 2
+
+
+def report_bad_input(err: Exception) -> None:
+    """Print ``err`` as one line on stderr and exit with :data:`BAD_INPUT_EXIT`; re-raise it (the full
+    traceback) when ``HYDRA_FULL_ERROR=1``."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    message = " ".join(str(err).split())  # the key, what was expected, the hint: on one line
+    print(f"lightning_solo: error: {message} (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+    sys.exit(BAD_INPUT_EXIT)
+
+
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
+    try:
+        metrics = train(cfg)
+    except (ConfigError, PreflightError) as err:
+        report_bad_input(err)
     value = metrics.get("val/acc")
     return float(value) if value is not None else None
 

@@ -54,20 +54,36 @@ def test_resnet_4gpu_cpu_dry_run(tmp_path):
     assert {f"train_ddp_process_{k}.log" for k in (1, 2, 3)} <= {p.name for p in (tmp_path / "run").iterdir()}
 
 
+def _one_line_error(proc) -> str:
+    """Bad input, as a user sees it: exit status 2 and one line on stderr, no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert lines[0].startswith("lightning_solo: error: ")
+    return lines[0]
+
+
 @pytest.mark.timeout(120)
 def test_resnet_4gpu_without_gpus_stops_with_a_clear_message(tmp_path):
-    proc = run_cli(["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100)
-    assert proc.returncode != 0
-    assert "asks for 4 GPU(s)" in proc.stderr and "+dryrun=cpu" in proc.stderr
+    # A preflight error: the key, what the machine has, and the hint.
+    proc = run_cli(["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False)
+    line = _one_line_error(proc)
+    assert "parallelism.devices=4" in line and "asks for 4 GPU(s)" in line and "+dryrun=cpu" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.timeout(120)
 def test_bad_input_fails_before_any_worker_starts(tmp_path):
-    # The other bad-input cases are checked in-process in test_configs.py; this one shows the CLI path.
+    # The other bad-input cases are checked in-process in test_configs.py; these show the CLI path.
+    proc = run_cli(["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100,
+                   full_error=False)
+    line = _one_line_error(proc)
+    assert "model.optimizer.momentm" in line and "Did you mean 'momentum'?" in line
+    assert not list(tmp_path.rglob("train_ddp_process_*.log"))
+    # HYDRA_FULL_ERROR=1 still shows where it was raised.
     proc = run_cli(["trainer.max_epochs=abc", "hydra.run.dir=run"], cwd=tmp_path, timeout=100)
     assert proc.returncode != 0
-    assert "trainer.max_epochs" in proc.stderr
+    assert "Traceback" in proc.stderr and "ConfigError: trainer.max_epochs: expected int" in proc.stderr
     assert not list(tmp_path.rglob("train_ddp_process_*.log"))
 
 

@@ -48,6 +48,7 @@ def stdout_of(notebook: nbformat.NotebookNode) -> str:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_quickstart_runs(kernel):
     notebook = execute("quickstart.ipynb", kernel)
@@ -59,6 +60,7 @@ def test_quickstart_runs(kernel):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_one_to_many_gpus_runs(kernel):
     out = stdout_of(execute("one_to_many_gpus.ipynb", kernel))

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -62,7 +63,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     # ModelCheckpoint's arguments are spelled out (not **kwargs) so that config checks see a typo.
     def __init__(
         self,
-        dirpath=None,
+        dirpath: str | Path | None = None,
         filename: str | None = None,
         monitor: str | None = None,
         verbose: bool = False,

@@ -232,7 +232,7 @@ class WarmupScaledLR(DecisionLog, Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # LearningRateMonitor reads param_group["lr"] at batch start; it must run after we set it there.
         # pop/insert moves us to an earlier, already visited slot, so the hook loop skips no callback.
-        callbacks = trainer.callbacks
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         monitors = [i for i, cb in enumerate(callbacks) if isinstance(cb, LearningRateMonitor)]
         me = next(i for i, cb in enumerate(callbacks) if cb is self)
         if monitors and monitors[0] < me:
@@ -272,8 +272,8 @@ class WarmupScaledLR(DecisionLog, Callback):
         self._in_step = [False] * len(trainer.optimizers)
         self._names = self._lr_names(trainer.optimizers)
         for i, opt in enumerate(trainer.optimizers):
-            self._hooks.append(opt.register_step_pre_hook(lambda o, a, k, i=i: self._enter_step(trainer, i)))
-            self._hooks.append(opt.register_step_post_hook(lambda o, a, k, i=i: self._leave_step(trainer, i)))
+            self._hooks.append(opt.register_step_pre_hook(lambda o, a, k, i=i: self._enter_step(trainer, i)))  # type: ignore[misc]
+            self._hooks.append(opt.register_step_post_hook(lambda o, a, k, i=i: self._leave_step(trainer, i)))  # type: ignore[misc]
 
     def _resume(self, groups: list[list[dict]], saved: dict[str, Any]) -> None:
         if [len(gs) for gs in groups] != [len(lrs) for lrs in saved["user_lrs"]]:
@@ -391,7 +391,8 @@ class WarmupScaledLR(DecisionLog, Callback):
     @staticmethod
     def _lr_names(optimizers: Sequence[Any]) -> list[list[str]]:
         # LearningRateMonitor's naming: lr-SGD, lr-SGD-1 for a second SGD, /pg2 or the group's "name".
-        names, seen = [], {}
+        names: list[list[str]] = []
+        seen: dict[str, int] = {}
         for opt in optimizers:
             cls = type(opt).__name__
             base = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
