@@ -3,8 +3,9 @@
 Checks (each in its own subprocess, so a CUDA context never leaks into a fork):
 
 * ``rewrap``: 2 processes on the one GPU (gloo: NCCL refuses two ranks on one device) train a model whose
-  branch rank 1 skips every other step, so SoloDDP's ``find_unused_parameters="auto"`` re-wraps DDP with
-  ``True`` after its window; the replicas' parameters must then be bit-identical (no progress bar).
+  branch rank 1 skips every other step from step 10, so SoloDDP's ``find_unused_parameters="auto"`` re-wraps
+  DDP twice (to the fast path after its window, to ``True`` after the first skip), each time while the
+  previous optimizer step may still run on the GPU; the replicas' parameters must be bit-identical.
 * ``syncbn``: SoloSyncBatchNorm, 2 processes on the GPU, rank 0's batch empty, bf16 autocast: output, input
   gradient and running statistics vs BatchNorm over the joined batch; no host sync; identical collectives.
 * ``rng``: ``resume.rng_state()`` / ``resume.set_rng_state()`` bring the current device's CUDA generator back.
@@ -59,7 +60,9 @@ def _rewrap_rank(device: str, rank: int, port: int, out: str) -> None:
         def training_step(self, batch, batch_idx):
             x, y = batch
             h = torch.relu(self.trunk(x))
-            if not (self.global_rank == 1 and batch_idx % 2):  # a branch some ranks skip on some steps
+            # All used in the evidence window (re-wrap to the fast path at step 4), then rank 1 skips the
+            # branch every other step from step 10 (completed exactly, re-wrap to True at the next step).
+            if not (self.global_rank == 1 and batch_idx >= 10 and batch_idx % 2):
                 h = h + self.branch(h)
             return nn.functional.mse_loss(self.head(h), y)
 
@@ -100,10 +103,10 @@ def check_rewrap(device: str) -> tuple[bool, str]:
             return False, "a rank failed: " + " | ".join(log[-600:] for log in logs)
         r0, r1 = (torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in (0, 1))
     identical = torch.equal(r0["params"], r1["params"])
-    rewrapped = r0["find_unused"] is True and r1["find_unused"] is True
+    rewrapped = all(r["find_unused"] is True and "switched" in r["reason"] for r in (r0, r1))
     diff = (r0["params"] - r1["params"]).abs().max().item()
     return identical and rewrapped, (
-        f"find_unused_parameters={r0['find_unused']!r} ({r0['reason'][:90]}); replicas bit-identical: "
+        f"find_unused_parameters={r0['find_unused']!r} ({r0['reason'][-90:]}); replicas bit-identical: "
         f"{identical} (max diff {diff:.3g})"
     )
 
