@@ -47,9 +47,10 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 from enum import Enum
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -60,11 +61,41 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_solo.decision import Decision
+
 log = logging.getLogger(__name__)
 
 _STATE_KEY = "lightning_solo_state"
 _STRATEGY_ATTRIBUTES = ("decisions", "advice")
 _LOGGER_ATTRIBUTES = ("_version",)
+
+
+StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
+_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
+
+
+def in_notebook() -> bool:
+    """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
+
+
+def _ipython_active() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def decide_start_method(start_method: str) -> Decision:
+    """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}")
+    if start_method != "auto":
+        return Decision("start_method", start_method, "set by the user")
+    if in_notebook():
+        return Decision("start_method", "fork", "interactive session: only a fork launcher works here")
+    return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
 
 
 class SoloLauncher(_MultiProcessingLauncher):

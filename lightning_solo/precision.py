@@ -24,15 +24,13 @@ What stock Lightning lacks and this module adds (see research notes §2):
 * optimizer steps skipped for inf/nan gradients are counted, logged (``amp/skipped_steps``,
   ``amp/scale``) and checkpointed; optionally a step-interval LR scheduler is held on a skipped step;
 * the precision itself is resolved once, with a reason, from ``SoloDDP(precision=...)`` and
-  ``Trainer(precision=...)`` (:func:`resolve_precision` states the rule).
+  ``Trainer(precision=...)`` (:func:`decide_precision` states the rule).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any, Literal
 
 import torch
@@ -43,6 +41,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_solo.decision import Decision, DecisionLog
+from lightning_solo.ranks import world_size
+from lightning_solo.validate import check_bool, check_int, check_number
 
 PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
 SCALER_DEFAULTS: dict[str, float | int] = {
@@ -68,17 +68,14 @@ def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float 
     s = {**SCALER_DEFAULTS, **given}
     for key in ("init_scale", "growth_factor", "backoff_factor"):
         v = s[key]
-        if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
-            raise ValueError(f"scaler {key} must be a finite number, got {v!r}")
+        check_number(f"scaler {key}", v, positive=False)
     if s["init_scale"] <= 0:
         raise ValueError(f"scaler init_scale must be > 0, got {s['init_scale']!r}")
     if s["growth_factor"] <= 1:
         raise ValueError(f"scaler growth_factor must be > 1, got {s['growth_factor']!r}")
     if not 0 < s["backoff_factor"] < 1:
         raise ValueError(f"scaler backoff_factor must be in (0, 1), got {s['backoff_factor']!r}")
-    interval = s["growth_interval"]
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"scaler growth_interval must be an integer >= 1, got {interval!r}")
+    interval = check_int("scaler growth_interval", s["growth_interval"])
     return {
         "init_scale": float(s["init_scale"]),
         "growth_factor": float(s["growth_factor"]),
@@ -135,15 +132,15 @@ def auto_precision(device: torch.device, capability: int | None = None) -> Decis
     """:func:`agreed_rule` over every rank's :func:`device_capability` (or ``capability``, for this rank): a
     collective when a process group of several ranks exists, so call it on every rank, after the group."""
     levels = [device_capability(device) if capability is None else capability]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if (world := world_size()) > 1:
         mine = torch.tensor(levels, device=device)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         levels = torch.cat(gathered).tolist()  # once, at setup
     return agreed_rule(levels)
 
 
-def resolve_precision(
+def decide_precision(
     requested: str | None, trainer_precision: str, device: torch.device, capability: int | None = None
 ) -> Decision:
     """Decide the run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)``.
@@ -350,8 +347,7 @@ def precision_options(
         raise ValueError(
             f"precision={precision!r} is not one of {PRECISIONS} (or None to leave it to the Trainer)"
         )
-    if not isinstance(skip_lr_on_overflow, bool):
-        raise ValueError(f"skip_lr_on_overflow must be True or False, got {skip_lr_on_overflow!r}")
+    check_bool("skip_lr_on_overflow", skip_lr_on_overflow)
     return _Options(
         precision, scaler_settings(scaler), scaler is not None and len(scaler) > 0, skip_lr_on_overflow
     )
@@ -370,7 +366,7 @@ def pending_plugin(options: _Options) -> Precision | None:
     return _PendingPrecision(options.precision) if options.precision is not None else None
 
 
-def settle_precision(
+def decide_precision_plugin(
     plugin: Precision, options: _Options, trainer: Any, device: torch.device
 ) -> tuple[Precision, list[Decision]]:
     """Replace the placeholder (or Lightning's own AMP plugin) with the real plugin for ``device``.
@@ -381,7 +377,7 @@ def settle_precision(
     trainer_precision = getattr(connector, "_precision_flag", _TRAINER_DEFAULT)
     user_plugin = getattr(connector, "_precision_plugin_flag", None)
     if isinstance(plugin, _PendingPrecision):
-        decision = resolve_precision(options.precision, trainer_precision, device)
+        decision = decide_precision(options.precision, trainer_precision, device)
         if decision.value == "16-mixed" and device.type == "cpu":
             decision = Decision("precision", "16-mixed", decision.reason + "; real fp16 autocast on CPU")
     elif plugin is user_plugin:

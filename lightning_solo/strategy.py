@@ -16,7 +16,6 @@ This module is wiring only: each decision is made by a function in its own modul
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,17 +34,14 @@ from typing_extensions import override
 from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
-from lightning_solo.checkpoint_io import (
-    SoloCheckpointIO,
-    checkpoint_dir,
-    decide_resume,
-    load_weights_only,
-    read_manifest,
-)
+from lightning_solo.checkpoint.io import SoloCheckpointIO, load_weights_only
+from lightning_solo.checkpoint.manifest import read_manifest
+from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
 from lightning_solo.decision import Decision, DecisionLog
-from lightning_solo.launcher import SoloLauncher
+from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
+from lightning_solo.validate import check_number
 
 
 # Lightning skips every restore step for a falsy checkpoint: "auto" that found nothing starts fresh.
@@ -55,34 +51,6 @@ class _NoCheckpoint(dict):
 
 
 _NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
-
-StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
-
-
-def in_notebook() -> bool:
-    """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
-
-
-def _ipython_active() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return get_ipython() is not None
-
-
-def resolve_start_method(start_method: str) -> Decision:
-    """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
-    if start_method not in _START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}")
-    if start_method != "auto":
-        return Decision("start_method", start_method, "set by the user")
-    if in_notebook():
-        return Decision("start_method", "fork", "interactive session: only a fork launcher works here")
-    return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
-
 
 class SoloDDP(DecisionLog, DDPStrategy):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
@@ -101,7 +69,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             fork/spawn/forkserver, the notebook gets the fit's state back (true ``global_step``, callback state,
             decisions) and can fit again on the same Trainer: see :mod:`lightning_solo.launcher`.
         timeout: collective timeout, a ``timedelta`` or seconds.
-        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint_io.SoloCheckpointIO` (atomic, fsynced,
+        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint.io.SoloCheckpointIO` (atomic, fsynced,
             manifest-verified files, ``weights_only=True`` loads). Every checkpoint also carries the training
             sampler's position and every rank's RNG states, so a mid-epoch resume continues exactly
             (:mod:`lightning_solo.resume`).
@@ -115,7 +83,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             ``"32-true"``, or ``None`` to leave it to ``Trainer(precision=...)``. ``"auto"``: bf16 on GPUs that
             support it, fp16 on GPUs that don't, fp32 on CPU. A different explicit ``Trainer(precision=...)``
             raises ``ValueError`` (``"auto"`` defers to it; the Trainer's ``"32-true"`` counts as unset, being
-            its default); see :func:`lightning_solo.precision.resolve_precision`.
+            its default); see :func:`lightning_solo.precision.decide_precision`.
         scaler: GradScaler settings for 16-mixed: ``init_scale``, ``growth_factor`` (> 1), ``backoff_factor``
             (in (0, 1)), ``growth_interval`` (>= 1). On resume the saved scale is kept and these factors apply.
         skip_lr_on_overflow: hold step-interval LR schedulers on a step skipped for inf/nan gradients.
@@ -161,7 +129,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         gloo_side_group: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        launcher = resolve_start_method(start_method)
+        launcher = decide_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
         user_state = ddp_kwargs.get("ddp_comm_state")
@@ -185,9 +153,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if precision is not None and precision_plugin is not None:
             raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
         if not isinstance(timeout, timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-                raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-            timeout = timedelta(seconds=timeout)
+            timeout = timedelta(seconds=check_number("timeout", timeout, what="a positive number of seconds or a timedelta"))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -247,7 +213,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            decision, self._solo_layer_sync = syncbn.plan(
+            decision, self._solo_layer_sync = syncbn.decide_layer_sync(
                 trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._requested_layer_sync
             )
             self._decide(decision)
@@ -262,7 +228,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         super().setup_environment()  # the device, then the process group
         # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
         # ranks, a collective). Nothing uses the plugin before this.
-        self.precision_plugin, decisions = amp.settle_precision(
+        self.precision_plugin, decisions = amp.decide_precision_plugin(
             self.precision_plugin, self._precision_options, self.lightning_module.trainer, self.root_device
         )
         for decision in decisions:
@@ -302,7 +268,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._decide(decision)
         self._train_loader = dataloader
         record, self._resume_record = getattr(self, "_resume_record", None), None
-        if (planned := resume.plan(record, trainer, dataloader)) is not None:
+        if (planned := resume.decide(record, trainer, dataloader)) is not None:
             self._decide(planned)
         # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g. in
         # a replayed accumulation cycle, must leave the RNG there too).

@@ -29,22 +29,22 @@ and reverts at teardown; see :func:`plan`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_solo import ranks
+from lightning_solo.batch_size import per_device_batch_size
 from lightning_solo.decision import Decision
+from lightning_solo.validate import check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -208,19 +208,13 @@ class SoloSyncBatchNorm(_BatchNorm):
         # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
         # communicates (with track_running_stats=False it normalises with the local batch's statistics).
         group = getattr(self, "process_group", None)
-        if not (self.training and _world_size(group) > 1):
+        if not (self.training and ranks.world_size(group) > 1):
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
         return _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
         )
-
-
-def _world_size(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
 
 
 def _is_convertible(module: nn.Module) -> bool:
@@ -271,8 +265,7 @@ def validate(option: Any, threshold: Any) -> None:
     """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
     if not any(option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS):
         raise ValueError(f"sync_batchnorm={option!r} is not one of {_OPTIONS}")
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-        raise ValueError(f"sync_batchnorm_threshold must be a positive integer (per-device batch), got {threshold!r}")
+    check_int("sync_batchnorm_threshold", threshold)  # a per-device batch size
 
 
 def decide(
@@ -324,47 +317,6 @@ def decide(
     )
 
 
-def _loader_batch_size(loader: Any) -> int | None:
-    if isinstance(loader, DataLoader):
-        if loader.batch_size is not None:
-            return loader.batch_size
-        return getattr(loader.batch_sampler, "batch_size", None)
-    if isinstance(loader, Mapping):
-        loader = list(loader.values())
-    if isinstance(loader, Sequence) and not isinstance(loader, str):
-        sizes = [s for s in map(_loader_batch_size, loader) if s is not None]
-        return min(sizes) if sizes else None
-    size = getattr(loader, "batch_size", None)  # e.g. a CombinedLoader-like wrapper
-    return size if isinstance(size, int) else None
-
-
-def _declared_batch_size(obj: Any) -> int | None:
-    size = getattr(obj, "batch_size", None)
-    if size is None:
-        hparams = getattr(obj, "hparams", None)
-        size = hparams.get("batch_size") if isinstance(hparams, Mapping) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) else None
-
-
-def per_device_batch_size(trainer: pl.Trainer) -> int | None:
-    """The train loader's batch size as far as it is known when the strategy is set up (before Lightning
-    loads the loaders): a loaded loader, a loader passed to ``fit``, else ``batch_size`` on the datamodule
-    or LightningModule (attribute or hparam). ``None`` when none of them says."""
-    loaded = _loader_batch_size(trainer.train_dataloader)
-    if loaded is not None:
-        return loaded
-    source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
-    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
-        given = _loader_batch_size(source)
-        if given is not None:
-            return given
-    for owner in (trainer.datamodule, trainer.lightning_module):
-        size = _declared_batch_size(owner) if owner is not None else None
-        if size is not None:
-            return size
-    return None
-
-
 class _SoloLayerSync(LayerSync):
     """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
 
@@ -377,7 +329,7 @@ class _SoloLayerSync(LayerSync):
         return revert(model)
 
 
-def plan(
+def decide_layer_sync(
     trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
 ) -> tuple[Decision, LayerSync | None]:
     """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).

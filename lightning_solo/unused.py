@@ -69,6 +69,7 @@ from torch.nn import Module, Parameter, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.decision import Decision
+from lightning_solo.validate import check_int
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
@@ -137,9 +138,7 @@ class UnusedParameters:
 
     def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
         self.setting = check_find_unused(setting)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} is not accepted: use an integer >= 1")
-        self.window, self.static_graph = window, static_graph
+        self.window, self.static_graph = check_int("window", window), static_graph
         self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
         self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
         self.unused_bytes = 0

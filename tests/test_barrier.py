@@ -6,13 +6,12 @@ from datetime import timedelta
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-import torch.distributed as dist
-
-from lightning_solo.comm import backend_for, barrier_group, monitored_barrier
+from lightning_solo.comm.barrier import backend_for, barrier_group, monitored_barrier
 from lightning_solo.preflight import gloo_interface_warning
 from tests.distributed import run_ranks
 

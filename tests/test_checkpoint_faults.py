@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
-from lightning_solo.checkpoint_io import (
+from lightning_solo.checkpoint import (
     SoloCheckpointIO,
     decide_resume,
     read_manifest,

@@ -19,7 +19,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook, _read_shard, shard_dir
+from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.comm.powersgd_state import read_shard, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
 
@@ -47,9 +48,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         ({"comm_hook": "batched_powersgd"}, "'powersgd'"),
         ({"bucket_cap_mb": -1}, "positive number of megabytes"),
         ({"bucket_cap_mb": 0}, "positive number of megabytes"),
-        ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0"),
+        ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be a positive integer, got 0"),
         ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, "integer >= 2"),
-        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period=0"),
+        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period must be a positive integer, got 0"),
         ({"comm_hook": "post_local_sgd", "local_sgd_warmup": -1}, "integer >= 0"),
         ({"comm_hook": "fp16", "ddp_comm_hook": lambda state, bucket: None}, "not both"),
     ],
@@ -307,13 +308,13 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
 
     # Self-verifying: a damaged or missing shard is a clear error naming the rank, not a silent zero.
-    assert _read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
+    assert read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
     shards[1].write_bytes(shards[1].read_bytes()[:-8] + b"damaged!")
     with pytest.raises(RuntimeError, match="rank 1 .* does not match the sha256"):
-        _read_shard(ckpt, saved["shards"], 1)
+        read_shard(ckpt, saved["shards"], 1)
     shards[0].unlink()
     with pytest.raises(RuntimeError, match="rank 0 .* is missing"):
-        _read_shard(ckpt, saved["shards"], 0)
+        read_shard(ckpt, saved["shards"], 0)
 
 
 @pytest.mark.multiproc

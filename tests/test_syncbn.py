@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_solo import SoloDDP, syncbn
+from lightning_solo import SoloDDP, batch_size, syncbn
 from lightning_solo.syncbn import SoloSyncBatchNorm
 from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
@@ -287,13 +287,13 @@ def test_per_device_batch_size_sources():
         fit_loop = SimpleNamespace(_data_source=SimpleNamespace(instance=source))
         return SimpleNamespace(train_dataloader=loaded, fit_loop=fit_loop, datamodule=datamodule, lightning_module=module)
 
-    assert syncbn.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
-    assert syncbn.per_device_batch_size(trainer(source=loader)) == 5
-    assert syncbn.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
+    assert batch_size.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
+    assert batch_size.per_device_batch_size(trainer(source=loader)) == 5
+    assert batch_size.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
     module = L.LightningModule()
     module.save_hyperparameters({"batch_size": 3})
-    assert syncbn.per_device_batch_size(trainer(source=module, module=module)) == 3
-    assert syncbn.per_device_batch_size(trainer(source=module, module=L.LightningModule())) is None
+    assert batch_size.per_device_batch_size(trainer(source=module, module=module)) == 3
+    assert batch_size.per_device_batch_size(trainer(source=module, module=L.LightningModule())) is None
 
 
 # ---------------------------------------------------------------- Lightning + SoloDDP, 2 fork ranks
@@ -428,5 +428,5 @@ def test_custom_layer_sync_plugin_is_kept():
 
     plugin = Mine()
     trainer = SimpleNamespace(strategy=None)
-    decision, chosen = syncbn.plan(trainer, "auto", 32, plugin)
+    decision, chosen = syncbn.decide_layer_sync(trainer, "auto", 32, plugin)
     assert chosen is plugin and decision.value == "Mine"
