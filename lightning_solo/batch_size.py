@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.validate import is_int
 
 
@@ -47,7 +48,7 @@ def per_device_batch_size(trainer: pl.Trainer) -> int | None:
     loaded = loader_batch_size(trainer.train_dataloader)
     if loaded is not None:
         return loaded
-    source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+    source = lightning_compat.fit_data_source(trainer)
     if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
         given = loader_batch_size(source)
         if given is not None:

@@ -56,12 +56,13 @@ def refuse_multirun_relaunch(trainer) -> None:
     """Hydra multirun plus a launcher that re-runs ``sys.argv`` makes every child run its own sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_solo._compat.lightning import SubprocessScriptLauncher
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     strategy = trainer.strategy
-    relaunches = isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
+    relaunches = isinstance(getattr(strategy, "launcher", None), SubprocessScriptLauncher)
     external = getattr(getattr(strategy, "cluster_environment", None), "creates_processes_externally", False)
     if relaunches and not external and getattr(strategy, "num_processes", 1) > 1:
         raise PreflightError(

@@ -22,17 +22,16 @@ from typing import Any, Literal
 
 import lightning
 import torch
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO, load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
@@ -40,7 +39,8 @@ from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
-from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
+from lightning_solo.unused import Phase, UnusedParameters
+from lightning_solo.unused_sync import all_gather_grad_on
 from lightning_solo.validate import check_number
 
 
@@ -337,14 +337,15 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if decision.value is not None and read_manifest(decision.value) != manifest:
             raise RuntimeError(f"rank {self.global_rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
                                f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share")
-        trainer._checkpoint_connector._ckpt_path = decision.value
+        lightning_compat.set_ckpt_path(trainer, decision.value)
         return decision.value
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
         if self._comm.name is None and self._ddp_comm_hook is not None:
-            _register_ddp_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper)
+            lightning_compat.register_ddp_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook,
+                                                    self._ddp_comm_wrapper)
             name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
             self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
             return
@@ -443,7 +444,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Lightning's rewrite of DDP's unused-parameter error points at its own strategy names.
         if self._unused.phase is Phase.USER:
-            _augment_message(
+            lightning_compat.augment_message(
                 exception,
                 pattern=".*(Expected to have finished reduction in the prior iteration|not used in producing the loss).*",
                 new_message=(
@@ -467,7 +468,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return {
             "world_size": self.world_size,
             "num_nodes": self.num_nodes,
-            "backend": self._process_group_backend,
+            "backend": self.process_group_backend,
             "start_method": self._start_method,
             "timeout_s": self._timeout.total_seconds() if self._timeout else None,
             **self._ddp_kwargs,

@@ -58,7 +58,6 @@ class SleepyRankOne(L.LightningModule):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_soloddp_barrier_names_the_sleeping_rank():
     trainer = L.Trainer(
         accelerator="cpu",
@@ -102,7 +101,6 @@ def _side_group_paths(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
     for rank, out in enumerate(run_ranks(_side_group_paths, 2)):
         assert out["made"] == (True, "monitored (gloo side group)")

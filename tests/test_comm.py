@@ -23,6 +23,7 @@ from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
 from lightning_solo.comm.powersgd_state import read_shard, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
+from tests.helpers.records import read_rank_records, write_rank_record
 
 
 def make_net() -> nn.Module:
@@ -149,7 +150,6 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int, ckpt: str) -> dic
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_hooks_registered_on_cpu_and_close_to_exact_allreduce(tmp_path):
     r0, r1 = run_ranks(_hooks_against_exact_allreduce, 2, str(tmp_path / "raw.ckpt"))
     for name, low, high in (("fp16", 1e-6, 2e-3), ("bf16", 1e-4, 2e-2)):
@@ -196,7 +196,6 @@ def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_post_local_sgd_groups_by_real_node_and_averages_in_place():
     for rank, out in enumerate(run_ranks(_post_local_sgd_nodes_and_layout, 4)):
         assert out["subgroup"] == [rank % 2, rank % 2 + 2], out
@@ -246,7 +245,7 @@ class Record(Callback):
             "final": flat(pl_module),
             "hook_state": strategy._comm.state_dict(),  # a collective for PowerSGD: all ranks are here
         }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+        write_rank_record(self.out, trainer.global_rank, record, suffix=".pt")
 
 
 def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **strategy_kwargs) -> list[dict]:
@@ -266,11 +265,10 @@ def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **st
         enable_model_summary=False,
     )
     trainer.fit(Net(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return read_rank_records(out, suffix=".pt")
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_lightning_registers_fp16_on_cpu(tmp_path):
     r0, r1 = fit(tmp_path, comm_hook="fp16")
     assert r0["logged"] == r1["logged"] == "fp16_compress_hook"  # stock Lightning drops it on CPU
@@ -318,7 +316,6 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_post_local_sgd_averages_with_configured_period(tmp_path):
     warmup, period = 2, 3
     r0, r1 = fit(tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period)

@@ -168,7 +168,6 @@ def test_auto_precision_is_agreed_across_ranks():
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_soloddp_agrees_auto_precision_after_the_process_group_exists(tmp_path):
     t = trainer(1, devices=2, strategy=SoloDDP(start_method="fork", precision="auto"))
     t.fit(TinyNet(overflow_step=None), loader(n=8))
@@ -337,7 +336,6 @@ class DumpRank(Recorder):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_two_ranks_fp16_under_soloddp_resumed_with_new_growth_factor(tmp_path):
     # One single-process step (scale 1024, growth tracker 1), then 2 ranks resume with growth_factor 4.
     ckpt = tmp_path / "one_step.ckpt"
@@ -365,7 +363,6 @@ def test_two_ranks_fp16_under_soloddp_resumed_with_new_growth_factor(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_precision_conflict_fails_the_fit():
     t = trainer(
         1, devices=2, strategy=SoloDDP(start_method="fork", precision="16-mixed"), precision="bf16-mixed"

@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.decision import Decision, DecisionLog
@@ -201,7 +202,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
         def save() -> None:
             try:
-                checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                checkpoint = lightning_compat.dump_checkpoint(trainer, self.save_weights_only)
                 if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io

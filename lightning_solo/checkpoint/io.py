@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.manifest import (
     CheckpointVerificationError,
     _append_manifest,
@@ -93,7 +93,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically. ``storage_options`` may be a dict of extra manifest
         fields, e.g. ``{"trigger": "exception"}``."""
-        if not _is_local_file_protocol(path):
+        if not lightning_compat.is_local_path(path):
             rank_zero_warn(f"{path!r} is not a local path; falling back to Lightning's (non-atomic) writer")
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -118,7 +118,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
         """Verify ``path`` against its manifest, then ``torch.load`` it (``weights_only`` defaults to the
         IO's setting, ``True``)."""
         weights_only = self.weights_only if weights_only is None else weights_only
-        if not _is_local_file_protocol(path):
+        if not lightning_compat.is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -130,7 +130,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
 
     @override
     def remove_checkpoint(self, path) -> None:
-        if not _is_local_file_protocol(path):
+        if not lightning_compat.is_local_path(path):
             return super().remove_checkpoint(path)
         shutil.rmtree(shard_dir(path), ignore_errors=True)  # its PowerSGD shards, if any
         try:

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.comm import powersgd_state
 from lightning_solo.comm.averaging import InPlaceAverager, average_in_place, node_groups
 from lightning_solo.comm.barrier import backend_for
@@ -52,7 +53,7 @@ def bf16_compress_any_build_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on CPU-only torch builds,
     although gloo all-reduces bfloat16 fine."""
-    return default._compress_hook(torch.bfloat16, process_group, bucket)
+    return torch_compat.compress_hook(torch.bfloat16, process_group, bucket)
 
 
 def _bf16_hook():
@@ -123,7 +124,7 @@ class CommHook:
             return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
         if self.name in ("fp16", "bf16"):
             self.hook = default.fp16_compress_hook if self.name == "fp16" else _bf16_hook()
-            _register_ddp_comm_hook(model=ddp, ddp_comm_hook=self.hook)
+            lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_hook=self.hook)
             error = "~1e-3" if self.name == "fp16" else "~1e-2"
             return Decision(
                 "comm_hook",
@@ -144,7 +145,7 @@ class CommHook:
         self.state.serial = backend_for(dist.get_backend(ddp.process_group), ddp.device_type) != "nccl"
         self.hook = powersgd_state.resumable_powerSGD_hook
         self._apply_saved()
-        _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
         serial = (
             "; on gloo each bucket finishes before the next, to keep collectives in order"
             if self.state.serial
@@ -179,7 +180,7 @@ class CommHook:
             self._between = between
         self.hook = post_local.post_localSGD_hook
         self._apply_saved()
-        _register_ddp_comm_hook(model=ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
         return Decision(
             "comm_hook",
             "post_local_sgd",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.rng import numpy_state, set_numpy_state
 
 # DDP rebuilds its buckets once, at the start of its second iteration (later with static_graph); follow the
@@ -152,7 +153,7 @@ def _q_order(shapes: list[torch.Size], state: powersgd.PowerSGDState) -> list[tu
         n = shape[0]
         m = prod(shape) // n
         rank = min(n, m, state.matrix_approximation_rank)
-        if powersgd._should_compress(n, m, rank, state.min_compression_rate)[0]:
+        if torch_compat.should_compress(n, m, rank, state.min_compression_rate):
             groups.setdefault((n, m), []).append((pos, m * rank, n * rank))
     return [item for group in groups.values() for item in group]
 
