@@ -9,7 +9,7 @@ SoloDDP closes the gap with the pieces below, so nothing changes for the data mo
   order is a function of seed and epoch) in a :class:`ResumableSampler`;
 * ``capture`` (every rank, inside ``trainer.save_checkpoint``) records the sampler epoch, the batches
   of this epoch already trained on and every rank's RNG states into ``checkpoint[RESUME_KEY]``;
-* ``plan`` turns that record, after Lightning restored its loops, into "epoch e, skip k batches, then
+* ``decide`` turns that record, after Lightning restored its loops, into "epoch e, skip k batches, then
   restore this rank's RNG", applied at the first index the resumed epoch draws.
 
 Example::
