@@ -20,7 +20,6 @@ Loads: ``torch.load`` against ``SoloCheckpointIO.load_checkpoint`` (sha256 verif
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -28,8 +27,7 @@ import tracemalloc
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_solo.checkpoint_io import SoloCheckpointIO  # noqa: E402
+from lightning_solo.checkpoint.io import SoloCheckpointIO
 
 
 def make_checkpoint(mb: int) -> dict:

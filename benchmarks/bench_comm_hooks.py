@@ -11,18 +11,15 @@ post-local-SGD start their compressed / local phase after 2 steps, so every time
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_solo.comm import CommHook  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from lightning_solo.comm.hooks import CommHook
+from lightning_solo.testing import run_ranks
 
 HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
 

@@ -14,17 +14,14 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_solo import syncbn  # noqa: E402
+from lightning_solo import syncbn
 from lightning_solo.testing import run_ranks
 
 

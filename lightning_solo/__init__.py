@@ -6,12 +6,12 @@ Lightning, so ``Trainer(strategy="solo_ddp")`` works as well as ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_solo.checkpoint_io import SoloCheckpointIO, resolve_ckpt_path
-from lightning_solo.comm import CommHook
+from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
+from lightning_solo.comm.hooks import CommHook
 from lightning_solo.decision import Decision
-from lightning_solo.precision import SoloMixedPrecision
+from lightning_solo.precision.plugin import SoloMixedPrecision
 from lightning_solo.strategy import SoloDDP
-from lightning_solo.syncbn import SoloSyncBatchNorm
+from lightning_solo.syncbn.layer import SoloSyncBatchNorm
 
 SoloDDP.register_strategies(StrategyRegistry)
 

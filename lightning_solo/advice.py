@@ -18,6 +18,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.unused import Phase, UnusedParameters
 
 _MIB = 2**20
@@ -34,10 +35,10 @@ def _ms(nanoseconds: Any) -> float:
 
 def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = None) -> list[str]:
     """Short actionable lines about ``ddp``'s run; ``unused``: SoloDDP's unused-parameter policy, if any."""
-    data = ddp._get_ddp_logging_data()
+    data = torch_compat.ddp_logging_data(ddp)
     lines: list[str] = []
     static_graph = bool(getattr(ddp, "static_graph", False))
-    graph_static = bool(data.get("can_set_static_graph") or ddp.reducer._ddp_graph_static())
+    graph_static = bool(data.get("can_set_static_graph") or torch_compat.ddp_graph_static(ddp))
     unused_bytes = int(data.get("unused_parameter_size") or 0)
 
     # Unused parameters, and whether static_graph could replace the per-step search.

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_solo.checkpoint_io import SoloCheckpointIO
+from lightning_solo.checkpoint.io import SoloCheckpointIO
 
 # Wrappers that prefix parameter names: DDP, torch.compile, and Lightning-side attribute paths.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")

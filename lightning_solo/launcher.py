@@ -41,33 +41,55 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import logging
 import os
 import pickle
 import shutil
-from enum import Enum
-from pathlib import PurePath
-from typing import Any
+import sys
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-log = logging.getLogger(__name__)
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.carry import LEFT_BEHIND, pack, packed_attributes, unpack, unpack_attributes
+from lightning_solo.decision import Decision
 
 _STATE_KEY = "lightning_solo_state"
 _STRATEGY_ATTRIBUTES = ("decisions", "advice")
-_LOGGER_ATTRIBUTES = ("_version",)
 
 
-class SoloLauncher(_MultiProcessingLauncher):
+StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
+_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
+
+
+def in_notebook() -> bool:
+    """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
+
+
+def _ipython_active() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def decide_start_method(start_method: str) -> Decision:
+    """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}")
+    if start_method != "auto":
+        return Decision("start_method", start_method, "set by the user")
+    if in_notebook():
+        return Decision("start_method", "fork", "interactive session: only a fork launcher works here")
+    return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
+
+
+class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     """The launcher ``SoloDDP`` uses for ``start_method`` ``"fork"``, ``"spawn"`` and ``"forkserver"``."""
 
     @override
@@ -100,7 +122,7 @@ class SoloLauncher(_MultiProcessingLauncher):
         return extra
 
     @override
-    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: L.Trainer) -> None:
+    def _recover_results_in_main_process(self, worker_output: lightning_compat.WorkerOutput, trainer: L.Trainer) -> None:
         if trainer.checkpoint_callback and hasattr(trainer.checkpoint_callback, "best_model_path"):
             trainer.checkpoint_callback.best_model_path = str(worker_output.best_model_path)
         if worker_output.weights_path is not None:
@@ -124,15 +146,15 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     """What rank 0 holds after the run that an in-process run would leave in the parent, packed: each value
     a pickled CPU copy on its own, so that one that cannot be unpickled in the parent loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
-    connector = trainer._logger_connector
+    connector = lightning_compat.logger_connector(trainer)
     return {
-        "fit_loop": _pack(trainer.fit_loop.state_dict()) if fitting else None,
-        "callbacks": [(cb.state_key, packed_attributes(cb), _pack(cb.state_dict())) for cb in trainer.callbacks],
+        "fit_loop": pack(trainer.fit_loop.state_dict()) if fitting else None,
+        "callbacks": [(cb.state_key, packed_attributes(cb), pack(cb.state_dict())) for cb in trainer.callbacks],
         "module": packed_attributes(trainer.lightning_module, public_only=True, skip=("training",)),
         "strategy": packed_attributes(trainer.strategy, only=_STRATEGY_ATTRIBUTES),
-        "loggers": [packed_attributes(logger, only=_LOGGER_ATTRIBUTES) for logger in trainer.loggers],
-        "logged_metrics": _pack(dict(connector._logged_metrics)),
-        "progress_bar_metrics": _pack(dict(connector._progress_bar_metrics)),
+        "loggers": [packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers],
+        "logged_metrics": pack(dict(connector._logged_metrics)),
+        "progress_bar_metrics": pack(dict(connector._progress_bar_metrics)),
     }
 
 
@@ -143,14 +165,14 @@ def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, byt
         plugin = pickle.dumps(trainer.strategy.precision_plugin)
     except Exception:  # noqa: BLE001 - a plugin that does not pickle stays behind; the parent keeps its own
         plugin = None
-    return {"precision_plugin": plugin, "comm_hook": _pack(getattr(launcher, "_comm_state", None))}
+    return {"precision_plugin": plugin, "comm_hook": pack(getattr(launcher, "_comm_state", None))}
 
 
 def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> None:
-    if (plugin := _unpack(state["precision_plugin"], "the precision plugin")) is not _LEFT_BEHIND:
+    if (plugin := unpack(state["precision_plugin"], "the precision plugin")) is not LEFT_BEHIND:
         strategy.precision_plugin = plugin
-    hook_state = _unpack(state["comm_hook"], "the comm hook's state")
-    if hook_state not in (_LEFT_BEHIND, None) and getattr(strategy, "_comm", None) is not None:
+    hook_state = unpack(state["comm_hook"], "the comm hook's state")
+    if hook_state not in (LEFT_BEHIND, None) and getattr(strategy, "_comm", None) is not None:
         strategy._comm.load_state_dict(hook_state)  # the next fit's ranks apply it when they register the hook
 
 
@@ -158,8 +180,8 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     """Apply :func:`capture`'s result to the parent's trainer, callbacks, module, strategy and loggers."""
     if "training_state" in state:
         _restore_training_state(trainer.strategy, state["training_state"])
-    fit_loop = _unpack(state["fit_loop"], "the fit loop's progress")
-    if fit_loop is not _LEFT_BEHIND:
+    fit_loop = unpack(state["fit_loop"], "the fit loop's progress")
+    if fit_loop is not LEFT_BEHIND:
         _restore_progress(trainer.fit_loop, fit_loop)
         if (epoch_loop_state := fit_loop.get("epoch_loop.state_dict")) is not None:
             trainer.fit_loop.epoch_loop.on_load_checkpoint(epoch_loop_state)  # the logging step
@@ -171,19 +193,19 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     vars(trainer.strategy).update(unpack_attributes(state["strategy"], type(trainer.strategy).__name__))
     for logger, packed in zip(trainer.loggers, state["loggers"]):
         vars(logger).update(unpack_attributes(packed, type(logger).__name__))
-    connector = trainer._logger_connector
+    connector = lightning_compat.logger_connector(trainer)
     for name in ("logged_metrics", "progress_bar_metrics"):
-        if (metrics := _unpack(state[name], f"trainer.{name}")) is not _LEFT_BEHIND:
+        if (metrics := unpack(state[name], f"trainer.{name}")) is not LEFT_BEHIND:
             getattr(connector, f"_{name}").update(metrics)
 
 
-def _restore_progress(loop: _Loop, state: dict[str, Any], prefix: str = "") -> None:
+def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix: str = "") -> None:
     # The progress counters only: `_Loop.load_state_dict` would also mark the loop as resuming from a
     # checkpoint, which the next fit would then act on.
     for name, value in vars(loop).items():
-        if isinstance(value, _BaseProgress) and prefix + name in state:
+        if isinstance(value, lightning_compat.BaseProgress) and prefix + name in state:
             value.load_state_dict(state[prefix + name])
-        elif isinstance(value, _Loop):
+        elif isinstance(value, lightning_compat.Loop):
             _restore_progress(value, state, f"{prefix}{name}.")
 
 
@@ -199,8 +221,8 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, di
         packed, packed_state = matches.pop(0)
         name = type(callback).__name__
         vars(callback).update(unpack_attributes(packed, name))  # first: ModelCheckpoint reloads scores into its dirpath only
-        state_dict = _unpack(packed_state, f"{name}.state_dict()")
-        if state_dict is _LEFT_BEHIND or not state_dict:
+        state_dict = unpack(packed_state, f"{name}.state_dict()")
+        if state_dict is LEFT_BEHIND or not state_dict:
             continue
         try:
             callback.load_state_dict(state_dict)
@@ -210,89 +232,3 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, di
         # load_state_dict may stage a resume for the next fit (WarmupScaledLR does); an in-process fit
         # would have consumed it, so the worker's attributes have the last word.
         vars(callback).update(unpack_attributes(packed, name))
-
-
-def packed_attributes(
-    obj: object, only: tuple[str, ...] | None = None, public_only: bool = False, skip: tuple[str, ...] = ()
-) -> dict[str, bytes]:
-    """``obj``'s instance attributes that are data (see :func:`_plain`), each packed; the others are left out."""
-    found: dict[str, bytes] = {}
-    for name, value in vars(obj).items():
-        if (only is not None and name not in only) or name in skip or (public_only and name.startswith("_")):
-            continue
-        if (packed := _pack(value)) is None:
-            log.debug("not sent back to the parent: %s.%s", type(obj).__name__, name)
-            continue
-        found[name] = packed
-    return found
-
-
-def unpack_attributes(packed: dict[str, bytes], owner: str) -> dict[str, Any]:
-    """The values of :func:`packed_attributes`, less any that cannot be unpickled here (warned about)."""
-    values = {name: _unpack(blob, f"{owner}.{name}") for name, blob in packed.items()}
-    return {name: value for name, value in values.items() if value is not _LEFT_BEHIND}
-
-
-_LEFT_BEHIND = object()
-
-
-def _pack(value: Any) -> bytes | None:
-    """A pickled CPU copy of ``value`` if it is plain data that pickles (a class defined inside a function
-    does not), else ``None``."""
-    try:
-        return pickle.dumps(_plain(value))
-    except Exception:  # noqa: BLE001 - anything that cannot travel stays behind
-        return None
-
-
-def _unpack(blob: bytes | None, what: str) -> Any:
-    if blob is None:
-        return _LEFT_BEHIND
-    try:
-        # Our own worker's bytes, of the kind Lightning's result queue already unpickles.
-        return pickle.loads(blob)
-    except Exception as err:  # noqa: BLE001 - e.g. a class of a spawn worker's __mp_main__
-        rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
-        return _LEFT_BEHIND
-
-
-class _NotPlain(TypeError):
-    pass
-
-
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, PurePath, range, slice, torch.dtype, torch.device)
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """A copy of ``value`` (tensors moved to the CPU) if it is made of data only; else :class:`_NotPlain`."""
-    if depth > 32:
-        raise _NotPlain("nested too deeply")
-    if isinstance(value, _ATOMS):
-        return value
-    if isinstance(value, torch.Tensor):
-        if isinstance(value, torch.nn.Parameter):
-            raise _NotPlain("a parameter belongs to a module")
-        return value.detach().to("cpu", copy=True)
-    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
-        return value.copy()
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
-        out.clear()
-        for key, item in value.items():
-            out[_plain(key, depth + 1)] = _plain(item, depth + 1)
-        return out
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_plain(item, depth + 1) for item in value]
-        if isinstance(value, list):
-            out = copy.copy(value)
-            out[:] = items
-            return out
-        if hasattr(value, "_fields"):  # a namedtuple
-            return type(value)._make(items)
-        return type(value)(items)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = copy.copy(value)
-        for field in dataclasses.fields(value):
-            object.__setattr__(out, field.name, _plain(getattr(value, field.name), depth + 1))  # frozen ones too
-        return out
-    raise _NotPlain(type(value).__name__)

@@ -10,6 +10,8 @@ import socket
 
 import torch
 
+from lightning_solo.validate import check_int, is_int
+
 
 class PreflightError(RuntimeError):
     """The run cannot start on this machine as configured."""
@@ -21,8 +23,7 @@ def _gpu_count() -> int:
 
 def check_devices(accelerator: str, devices, num_nodes: int, dry_run_hint: str | None = None) -> None:
     """``devices`` may be an int, a list of ids, ``-1`` or ``"auto"`` (Lightning's forms)."""
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise PreflightError(f"parallelism.num_nodes must be an integer >= 1, got {num_nodes!r}")
+    check_int("parallelism.num_nodes", num_nodes, error=PreflightError)
     wanted = len(devices) if isinstance(devices, (list, tuple)) else devices
     if accelerator in ("gpu", "cuda"):
         have = _gpu_count()
@@ -34,7 +35,7 @@ def check_devices(accelerator: str, devices, num_nodes: int, dry_run_hint: str |
                 f"{have}.{hint}"
             )
     elif accelerator == "cpu":
-        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted < 1:
+        if is_int(wanted) and wanted < 1:
             raise PreflightError(f"parallelism.devices must be >= 1 processes on CPU, got {devices!r}")
 
 
@@ -55,12 +56,13 @@ def refuse_multirun_relaunch(trainer) -> None:
     """Hydra multirun plus a launcher that re-runs ``sys.argv`` makes every child run its own sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_solo._compat.lightning import SubprocessScriptLauncher
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     strategy = trainer.strategy
-    relaunches = isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
+    relaunches = isinstance(getattr(strategy, "launcher", None), SubprocessScriptLauncher)
     external = getattr(getattr(strategy, "cluster_environment", None), "creates_processes_externally", False)
     if relaunches and not external and getattr(strategy, "num_processes", 1) > 1:
         raise PreflightError(

@@ -9,7 +9,7 @@ SoloDDP closes the gap with the pieces below, so nothing changes for the data mo
   order is a function of seed and epoch) in a :class:`ResumableSampler`;
 * ``capture`` (every rank, inside ``trainer.save_checkpoint``) records the sampler epoch, the batches
   of this epoch already trained on and every rank's RNG states into ``checkpoint[RESUME_KEY]``;
-* ``plan`` turns that record, after Lightning restored its loops, into "epoch e, skip k batches, then
+* ``decide`` turns that record, after Lightning restored its loops, into "epoch e, skip k batches, then
   restore this rank's RNG", applied at the first index the resumed epoch draws.
 
 Example::
@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
+from lightning_solo import ranks
 from lightning_solo.decision import Decision
+from lightning_solo.rng import rng_state, set_rng_state  # re-exported: resume.rng_state() is public
 
 RESUME_KEY = "lightning_solo.resume"
 
@@ -167,46 +169,6 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# RNG states, stored in a form that loads with torch.load(weights_only=True)
-
-
-def rng_state(cuda: bool = True) -> dict[str, Any]:
-    """This process's torch, CUDA (this device's), numpy and Python RNG states."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
-    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
-        # Only this rank's device: another layout (8 GPUs per process before, 4 now, or per-task binding)
-        # has other device indices, but each rank still draws from the generator of its own device.
-        device = torch.cuda.current_device()
-        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
-
-
-def _python_state() -> list[Any]:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-# ---------------------------------------------------------------------------------------------------------
 # save and restore the position
 
 
@@ -221,7 +183,7 @@ def capture(trainer: Any, loader: Any, last_step: tuple[dict[str, Any], int] | N
     the resume replays the cycle's batches with the same RNG. A validation after the step does not count: SoloDDP
     puts the RNG back after it (:func:`validation_neutral`), so the resumed run, which skips it, matches.
     """
-    world_size = _world_size()
+    world_size = ranks.world_size()
     sampler = getattr(loader, "sampler", None)
     sampler = sampler if isinstance(sampler, ResumableSampler) else None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -244,16 +206,11 @@ def capture(trainer: Any, loader: Any, last_step: tuple[dict[str, Any], int] | N
     }
 
 
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
     """This rank's RNG state in ``record``, if the record holds one for every rank."""
     rng = (record or {}).get("rng") or []
-    world_size = _world_size()
-    return rng[torch.distributed.get_rank() if world_size > 1 else 0] if len(rng) == world_size else None
+    world_size = ranks.world_size()
+    return rng[ranks.rank()] if len(rng) == world_size else None
 
 
 def validation_neutral(last_step: tuple[dict[str, Any], int] | None) -> None:
@@ -271,7 +228,7 @@ def _rewind(trainer: Any, batches: int) -> None:
             setattr(counter, name, max(0, getattr(counter, name) - batches))
 
 
-def plan(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision | None:
+def decide(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision | None:
     """Arm the loader's sampler to continue where ``record`` left off (call once Lightning restored its loops)."""
     if record is None:
         return None
@@ -279,7 +236,7 @@ def plan(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision |
     sampler = sampler if isinstance(sampler, ResumableSampler) else None
     saved = saved_rng(record)
     restore = (lambda: set_rng_state(saved)) if saved is not None else None
-    rng, world_size = record.get("rng") or [], _world_size()
+    rng, world_size = record.get("rng") or [], ranks.world_size()
     rng_note = "RNG states restored" if restore else f"RNG states not restored ({len(rng)} saved, {world_size} ranks)"
     if sampler is None:
         if restore is not None:

@@ -16,7 +16,6 @@ This module is wiring only: each decision is made by a function in its own modul
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from datetime import timedelta
 from typing import Any, Literal
@@ -25,30 +24,27 @@ import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_solo import comm, resume, syncbn
 from lightning_solo import precision as amp
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
-from lightning_solo.checkpoint_io import (
-    SoloCheckpointIO,
-    checkpoint_dir,
-    decide_resume,
-    load_weights_only,
-    read_manifest,
-)
+from lightning_solo.checkpoint.io import SoloCheckpointIO, load_weights_only
+from lightning_solo.checkpoint.manifest import read_manifest
+from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
 from lightning_solo.decision import Decision, DecisionLog
-from lightning_solo.launcher import SoloLauncher
+from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
-from lightning_solo.unused import Phase, UnusedParameters, all_gather_grad_on
+from lightning_solo.unused import Phase, UnusedParameters
+from lightning_solo.unused_sync import all_gather_grad_on
+from lightning_solo.validate import check_number
 
 
 # Lightning skips every restore step for a falsy checkpoint: "auto" that found nothing starts fresh.
@@ -58,34 +54,6 @@ class _NoCheckpoint(dict):
 
 
 _NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
-
-StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
-
-
-def in_notebook() -> bool:
-    """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
-
-
-def _ipython_active() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return get_ipython() is not None
-
-
-def resolve_start_method(start_method: str) -> Decision:
-    """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
-    if start_method not in _START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}")
-    if start_method != "auto":
-        return Decision("start_method", start_method, "set by the user")
-    if in_notebook():
-        return Decision("start_method", "fork", "interactive session: only a fork launcher works here")
-    return Decision("start_method", "popen", "script: each rank re-runs the command (Lightning's default)")
-
 
 class SoloDDP(DecisionLog, DDPStrategy):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
@@ -104,7 +72,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             fork/spawn/forkserver, the notebook gets the fit's state back (true ``global_step``, callback state,
             decisions) and can fit again on the same Trainer: see :mod:`lightning_solo.launcher`.
         timeout: collective timeout, a ``timedelta`` or seconds.
-        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint_io.SoloCheckpointIO` (atomic, fsynced,
+        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint.io.SoloCheckpointIO` (atomic, fsynced,
             manifest-verified files, ``weights_only=True`` loads). Every checkpoint also carries the training
             sampler's position and every rank's RNG states, so a mid-epoch resume continues exactly
             (:mod:`lightning_solo.resume`).
@@ -118,7 +86,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             ``"32-true"``, or ``None`` to leave it to ``Trainer(precision=...)``. ``"auto"``: bf16 on GPUs that
             support it, fp16 on GPUs that don't, fp32 on CPU. A different explicit ``Trainer(precision=...)``
             raises ``ValueError`` (``"auto"`` defers to it; the Trainer's ``"32-true"`` counts as unset, being
-            its default); see :func:`lightning_solo.precision.resolve_precision`.
+            its default); see :func:`lightning_solo.precision.decide_precision`.
         scaler: GradScaler settings for 16-mixed: ``init_scale``, ``growth_factor`` (> 1), ``backoff_factor``
             (in (0, 1)), ``growth_interval`` (>= 1). On resume the saved scale is kept and these factors apply.
         skip_lr_on_overflow: hold step-interval LR schedulers on a step skipped for inf/nan gradients.
@@ -164,7 +132,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         gloo_side_group: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        launcher = resolve_start_method(start_method)
+        launcher = decide_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
         user_state = ddp_kwargs.get("ddp_comm_state")
@@ -188,9 +156,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if precision is not None and precision_plugin is not None:
             raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
         if not isinstance(timeout, timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-                raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-            timeout = timedelta(seconds=timeout)
+            timeout = timedelta(seconds=check_number("timeout", timeout, what="a positive number of seconds or a timedelta"))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -251,7 +217,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            decision, self._solo_layer_sync = syncbn.plan(
+            decision, self._solo_layer_sync = syncbn.decide_layer_sync(
                 trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._requested_layer_sync
             )
             self._decide(decision)
@@ -266,7 +232,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         super().setup_environment()  # the device, then the process group
         # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
         # ranks, a collective). Nothing uses the plugin before this.
-        self.precision_plugin, decisions = amp.settle_precision(
+        self.precision_plugin, decisions = amp.decide_precision_plugin(
             self.precision_plugin, self._precision_options, self.lightning_module.trainer, self.root_device
         )
         for decision in decisions:
@@ -308,7 +274,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._decide(decision)
         self._train_loader = dataloader
         record, self._resume_record = getattr(self, "_resume_record", None), None
-        if (planned := resume.plan(record, trainer, dataloader)) is not None:
+        if (planned := resume.decide(record, trainer, dataloader)) is not None:
             self._decide(planned)
         # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g. in
         # a replayed accumulation cycle, must leave the RNG there too).
@@ -377,14 +343,14 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if decision.value is not None and read_manifest(decision.value) != manifest:
             raise RuntimeError(f"rank {self.global_rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
                                f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share")
-        trainer._checkpoint_connector._ckpt_path = decision.value
+        lightning_compat.set_ckpt_path(trainer, decision.value)
         return decision.value
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
         if self._comm.name is None and self._ddp_comm_hook is not None:
-            _register_ddp_comm_hook(  # self.model is DDP here
+            lightning_compat.register_ddp_comm_hook(  # self.model is DDP here
                 self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper  # type: ignore[arg-type]
             )
             name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
@@ -484,7 +450,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Lightning's rewrite of DDP's unused-parameter error points at its own strategy names.
         if self._unused.phase is Phase.USER:
-            _augment_message(
+            lightning_compat.augment_message(
                 exception,
                 pattern=".*(Expected to have finished reduction in the prior iteration|not used in producing the loss).*",
                 new_message=(
@@ -508,7 +474,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return {
             "world_size": self.world_size,
             "num_nodes": self.num_nodes,
-            "backend": self._process_group_backend,
+            "backend": self.process_group_backend,
             "start_method": self._start_method,
             "timeout_s": self._timeout.total_seconds() if self._timeout else None,
             **self._ddp_kwargs,

@@ -12,15 +12,7 @@ from typing import Any
 
 import lightning as L
 
-
-def per_device_batch_size(trainer: L.Trainer) -> int | None:
-    loader = trainer.train_dataloader
-    if loader is None:
-        return None
-    size = getattr(loader, "batch_size", None)
-    if size is None and getattr(loader, "batch_sampler", None) is not None:
-        size = getattr(loader.batch_sampler, "batch_size", None)
-    return size
+from lightning_solo.batch_size import per_device_batch_size
 
 
 def global_batch_size(trainer: L.Trainer) -> int | None:

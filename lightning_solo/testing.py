@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from lightning_solo._compat.torch import DispatchMode
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     return [results[r] for r in range(world_size)]
 
 
-class HostSyncRecorder(TorchDispatchMode):
+class HostSyncRecorder(DispatchMode):
     """Within ``with HostSyncRecorder() as rec:``, records each all-reduce's ``(dtype, numel)`` in
     ``rec.allreduces`` and every host sync in ``rec.syncs``: ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``
     all go through ``_local_scalar_dense``, boolean-mask indexing through ``nonzero``. Works on any device."""

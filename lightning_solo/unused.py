@@ -68,7 +68,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module, Parameter, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.decision import Decision
+from lightning_solo.unused_sync import _Arrivals
+from lightning_solo.validate import check_int
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
@@ -137,9 +140,7 @@ class UnusedParameters:
 
     def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
         self.setting = check_find_unused(setting)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} is not accepted: use an integer >= 1")
-        self.window, self.static_graph = window, static_graph
+        self.window, self.static_graph = check_int("window", window), static_graph
         self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
         self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
         self.unused_bytes = 0
@@ -225,7 +226,7 @@ class UnusedParameters:
             new = build(module)
             params = _reducer_parameters(new)
         finally:
-            del module._parameters[_SENTINEL]
+            torch_compat.unregister_parameter(module, _SENTINEL)
         return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
@@ -273,20 +274,18 @@ class UnusedParameters:
         are spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
         optimization may accumulate across batches)."""
         module = ddp.module
-        ddp._remove_autograd_hooks()
+        torch_compat.remove_autograd_hooks(ddp)
         self._remove_hooks()
         for _, param in module.named_parameters():
             param.grad = param.grad.detach().clone() if keep_grads and param.grad is not None else None
         if self._user_ignore is None:
-            self._user_ignore = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+            self._user_ignore = list(getattr(module, torch_compat.DDP_IGNORE_LIST, []))
         for _, param in module.named_parameters():
-            if hasattr(param, "_ddp_ignored"):
-                del param._ddp_ignored
+            if hasattr(param, torch_compat.DDP_IGNORED_FLAG):
+                delattr(param, torch_compat.DDP_IGNORED_FLAG)
         names = [self._named[i][0] for i in self._ignored]
         # "." + name as well: DDP's reducer spells root-level parameters that way.
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            module, self._user_ignore + names + ["." + n for n in names if "." not in n]
-        )
+        torch_compat.set_params_to_ignore(module, self._user_ignore + names + ["." + n for n in names if "." not in n])
         return module
 
     def finish(self, ddp: Module) -> None:
@@ -295,10 +294,10 @@ class UnusedParameters:
         self._remove_hooks()
         module = getattr(ddp, "module", ddp)
         if self._user_ignore is not None:
-            module._ddp_params_and_buffers_to_ignore = self._user_ignore
+            setattr(module, torch_compat.DDP_IGNORE_LIST, self._user_ignore)
             for _, param in module.named_parameters():
-                if hasattr(param, "_ddp_ignored"):
-                    del param._ddp_ignored
+                if hasattr(param, torch_compat.DDP_IGNORED_FLAG):
+                    delattr(param, torch_compat.DDP_IGNORED_FLAG)
         if self.phase is Phase.WINDOW and self._never is not None:
             self.decision = Decision(
                 "find_unused_parameters", True,
@@ -338,7 +337,7 @@ class UnusedParameters:
     def _window_step(self, ddp: DistributedDataParallel) -> None:
         self._window_steps += 1
         # On True, DDP has all-reduced how many ranks used each parameter (reducer order).
-        counts = ddp.reducer._get_local_used_map().cpu()
+        counts = torch_compat.local_used_map(ddp).cpu()
         world = ddp.process_group.size()
         never = torch.zeros(len(self._named), dtype=torch.bool)
         varying = torch.zeros(len(self._named), dtype=torch.bool)
@@ -412,7 +411,7 @@ class UnusedParameters:
         # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
         # and mark it ready, as its own gradient hook would.
         self._sentinel.grad = torch.full_like(self._sentinel, flag)
-        ddp.reducer._autograd_hook(index)
+        torch_compat.mark_ready(ddp, index)
 
     def _decide(self) -> bool:
         never = self._never.nonzero().flatten().tolist()
@@ -481,72 +480,3 @@ class UnusedParameters:
             f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "
             f"next {self.window} steps (on True meanwhile)",
         )  # fmt: skip
-
-
-class _Arrivals:
-    """Fast path: whose gradients arrived in the synchronised backward, this rank's event flag, and the
-    step's usage map ``[missing | unused | dropped]``, all-reduced on ``group`` (:meth:`send`, :meth:`receive`).
-    ``on_last`` runs in the hook of the last synchronised gradient to arrive."""
-
-    def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], group: Any):
-        self.seen = bytearray(len(named))
-        self.map = torch.zeros(3, len(named), dtype=torch.int32)
-        self.group, self.synced = group, set(synced)
-        self.on_last: Callable[[], None] | None = None
-        self.left, self.armed, self.work, self.flag = 0, False, None, 0.0
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
-
-    def _hook(self, i: int):
-        synced = i in self.synced
-
-        def arrived(_: Parameter) -> None:
-            if self.armed and not self.seen[i]:
-                self.seen[i] = 1
-                if synced:
-                    self.left -= 1
-                    if self.left == 0 and self.on_last is not None:
-                        self.on_last()
-
-        return arrived
-
-    def arm(self) -> None:
-        self.seen[:] = bytes(len(self.seen))
-        self.map.zero_()
-        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, 0.0
-
-    def send(self) -> None:
-        self.work = dist.all_reduce(self.map, group=self.group, async_op=True)
-
-    def receive(self) -> torch.Tensor:
-        if self.work is None:
-            self.send()
-        self.work.wait()
-        self.armed, self.work = False, None
-        return self.map
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def all_gather_grad_on(tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:
-    """``all_gather(tensor, sync_grads=True)`` as Lightning returns it (shape ``(world, *tensor.shape)``), whose
-    backward all-reduces on ``grad_group``, a gloo group apart from DDP's, so that on the fast path it cannot
-    pair with a bucket DDP holds back on another rank (gloo matches collectives per group)."""
-    return _AllGatherGradOn.apply(tensor.contiguous(), group, grad_group)
-
-
-class _AllGatherGradOn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:
-        ctx.rank, ctx.grad_group = dist.get_rank(group), grad_group
-        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tensor, group=group)
-        return torch.stack(gathered)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # Every rank's loss depends on every rank's tensor: this rank's gradient is the sum of their slices.
-        total = grad.detach().to("cpu", copy=True)
-        dist.all_reduce(total, group=ctx.grad_group)
-        return total[ctx.rank].to(grad.device), None, None

@@ -7,13 +7,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import backend_for, barrier_group, monitored_barrier
+from lightning_solo.comm.barrier import backend_for, barrier_group, monitored_barrier
 from lightning_solo.preflight import gloo_interface_warning
 from tests.distributed import run_ranks
+from tests.helpers.modules import TinyModule
 
 
 def _late_rank_two(rank: int, world_size: int) -> str:
@@ -37,28 +36,17 @@ def test_monitored_barrier_names_every_missing_rank():
     assert "rank 0's error names the ranks" in r1
 
 
-class SleepyRankOne(L.LightningModule):
+class SleepyRankOne(TinyModule):
     def __init__(self):
-        super().__init__()
-        self.layer = nn.Linear(2, 1)
+        super().__init__(2, 1, lr=0.1, samples=8)
 
     def on_train_start(self):
         if self.global_rank == 1:
             time.sleep(6)
         self.trainer.strategy.barrier("after_sleep")
 
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
-
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_soloddp_barrier_names_the_sleeping_rank():
     trainer = L.Trainer(
         accelerator="cpu",
@@ -102,7 +90,6 @@ def _side_group_paths(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
     for rank, out in enumerate(run_ranks(_side_group_paths, 2)):
         assert out["made"] == (True, "monitored (gloo side group)")

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_solo import resume
-from lightning_solo.checkpoint_io import (
+from lightning_solo.checkpoint import (
     CheckpointVerificationError,
     SoloCheckpointIO,
     UnsafeCheckpointError,

@@ -8,21 +8,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo.callbacks import SoloCheckpoint
+from tests.helpers.modules import TinyModule
 
 
-class Worsening(L.LightningModule):
+class Worsening(TinyModule):
     def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).sum()
+        super().__init__(4, 2)
 
     def validation_step(self, batch, batch_idx):
         self.log("val/acc", torch.tensor(1.0 - 0.1 * self.current_epoch))  # best at epoch 0
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def _last_step(callback_cls, tmp_path) -> tuple[int, int]:

@@ -19,9 +19,11 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook, _read_shard, shard_dir
+from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.comm.powersgd_state import read_shard, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
+from tests.helpers.records import read_rank_records, write_rank_record
 
 
 def make_net() -> nn.Module:
@@ -47,9 +49,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         ({"comm_hook": "batched_powersgd"}, "'powersgd'"),
         ({"bucket_cap_mb": -1}, "positive number of megabytes"),
         ({"bucket_cap_mb": 0}, "positive number of megabytes"),
-        ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0"),
+        ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be a positive integer, got 0"),
         ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, "integer >= 2"),
-        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period=0"),
+        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period must be a positive integer, got 0"),
         ({"comm_hook": "post_local_sgd", "local_sgd_warmup": -1}, "integer >= 0"),
         ({"comm_hook": "fp16", "ddp_comm_hook": lambda state, bucket: None}, "not both"),
     ],
@@ -149,7 +151,6 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int, ckpt: str) -> dic
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_hooks_registered_on_cpu_and_close_to_exact_allreduce(tmp_path):
     r0, r1 = run_ranks(_hooks_against_exact_allreduce, 2, str(tmp_path / "raw.ckpt"))
     for name, low, high in (("fp16", 1e-6, 2e-3), ("bf16", 1e-4, 2e-2)):
@@ -196,7 +197,6 @@ def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_post_local_sgd_groups_by_real_node_and_averages_in_place():
     for rank, out in enumerate(run_ranks(_post_local_sgd_nodes_and_layout, 4)):
         assert out["subgroup"] == [rank % 2, rank % 2 + 2], out
@@ -246,7 +246,7 @@ class Record(Callback):
             "final": flat(pl_module),
             "hook_state": strategy._comm.state_dict(),  # a collective for PowerSGD: all ranks are here
         }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+        write_rank_record(self.out, trainer.global_rank, record, suffix=".pt")
 
 
 def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **strategy_kwargs) -> list[dict]:
@@ -266,11 +266,10 @@ def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **st
         enable_model_summary=False,
     )
     trainer.fit(Net(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return read_rank_records(out, suffix=".pt")
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_lightning_registers_fp16_on_cpu(tmp_path):
     r0, r1 = fit(tmp_path, comm_hook="fp16")
     assert r0["logged"] == r1["logged"] == "fp16_compress_hook"  # stock Lightning drops it on CPU
@@ -308,17 +307,16 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
 
     # Self-verifying: a damaged or missing shard is a clear error naming the rank, not a silent zero.
-    assert _read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
+    assert read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
     shards[1].write_bytes(shards[1].read_bytes()[:-8] + b"damaged!")
     with pytest.raises(RuntimeError, match="rank 1 .* does not match the sha256"):
-        _read_shard(ckpt, saved["shards"], 1)
+        read_shard(ckpt, saved["shards"], 1)
     shards[0].unlink()
     with pytest.raises(RuntimeError, match="rank 0 .* is missing"):
-        _read_shard(ckpt, saved["shards"], 0)
+        read_shard(ckpt, saved["shards"], 0)
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_post_local_sgd_averages_with_configured_period(tmp_path):
     warmup, period = 2, 3
     r0, r1 = fit(tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period)

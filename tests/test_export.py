@@ -15,7 +15,7 @@ import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo.callbacks import SoloCheckpoint
-from lightning_solo.checkpoint_io import SoloCheckpointIO
+from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.export import plain_state_dict
 from lightning_solo.models.classifier import ImageClassifier
 

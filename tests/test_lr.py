@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import WarmupScaledLR
+from lightning_solo.callbacks.lr_schedule import LRSchedule, scale_factor
 from lightning_solo.decision import Decision
-from lightning_solo.lr_schedule import LRSchedule, scale_factor
 
 BASE_LR = 0.1
 N = 64  # samples; batch 4 → 16 batches per epoch on 1 process, 8 per rank on 2

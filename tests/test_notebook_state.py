@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks.run_summary import RunSummary
-from lightning_solo.launcher import SoloLauncher, capture, packed_attributes, unpack_attributes
+from lightning_solo.carry import packed_attributes, unpack_attributes
+from lightning_solo.launcher import SoloLauncher, capture
 
 SAMPLES, BATCH, WORLD = 64, 8, 2
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_solo import SoloDDP
-from lightning_solo.strategy import resolve_start_method
+from lightning_solo.launcher import decide_start_method
 
 
 @pytest.fixture
@@ -33,14 +33,14 @@ def script(monkeypatch):
 
 
 def test_script_gets_the_subprocess_launcher(script):
-    assert resolve_start_method("auto").value == "popen"
+    assert decide_start_method("auto").value == "popen"
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(), logger=False)
     assert isinstance(trainer.strategy._launcher, _SubprocessScriptLauncher)
     assert trainer.strategy.decisions["start_method"].value == "popen"
 
 
 def test_notebook_gets_fork_with_the_same_name(notebook):
-    decision = resolve_start_method("auto")
+    decision = decide_start_method("auto")
     assert decision.value == "fork" and "interactive" in decision.reason
     for strategy in (SoloDDP(), "solo_ddp"):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
@@ -56,7 +56,7 @@ def test_notebook_refuses_an_explicit_script_launcher(notebook):
 
 
 def test_explicit_start_method_is_kept_and_bad_one_rejected(notebook):
-    assert resolve_start_method("spawn").reason == "set by the user"
+    assert decide_start_method("spawn").reason == "set by the user"
     with pytest.raises(ValueError, match="'auto', 'popen', 'spawn', 'fork', 'forkserver'"):
         SoloDDP(start_method="thread")
 

@@ -8,7 +8,6 @@ compute the single-process reference itself.
 from __future__ import annotations
 
 import copy
-import json
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,10 +22,11 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_solo import SoloDDP, syncbn
-from lightning_solo.syncbn import SoloSyncBatchNorm
+from lightning_solo import SoloDDP, batch_size, syncbn
+from lightning_solo.syncbn.layer import SoloSyncBatchNorm
 from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
+from tests.helpers.records import read_rank_records, write_rank_record
 
 TOL = 1e-5
 
@@ -90,7 +90,6 @@ def _compare_layers(rank: int, world_size: int) -> dict[str, float]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_layers_match_batchnorm_over_the_concatenated_batch():
     for rank, errors in enumerate(run_ranks(_compare_layers, 2)):
         bad = {k: v for k, v in errors.items() if not v <= TOL}
@@ -124,7 +123,6 @@ def _native_vs_solo_on_cuda(rank: int, world_size: int) -> dict[str, float]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for nccl")
 def test_cuda_native_and_solo_agree():
     for errors in run_ranks(_native_vs_solo_on_cuda, 2):
@@ -169,7 +167,6 @@ def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_ddp_steps_with_sync_equal_one_process_with_the_double_batch():
     for errors in run_ranks(_ddp_vs_single, 2):
         assert errors["sync=True"] <= TOL, errors
@@ -199,7 +196,6 @@ def _empty_rank_under_bf16_autocast(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_empty_rank_under_bf16_autocast_no_host_sync_and_same_collectives():
     empty, full = run_ranks(_empty_rank_under_bf16_autocast, 2)
     # Both ranks issue identical all-reduces (fixed dtype and size), or gloo/NCCL would mismatch and hang.
@@ -287,13 +283,13 @@ def test_per_device_batch_size_sources():
         fit_loop = SimpleNamespace(_data_source=SimpleNamespace(instance=source))
         return SimpleNamespace(train_dataloader=loaded, fit_loop=fit_loop, datamodule=datamodule, lightning_module=module)
 
-    assert syncbn.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
-    assert syncbn.per_device_batch_size(trainer(source=loader)) == 5
-    assert syncbn.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
+    assert batch_size.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
+    assert batch_size.per_device_batch_size(trainer(source=loader)) == 5
+    assert batch_size.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
     module = L.LightningModule()
     module.save_hyperparameters({"batch_size": 3})
-    assert syncbn.per_device_batch_size(trainer(source=module, module=module)) == 3
-    assert syncbn.per_device_batch_size(trainer(source=module, module=L.LightningModule())) is None
+    assert batch_size.per_device_batch_size(trainer(source=module, module=module)) == 3
+    assert batch_size.per_device_batch_size(trainer(source=module, module=L.LightningModule())) is None
 
 
 # ---------------------------------------------------------------- Lightning + SoloDDP, 2 fork ranks
@@ -341,7 +337,7 @@ class _Record(L.Callback):
     def on_fit_end(self, trainer, pl_module):  # after the strategy's teardown
         decisions = {k: d.as_dict() for k, d in trainer.strategy.decisions.items()}
         record = dict(self.seen, after=self._bn_classes(pl_module), decisions=decisions)
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
+        write_rank_record(self.out, trainer.global_rank, record)
 
 
 def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, callbacks=(), **trainer_kwargs):
@@ -352,7 +348,7 @@ def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, call
         use_distributed_sampler=False, callbacks=[_Record(tmp_path), *callbacks], **trainer_kwargs,
     )  # fmt: skip
     trainer.fit(module, datamodule=_Data(images, labels))
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    records = read_rank_records(tmp_path)
     return module.net, records
 
 
@@ -428,5 +424,5 @@ def test_custom_layer_sync_plugin_is_kept():
 
     plugin = Mine()
     trainer = SimpleNamespace(strategy=None)
-    decision, chosen = syncbn.plan(trainer, "auto", 32, plugin)
+    decision, chosen = syncbn.decide_layer_sync(trainer, "auto", 32, plugin)
     assert chosen is plugin and decision.value == "Mine"

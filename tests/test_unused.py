@@ -1,7 +1,7 @@
 """find_unused_parameters="auto" (lightning_solo.unused) and the end-of-fit advice (lightning_solo.advice).
 
 Raw-DDP scenarios run in 2 real gloo processes (tests/distributed.run_ranks), all in one launch; the
-Lightning checks go through SoloDDP's fork launcher and the harness of tests/test_equivalence.py, and compare
+Lightning checks go through SoloDDP's fork launcher and the harness of tests/helpers/equivalence.py, and compare
 with the single-process run, so "trains" means "trains the same as one process would".
 """
 
@@ -18,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_solo import SoloDDP
 from lightning_solo.advice import ddp_advice
 from lightning_solo.unused import UnusedParameters
-from tests import test_equivalence as eq
 from tests.distributed import run_ranks
-from tests.test_equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err, reference
+from tests.helpers import equivalence as eq
+from tests.helpers.equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err, reference
 
 # ------------------------------------------------------------------------------------ validation
 
@@ -194,7 +194,6 @@ def _freeze_inside_a_step(rank: int, world_size: int):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_parameter_frozen_inside_a_step_is_named_with_the_step_and_the_fix():
     messages = run_ranks(_freeze_inside_a_step, 2, timeout=50)
     for message in messages:
@@ -230,7 +229,6 @@ CASES = {
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(CASES))
 def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case):
     variant, off, steps, wrappers = CASES[case]
@@ -259,7 +257,6 @@ def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case)
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["static_head", "branch_off_in_window"])
 def test_stock_ddp_fails_on_the_same_models(tmp_path, case):
     variant, off, _, _ = CASES[case]
@@ -269,7 +266,6 @@ def test_stock_ddp_fails_on_the_same_models(tmp_path, case):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_solo_ddp_with_false_says_to_use_auto(tmp_path):
     net = Net("head", make_data())
     with pytest.raises(Exception, match="SoloDDP was given find_unused_parameters=False; leave it at 'auto'"):
@@ -277,7 +273,6 @@ def test_solo_ddp_with_false_says_to_use_auto(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_rewrap_keeps_the_comm_hook(tmp_path):
     # PowerSGD compresses from step 2, before auto's re-wrap at step 4: the new wrapper gets the hook again.
     torch.manual_seed(0)
@@ -302,7 +297,6 @@ class _Manual(Net):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
 def test_manual_optimization_is_covered_too(tmp_path):
     # Lightning prepares DDP's backward itself here (pre_backward); the safety net and switch work the same.
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from lightning_solo import SoloDDP
 from lightning_solo.testing import run_ranks
-from tests.test_equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err
+from tests.helpers.equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err
 
 TOL = 1e-5
 STEPS = 16

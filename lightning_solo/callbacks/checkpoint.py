@@ -5,7 +5,7 @@ Example::
     import lightning as L
     from lightning_solo import SoloDDP
     from lightning_solo.callbacks import SoloCheckpoint
-    from lightning_solo.checkpoint_io import resolve_ckpt_path
+    from lightning_solo.checkpoint import resolve_ckpt_path
 
     ckpt = SoloCheckpoint(dirpath="ckpts", every_n_train_steps=100, keep_last_k=3, save_on_exception=True)
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ckpt])
@@ -39,8 +39,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_solo.checkpoint_io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files, read_manifest
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
+from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.decision import Decision, DecisionLog
+from lightning_solo.validate import check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +86,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         exception_save_timeout_s: float = 60.0,
     ) -> None:
         if keep_last_k is not None:
-            if isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1:
-                raise ValueError(f"keep_last_k must be a positive integer or None, got {keep_last_k!r}")
+            check_int("keep_last_k", keep_last_k)
             if monitor is not None:
                 raise ValueError(f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
                                  f" monitor={monitor!r}; use save_top_k for the best k by a metric")
@@ -93,9 +95,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             monitor, mode, save_top_k = "step", "max", keep_last_k
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
-        if isinstance(exception_save_timeout_s, bool) or not isinstance(exception_save_timeout_s, (int, float)) \
-                or exception_save_timeout_s <= 0:
-            raise ValueError(f"exception_save_timeout_s must be a positive number, got {exception_save_timeout_s!r}")
+        check_number("exception_save_timeout_s", exception_save_timeout_s)
         super().__init__(
             dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose, save_last=save_last,
             save_top_k=save_top_k, save_on_exception=save_on_exception, save_weights_only=save_weights_only,
@@ -203,7 +203,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
         def save() -> None:
             try:
-                checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                checkpoint = lightning_compat.dump_checkpoint(trainer, self.save_weights_only)
                 if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io

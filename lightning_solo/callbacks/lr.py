@@ -14,7 +14,7 @@ Example::
 
 How it composes with everything else: the lr the optimizer *steps with* is ``user_lr × factor(step)``,
 where ``user_lr`` is the lr the user configured, as their own scheduler (if any) has moved it, and
-``factor`` is :class:`~lightning_solo.lr_schedule.LRSchedule` (scale × warmup × built-in decay), taken at
+``factor`` is :class:`~lightning_solo.callbacks.lr_schedule.LRSchedule` (scale × warmup × built-in decay), taken at
 ``trainer.global_step``. The param groups hold the applied lr from the start of each batch through the
 optimizer's update (``LearningRateMonitor``, ``training_step`` and the update all see it); an optimizer
 step post-hook then puts ``user_lr`` back, so schedulers step on their own values (chainable ones never
@@ -32,21 +32,14 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_solo.batch_size import loader_batch_size
+from lightning_solo.callbacks.lr_schedule import LRSchedule, check_options, plot_schedule, scale_factor
 from lightning_solo.decision import Decision, DecisionLog
-from lightning_solo.lr_schedule import DECAYS, RULES, LRSchedule, plot_schedule, scale_factor
+from lightning_solo.validate import check_int
 
 _DEFAULT_WARMUP_FRACTION = 0.05
-
-
-def _loader_batch_size(loader: Any) -> int | None:
-    if not isinstance(loader, DataLoader):
-        return None
-    if loader.batch_size is not None:
-        return loader.batch_size
-    return getattr(loader.batch_sampler, "batch_size", None)
 
 
 class WarmupScaledLR(DecisionLog, Callback):
@@ -84,36 +77,17 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        if rule not in RULES:
-            raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
-        if isinstance(reference_batch_size, bool) or not isinstance(reference_batch_size, int) or reference_batch_size <= 0:
-            raise ValueError(f"reference_batch_size must be a positive integer, got {reference_batch_size!r}")
-        if decay not in DECAYS:
-            raise ValueError(f"unknown decay {decay!r}; accepted: {', '.join(DECAYS)}")
         given = {k: v for k, v in (("warmup_epochs", warmup_epochs), ("warmup_steps", warmup_steps),
                                     ("warmup_fraction", warmup_fraction)) if v is not None}
-        if len(given) > 1:
-            raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {given}")
-        if any(v < 0 for v in given.values()):
-            raise ValueError(f"warmup length must be >= 0, got {given}")
-        if warmup_fraction is not None and warmup_fraction > 1:
-            raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup_fraction!r}")
-        if warmup_steps is not None and int(warmup_steps) != warmup_steps:
-            raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {warmup_steps!r}")
         milestones = list(decay_milestones or ())
-        if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
-            raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
-        if decay == "step" and not milestones:
-            raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
-        if per_device_batch_size is not None and (not isinstance(per_device_batch_size, int) or per_device_batch_size <= 0):
-            raise ValueError(f"per_device_batch_size must be a positive integer or None, got {per_device_batch_size!r}")
+        # Validated here so that a bad value fails at construction, not at the first step.
+        check_options(rule, reference_batch_size, given, decay, milestones, start_factor=start_factor,
+                      min_factor=min_lr_factor, gamma=decay_gamma)
+        check_int("per_device_batch_size", per_device_batch_size, optional=True)
         self.rule = rule
         self.reference_batch_size = reference_batch_size
         self.warmup = next(iter(given.items()), ("warmup_fraction", _DEFAULT_WARMUP_FRACTION))
         self.warmup_given = bool(given)
-        # Validated here so that a bad value fails at construction, not at the first step.
-        LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, start_factor=start_factor, decay=decay,
-                   min_factor=min_lr_factor, gamma=decay_gamma)
         self.start_factor = start_factor
         self.decay = decay
         self.decay_milestones = milestones
@@ -147,7 +121,7 @@ class WarmupScaledLR(DecisionLog, Callback):
     def global_batch_size(self, trainer: L.Trainer) -> Decision:
         """Per-device batch (from the train dataloader) × devices × nodes × accumulation steps."""
         loader = trainer.train_dataloader
-        per_device = _loader_batch_size(loader)
+        per_device = loader_batch_size(loader)
         source = "train dataloader"
         if per_device is None:
             if self.per_device_batch_size is None:

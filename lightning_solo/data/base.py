@@ -5,11 +5,7 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+from lightning_solo.validate import check_int
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -23,10 +19,8 @@ class ImageDataModule(L.LightningDataModule):
 
     def __init__(self, batch_size: int = 32, num_workers: int = 0, pin_memory: bool = False) -> None:
         super().__init__()
-        self.batch_size = _positive_int("batch_size", batch_size)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        self.num_workers = num_workers
+        self.batch_size = check_int("batch_size", batch_size)
+        self.num_workers = check_int("num_workers", num_workers, minimum=0)
         self.pin_memory = pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None

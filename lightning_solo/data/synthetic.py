@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from lightning_solo.data.base import ImageDataModule, _positive_int
+from lightning_solo.data.base import ImageDataModule
+from lightning_solo.validate import check_int
 
 
 class SyntheticImages(Dataset):
@@ -32,10 +33,10 @@ class SyntheticImages(Dataset):
         seed: int = 0,
         split_offset: int = 0,
     ) -> None:
-        self.length = _positive_int("length", length)
-        self.num_classes = _positive_int("num_classes", num_classes)
-        self.image_size = _positive_int("image_size", image_size)
-        self.channels = _positive_int("channels", channels)
+        self.length = check_int("length", length)
+        self.num_classes = check_int("num_classes", num_classes)
+        self.image_size = check_int("image_size", image_size)
+        self.channels = check_int("channels", channels)
         if noise < 0:
             raise ValueError(f"noise must be >= 0, got {noise!r}")
         self.noise = noise
@@ -78,11 +79,11 @@ class SyntheticDataModule(ImageDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
-        self.num_classes = _positive_int("num_classes", num_classes)
+        self.num_classes = check_int("num_classes", num_classes)
         self.image_size = image_size
         self._kwargs = dict(num_classes=num_classes, image_size=image_size, channels=channels, noise=noise, seed=seed)
-        self.train_size = _positive_int("train_size", train_size)
-        self.val_size = _positive_int("val_size", val_size)
+        self.train_size = check_int("train_size", train_size)
+        self.val_size = check_int("val_size", val_size)
 
     def setup(self, stage: str | None = None) -> None:
         self.train_set = SyntheticImages(self.train_size, **self._kwargs)

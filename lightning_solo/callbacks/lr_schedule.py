@@ -12,7 +12,7 @@ as configured (or as the user's own scheduler currently sets it). The multiplier
 
 Example::
 
-    from lightning_solo.lr_schedule import LRSchedule, scale_factor
+    from lightning_solo.callbacks.lr_schedule import LRSchedule, scale_factor
     k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
     sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
     lrs = [0.1 * sched.factor(s) for s in range(10_000)]
@@ -26,18 +26,61 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_solo.validate import check_int, check_number
+
 RULES = ("linear", "sqrt", "none")
 DECAYS = ("none", "cosine", "step")
 
 
-def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
-    """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
+def check_rule(rule: str) -> str:
     if rule not in RULES:
         raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
-    if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch <= 0:
-        raise ValueError(f"reference batch size must be a positive integer, got {reference_batch!r}")
-    if global_batch <= 0:
-        raise ValueError(f"global batch size must be positive, got {global_batch!r}")
+    return rule
+
+
+def check_decay(decay: str) -> str:
+    if decay not in DECAYS:
+        raise ValueError(f"unknown decay {decay!r}; accepted: {', '.join(DECAYS)}")
+    return decay
+
+
+def check_options(
+    rule: str,
+    reference_batch_size: int,
+    warmup: dict[str, float],
+    decay: str,
+    decay_milestones: Sequence[float],
+    **factors: float,
+) -> None:
+    """Everything :class:`~lightning_solo.callbacks.lr.WarmupScaledLR` is given that this module defines: the
+    rule, the reference batch, the warmup (``warmup``: the one of epochs/steps/fraction given, if any), the
+    decay with its milestones (fractions of the run) and ``factors`` (``start_factor``, ``min_factor``,
+    ``gamma``, checked as :class:`LRSchedule` checks them)."""
+    check_rule(rule)
+    check_int("reference_batch_size", reference_batch_size)
+    check_decay(decay)
+    if len(warmup) > 1:
+        raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {warmup}")
+    if any(v < 0 for v in warmup.values()):
+        raise ValueError(f"warmup length must be >= 0, got {warmup}")
+    if warmup.get("warmup_fraction", 0) > 1:
+        raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}")
+    steps = warmup.get("warmup_steps")
+    if steps is not None and int(steps) != steps:
+        raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {steps!r}")
+    milestones = list(decay_milestones)
+    if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
+        raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
+    if decay == "step" and not milestones:
+        raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
+    LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, decay=decay, **factors)  # type: ignore[arg-type]
+
+
+def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
+    """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
+    check_rule(rule)
+    check_int("reference_batch_size", reference_batch)
+    check_number("global batch size", global_batch)
     ratio = global_batch / reference_batch
     return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
@@ -60,8 +103,7 @@ class LRSchedule:
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.decay not in DECAYS:
-            raise ValueError(f"unknown decay {self.decay!r}; accepted: {', '.join(DECAYS)}")
+        check_decay(self.decay)
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale!r}")
         if self.total_steps <= 0:

@@ -1,56 +1,31 @@
-"""Synchronised BatchNorm for any process-group backend (gloo on CPU, nccl on GPU).
-
-``torch.nn.SyncBatchNorm`` refuses CPU tensors and DDP refuses to wrap it on CPU, and Lightning's
-``sync_batchnorm=True`` reverts layers to a generic ``_BatchNormXd`` after fit. This module gives:
+"""SoloSyncBatchNorm: BatchNorm synchronised over any process-group backend (gloo on CPU, nccl on GPU), and
+:func:`convert` / :func:`revert`, which swap a model's BatchNorm layers to it and back to their original classes.
 
 * :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
   of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` float64 values),
   running statistics identical to BatchNorm over the concatenated batch, uneven or empty per-rank batches
   weighted by their element counts, no communication in eval mode. The same code on CPU and CUDA: no host
   sync, no copy of fp16/bf16 activations, same collectives on every rank whatever its autocast dtype.
-* :func:`convert` / :func:`revert`: swap a model's BatchNorm layers in place and back to their
-  *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible).
-* :func:`decide`: the ``sync_batchnorm="auto"`` policy, returning a :class:`Decision`.
-
-Example::
-
-    import torch, torchvision
-    from lightning_solo import syncbn
-
-    # in each rank, after torch.distributed.init_process_group("gloo" or "nccl")
-    model = syncbn.convert(torchvision.models.resnet18(num_classes=10))   # in place
-    ddp = torch.nn.parallel.DistributedDataParallel(model)                # works on CPU + gloo
-    ...                                                                   # train
-    syncbn.revert(model)                                                  # BatchNorm2d again
-
-With SoloDDP none of this is needed: ``SoloDDP(sync_batchnorm="auto")`` converts before the DDP wrap
-and reverts at teardown; see :func:`plan`.
+* :func:`convert` / :func:`revert`: in place, same objects, same state-dict keys, so checkpoints stay
+  torchvision-compatible.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_solo.decision import Decision
+from lightning_solo import ranks
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo._compat.torch import BatchNormBase
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
-SyncOption = bool | Literal["auto"]
-_OPTIONS = (True, False, "auto")
 # Set on a converted layer: the class to restore at revert.
 _ORIGINAL_CLS = "_solo_original_cls"
 
@@ -95,7 +70,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             dist.all_reduce(stats, group=group)
             total = stats[-1:]
             # A device-side check: on CUDA it fails the step later rather than sync now.
-            torch._assert_async(total > 1, "Expected more than 1 value per channel when training, in all ranks")
+            torch_compat.assert_async(total > 1, "Expected more than 1 value per channel when training, in all ranks")
             g_mean = stats[:channels] / total
             g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
             if running_mean is not None:
@@ -148,7 +123,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-class SoloSyncBatchNorm(_BatchNorm):
+class SoloSyncBatchNorm(BatchNormBase):
     """BatchNorm whose training statistics are those of the global batch, on any backend.
 
     Same arguments, parameters, buffers and state-dict keys as ``torch.nn.BatchNorm{1,2,3}d``; accepts
@@ -208,7 +183,7 @@ class SoloSyncBatchNorm(_BatchNorm):
         # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
         # communicates (with track_running_stats=False it normalises with the local batch's statistics).
         group = getattr(self, "process_group", None)
-        if not (self.training and _world_size(group) > 1):
+        if not (self.training and ranks.world_size(group) > 1):
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
@@ -217,14 +192,8 @@ class SoloSyncBatchNorm(_BatchNorm):
         )
 
 
-def _world_size(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def _is_convertible(module: nn.Module) -> bool:
-    if not isinstance(module, _BatchNorm) or hasattr(module, _ORIGINAL_CLS):
+    if not isinstance(module, BatchNormBase) or hasattr(module, _ORIGINAL_CLS):
         return False
     # Lazy layers take their real class on the first forward; their parameters do not exist yet.
     return not (isinstance(module, LazyModuleMixin) and module.has_uninitialized_params())
@@ -264,140 +233,4 @@ def revert(model: nn.Module) -> nn.Module:
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, _BatchNorm) for m in model.modules())
-
-
-def validate(option: Any, threshold: Any) -> None:
-    """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
-    if not any(option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS):
-        raise ValueError(f"sync_batchnorm={option!r} is not one of {_OPTIONS}")
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-        raise ValueError(f"sync_batchnorm_threshold must be a positive integer (per-device batch), got {threshold!r}")
-
-
-def decide(
-    option: SyncOption,
-    *,
-    has_batchnorm: bool,
-    world_size: int,
-    per_device_batch: int | None,
-    threshold: int = 32,
-    trainer_flag: bool = False,
-) -> Decision:
-    """Whether to synchronise BatchNorm, and why.
-
-    ``"auto"`` turns it on when the model has BatchNorm, there is more than one process and the
-    per-device batch is below ``threshold`` (its statistics are then noisy). When the per-device batch is
-    unknown, auto keeps plain BatchNorm (what DDP does) and says so. ``Trainer(sync_batchnorm=True)``
-    (``trainer_flag``) counts as ``True``.
-    """
-    validate(option, threshold)
-    if trainer_flag:
-        if option is False:
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) contradicts SoloDDP(sync_batchnorm=False); "
-                "set one of them, accepted values for SoloDDP are (True, False, 'auto')"
-            )
-        option = True
-    source = "Trainer(sync_batchnorm=True)" if trainer_flag else "set by the user"
-    if option is False:
-        return Decision("sync_batchnorm", False, "set by the user")
-    if not has_batchnorm:
-        return Decision("sync_batchnorm", False, "the model has no BatchNorm layers")
-    if option is True:
-        return Decision("sync_batchnorm", True, source)
-    if world_size <= 1:
-        return Decision("sync_batchnorm", False, "a single process: there is nothing to synchronise")
-    if per_device_batch is None:
-        return Decision(
-            "sync_batchnorm", False, "per-device batch size unknown; pass sync_batchnorm=True to synchronise"
-        )
-    if per_device_batch < threshold:
-        return Decision(
-            "sync_batchnorm",
-            True,
-            f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy; "
-            f"statistics over the global batch of {per_device_batch * world_size}",
-        )
-    return Decision(
-        "sync_batchnorm", False, f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice"
-    )
-
-
-def _loader_batch_size(loader: Any) -> int | None:
-    if isinstance(loader, DataLoader):
-        if loader.batch_size is not None:
-            return loader.batch_size
-        return getattr(loader.batch_sampler, "batch_size", None)
-    if isinstance(loader, Mapping):
-        loader = list(loader.values())
-    if isinstance(loader, Sequence) and not isinstance(loader, str):
-        sizes = [s for s in map(_loader_batch_size, loader) if s is not None]
-        return min(sizes) if sizes else None
-    size = getattr(loader, "batch_size", None)  # e.g. a CombinedLoader-like wrapper
-    return size if isinstance(size, int) else None
-
-
-def _declared_batch_size(obj: Any) -> int | None:
-    size = getattr(obj, "batch_size", None)
-    if size is None:
-        hparams = getattr(obj, "hparams", None)
-        size = hparams.get("batch_size") if isinstance(hparams, Mapping) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) else None
-
-
-def per_device_batch_size(trainer: pl.Trainer) -> int | None:
-    """The train loader's batch size as far as it is known when the strategy is set up (before Lightning
-    loads the loaders): a loaded loader, a loader passed to ``fit``, else ``batch_size`` on the datamodule
-    or LightningModule (attribute or hparam). ``None`` when none of them says."""
-    loaded = _loader_batch_size(trainer.train_dataloader)
-    if loaded is not None:
-        return loaded
-    source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
-    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
-        given = _loader_batch_size(source)
-        if given is not None:
-            return given
-    for owner in (trainer.datamodule, trainer.lightning_module):
-        size = _declared_batch_size(owner) if owner is not None else None
-        if size is not None:
-            return size
-    return None
-
-
-class _SoloLayerSync(LayerSync):
-    """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
-
-    @override
-    def apply(self, model: nn.Module) -> nn.Module:
-        return convert(model)
-
-    @override
-    def revert(self, model: nn.Module) -> nn.Module:
-        return revert(model)
-
-
-def plan(
-    trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
-) -> tuple[Decision, LayerSync | None]:
-    """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).
-
-    ``requested`` is what Lightning's connector put on the strategy: ``TorchSyncBatchNorm`` for
-    ``Trainer(sync_batchnorm=True)`` (replaced by ours: torch's refuses CPU), a custom ``LayerSync``
-    plugin (kept as is), or ``None``. :class:`SoloSyncBatchNorm` is used on every device and backend:
-    torch's ``SyncBatchNorm`` syncs the host once per layer and step and, under autocast, sends half-precision
-    zeros from an empty rank while the others send fp32 (NCCL then hangs or corrupts memory).
-    """
-    if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
-        return Decision("sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"), requested
-    decision = decide(
-        option,
-        has_batchnorm=has_batchnorm(trainer.lightning_module),
-        world_size=trainer.world_size,
-        per_device_batch=per_device_batch_size(trainer),
-        threshold=threshold,
-        trainer_flag=isinstance(requested, TorchSyncBatchNorm),
-    )
-    if not decision.value:
-        return decision, None
-    return Decision(decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm"), _SoloLayerSync()
+    return any(isinstance(m, BatchNormBase) for m in model.modules())

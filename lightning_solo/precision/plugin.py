@@ -24,163 +24,29 @@ What stock Lightning lacks and this module adds (see research notes §2):
 * optimizer steps skipped for inf/nan gradients are counted, logged (``amp/skipped_steps``,
   ``amp/scale``) and checkpointed; optionally a step-interval LR scheduler is held on a skipped step;
 * the precision itself is resolved once, with a reason, from ``SoloDDP(precision=...)`` and
-  ``Trainer(precision=...)`` (:func:`resolve_precision` states the rule).
+  ``Trainer(precision=...)`` (:func:`decide_precision` states the rule).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.decision import Decision, DecisionLog
+from lightning_solo.precision.rule import _TRAINER_DEFAULT, _Options, decide_precision, scaler_settings
 
-PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
-SCALER_DEFAULTS: dict[str, float | int] = {
-    "init_scale": 2.0**16,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-}
 # Stock Lightning writes and reads the scaler under the plugin's class qualname; "MixedPrecision" is what
 # its own plugin uses, so both directions of resume (stock <-> lightning_solo) keep the scale.
 CHECKPOINT_KEY = MixedPrecision.__qualname__
 EXTRA_KEY = "lightning_solo.precision"
-# Trainer(precision=None) becomes "32-true" inside Lightning, so an explicit "32-true" looks the same.
-_TRAINER_DEFAULT = "32-true"
-
-
-def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float | int]:
-    """Validate GradScaler settings and fill in torch's defaults for the missing ones."""
-    given = dict(scaler or {})
-    unknown = sorted(set(given) - set(SCALER_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown GradScaler setting(s) {unknown}; accepted: {list(SCALER_DEFAULTS)}")
-    s = {**SCALER_DEFAULTS, **given}
-    for key in ("init_scale", "growth_factor", "backoff_factor"):
-        v = s[key]
-        if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
-            raise ValueError(f"scaler {key} must be a finite number, got {v!r}")
-    if s["init_scale"] <= 0:
-        raise ValueError(f"scaler init_scale must be > 0, got {s['init_scale']!r}")
-    if s["growth_factor"] <= 1:
-        raise ValueError(f"scaler growth_factor must be > 1, got {s['growth_factor']!r}")
-    if not 0 < s["backoff_factor"] < 1:
-        raise ValueError(f"scaler backoff_factor must be in (0, 1), got {s['backoff_factor']!r}")
-    interval = s["growth_interval"]
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"scaler growth_interval must be an integer >= 1, got {interval!r}")
-    return {
-        "init_scale": float(s["init_scale"]),
-        "growth_factor": float(s["growth_factor"]),
-        "backoff_factor": float(s["backoff_factor"]),
-        "growth_interval": interval,
-    }
-
-
-def auto_rule(device_type: str, bf16_supported: bool) -> Decision:
-    """The ``"auto"`` rule: bf16-mixed on a GPU that supports bf16, 16-mixed on a GPU without it, and
-    32-true on CPU and other devices (CPU autocast is rarely faster; ask for it explicitly)."""
-    if device_type == "cuda" and bf16_supported:
-        return Decision("precision", "bf16-mixed", "auto: the GPU supports bf16 (no loss scaling needed)")
-    if device_type == "cuda":
-        return Decision("precision", "16-mixed", "auto: the GPU lacks bf16, so fp16 with a GradScaler")
-    return Decision(
-        "precision", "32-true", f"auto: fp32 on {device_type} (set 'bf16-mixed'/'16-mixed' to opt in)"
-    )
-
-
-# What a rank's device can run, ordered: a job runs the lowest level any of its ranks has.
-CAPABILITIES = ("32-true", "16-mixed", "bf16-mixed")
-
-
-def device_capability(device: torch.device) -> int:
-    """This device's index in :data:`CAPABILITIES`: bf16 on a GPU that has it natively, fp16 on other GPUs,
-    fp32 elsewhere."""
-    if device.type != "cuda":
-        return 0
-    with torch.cuda.device(device):
-        return 2 if torch.cuda.is_bf16_supported(including_emulation=False) else 1
-
-
-def agreed_rule(levels: list[int]) -> Decision:
-    """The ``"auto"`` rule for a job whose rank ``r`` has capability ``levels[r]``: :func:`auto_rule` at the
-    lowest level, the same on every rank. A job spanning A100 and V100 nodes thus runs fp16 + GradScaler
-    everywhere: DDP must not average loss-scaled fp16 gradients with unscaled bf16 ones."""
-    level = min(levels)
-    decision = auto_rule("cuda" if level else "cpu", level == 2)
-    if len(levels) == 1:
-        return decision
-    if len(set(levels)) == 1:
-        return Decision("precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks")
-    lowest = [rank for rank, have in enumerate(levels) if have == level]
-    shown = f"{lowest[:8]}{' ...' if len(lowest) > 8 else ''}"
-    return Decision(
-        "precision",
-        decision.value,
-        f"{decision.reason}; the lowest capability of {len(levels)} ranks (rank(s) {shown} cannot do more)",
-    )
-
-
-def auto_precision(device: torch.device, capability: int | None = None) -> Decision:
-    """:func:`agreed_rule` over every rank's :func:`device_capability` (or ``capability``, for this rank): a
-    collective when a process group of several ranks exists, so call it on every rank, after the group."""
-    levels = [device_capability(device) if capability is None else capability]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        mine = torch.tensor(levels, device=device)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        levels = torch.cat(gathered).tolist()  # once, at setup
-    return agreed_rule(levels)
-
-
-def resolve_precision(
-    requested: str | None, trainer_precision: str, device: torch.device, capability: int | None = None
-) -> Decision:
-    """Decide the run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)``.
-
-    The rule:
-
-    * ``requested=None``: the Trainer decides, as in stock Lightning (default ``"32-true"``).
-    * a concrete ``requested`` (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``) is used; if the Trainer
-      was given a *different* explicit precision, this raises ``ValueError`` instead of letting one of them
-      win silently.
-    * ``requested="auto"`` defers to an explicit Trainer precision and otherwise applies :func:`auto_rule` to the
-      lowest capability of all ranks (:func:`auto_precision`, a collective).
-    * ``Trainer(precision="32-true")`` cannot be told apart from the Trainer's default, so it counts as
-      "not set": ``SoloDDP(precision="bf16-mixed")`` with it runs bf16 and ``"auto"`` applies its rule.
-    """
-    if requested is None:
-        return Decision(
-            "precision", trainer_precision, "Trainer(precision=...); SoloDDP(precision=None) defers"
-        )
-    trainer_explicit = None if trainer_precision == _TRAINER_DEFAULT else trainer_precision
-    if requested == "auto":
-        if trainer_explicit is None:
-            return auto_precision(device, capability)
-        if trainer_explicit not in PRECISIONS:
-            raise ValueError(
-                f"SoloDDP(precision='auto') can defer to Trainer(precision=...) only for {PRECISIONS[1:]}, got "
-                f"{trainer_explicit!r}; use SoloDDP(precision=None) to leave that precision to Lightning"
-            )
-        return Decision(
-            "precision", trainer_explicit, "Trainer(precision=...) given; SoloDDP 'auto' defers to it"
-        )
-    if trainer_explicit not in (None, requested):
-        raise ValueError(
-            f"Trainer(precision={trainer_explicit!r}) and SoloDDP(precision={requested!r}) disagree; set one of "
-            "them, or the same value on both"
-        )
-    return Decision("precision", requested, "set on SoloDDP")
 
 
 def to_channels_last(module: nn.Module) -> nn.Module:
@@ -239,20 +105,20 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
     def optimizer_step(self, optimizer, model, closure, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        scale = self.scaler._scale  # created lazily by the first scale(); the saved scale after a resume
-        before = scale.clone() if scale is not None else self.scaler._init_scale
+        scale = torch_compat.scaler_scale(self.scaler)  # created lazily by the first scale(); the saved scale after a resume
+        before = scale.clone() if scale is not None else torch_compat.scaler_init_scale(self.scaler)
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if self.scaler._scale is None:  # no backward ran (training_step returned None)
+        if torch_compat.scaler_scale(self.scaler) is None:  # no backward ran (training_step returned None)
             return output
         # update() multiplies the scale by backoff_factor < 1 exactly when it skipped the step.
-        skipped = (self.scaler._scale < before).float()
+        skipped = (torch_compat.scaler_scale(self.scaler) < before).float()
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
         if self.skip_lr_on_overflow:
             self._guard_lr_schedulers(model)
             self._last_step_skipped = bool(skipped)
         if getattr(model, "_current_fx_name", None) and not model.trainer.barebones:
             model.log_dict(
-                {"amp/skipped_steps": self._skipped, "amp/scale": self.scaler._scale.detach()},
+                {"amp/skipped_steps": self._skipped, "amp/scale": torch_compat.scaler_scale(self.scaler).detach()},
                 on_step=True,
                 on_epoch=False,
             )
@@ -334,29 +200,6 @@ def _interval(module: nn.Module, scheduler: Any) -> str:
     return "step"
 
 
-@dataclass(frozen=True)
-class _Options:
-    precision: str | None
-    scaler: dict[str, float | int] = field(default_factory=dict)
-    scaler_given: bool = False
-    skip_lr_on_overflow: bool = False
-
-
-def precision_options(
-    precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool
-) -> _Options:
-    """Validate SoloDDP's precision arguments once, at construction."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not one of {PRECISIONS} (or None to leave it to the Trainer)"
-        )
-    if not isinstance(skip_lr_on_overflow, bool):
-        raise ValueError(f"skip_lr_on_overflow must be True or False, got {skip_lr_on_overflow!r}")
-    return _Options(
-        precision, scaler_settings(scaler), scaler is not None and len(scaler) > 0, skip_lr_on_overflow
-    )
-
-
 class _PendingPrecision(Precision):
     """Stands in on the strategy until its device is known; it keeps the connector from building (and on
     CPU silently bf16-converting) its own plugin from ``Trainer(precision=...)``."""
@@ -370,18 +213,16 @@ def pending_plugin(options: _Options) -> Precision | None:
     return _PendingPrecision(options.precision) if options.precision is not None else None
 
 
-def settle_precision(
+def decide_precision_plugin(
     plugin: Precision, options: _Options, trainer: Any, device: torch.device
 ) -> tuple[Precision, list[Decision]]:
     """Replace the placeholder (or Lightning's own AMP plugin) with the real plugin for ``device``.
 
     Returns the plugin to use and the decisions made. Called by SoloDDP once the device is known.
     """
-    connector = getattr(trainer, "_accelerator_connector", None)
-    trainer_precision = getattr(connector, "_precision_flag", _TRAINER_DEFAULT)
-    user_plugin = getattr(connector, "_precision_plugin_flag", None)
+    trainer_precision, user_plugin = lightning_compat.precision_flags(trainer, _TRAINER_DEFAULT)
     if isinstance(plugin, _PendingPrecision):
-        decision = resolve_precision(options.precision, trainer_precision, device)
+        decision = decide_precision(options.precision, trainer_precision, device)
         if decision.value == "16-mixed" and device.type == "cpu":
             decision = Decision("precision", "16-mixed", decision.reason + "; real fp16 autocast on CPU")
     elif plugin is user_plugin:

@@ -1,4 +1,6 @@
-"""Shared helpers for config and CLI tests."""
+"""What the tests share: the Hydra config as the runner composes it and the CLI in a subprocess (here); the
+equivalence harness, one small LightningModule fitted on 2 ranks against 1 process
+(:mod:`tests.helpers.equivalence`); starting N raw ranks is :mod:`tests.distributed`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 
 

@@ -1,0 +1,93 @@
+"""Private Lightning names the pack uses, one accessor each. Checked on lightning 2.6.6.
+
+Two kinds: names the pack *reads or calls* (the functions and classes below), and names it *overrides or
+sets* in its subclasses (:data:`OVERRIDDEN`, :data:`STRATEGY_ATTRIBUTES`), listed so that the compat test
+notices when one disappears upstream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.progress import _BaseProgress
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import _augment_message
+
+CHECKED_ON = "lightning 2.6.6"
+
+# Classes the pack subclasses or checks against (checked on lightning 2.6.6).
+MultiProcessingLauncher = _MultiProcessingLauncher
+WorkerOutput = _WorkerOutput
+Loop = _Loop
+BaseProgress = _BaseProgress
+SubprocessScriptLauncher = _SubprocessScriptLauncher  # the popen launcher, which re-runs sys.argv
+
+# Methods the pack overrides, and calls through super() (checked on lightning 2.6.6).
+OVERRIDDEN: dict[type, tuple[str, ...]] = {
+    DDPStrategy: ("_configure_launcher", "_register_ddp_hooks", "_setup_model", "_enable_model_averaging"),
+    ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
+    _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
+}
+# DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
+# SoloDDP turns into a property.
+STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout", "_model_averaging_period",
+                       "_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper", "_model_averager")
+# Logger attributes a notebook parent takes back from the worker (checked on lightning 2.6.6).
+LOGGER_ATTRIBUTES = ("_version",)
+
+
+def register_ddp_comm_hook(model: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None,
+                           ddp_comm_wrapper: Any = None) -> None:
+    """``lightning.pytorch.overrides.distributed._register_ddp_comm_hook`` (checked on lightning 2.6.6)."""
+    _register_ddp_comm_hook(model=model, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
+                            ddp_comm_wrapper=ddp_comm_wrapper)
+
+
+def augment_message(error: BaseException, pattern: str, new_message: str) -> None:
+    """``lightning.pytorch.utilities.exceptions._augment_message`` (checked on lightning 2.6.6)."""
+    _augment_message(error, pattern, new_message)
+
+
+def is_local_path(path: Any) -> bool:
+    """``lightning.fabric.utilities.cloud_io._is_local_file_protocol`` (checked on lightning 2.6.6)."""
+    return _is_local_file_protocol(path)
+
+
+def fit_data_source(trainer: Any) -> Any:
+    """What was passed to ``fit`` as data, before the loaders are loaded: ``trainer.fit_loop._data_source.instance``
+    (checked on lightning 2.6.6); ``None`` when it is not there."""
+    return getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+
+
+def precision_flags(trainer: Any, default: str) -> tuple[str, Any]:
+    """``Trainer(precision=...)`` and ``Trainer(plugins=[<precision plugin>])`` as the accelerator connector
+    kept them: ``_accelerator_connector._precision_flag`` / ``._precision_plugin_flag`` (checked on lightning
+    2.6.6); ``default`` and ``None`` on a trainer without them."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    return getattr(connector, "_precision_flag", default), getattr(connector, "_precision_plugin_flag", None)
+
+
+def set_ckpt_path(trainer: Any, path: str | None) -> None:
+    """Tell Lightning which checkpoint the fit restores: ``trainer._checkpoint_connector._ckpt_path``
+    (checked on lightning 2.6.6)."""
+    trainer._checkpoint_connector._ckpt_path = path
+
+
+def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
+    """``trainer._checkpoint_connector.dump_checkpoint`` (checked on lightning 2.6.6)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only)
+
+
+def logger_connector(trainer: Any) -> Any:
+    """``trainer._logger_connector``, whose ``_logged_metrics`` and ``_progress_bar_metrics`` dicts the notebook
+    parent takes back (checked on lightning 2.6.6)."""
+    return trainer._logger_connector
+
+
+LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")

@@ -1,0 +1,84 @@
+"""Private torch names the pack uses, one accessor each. Checked on torch 2.14.1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CHECKED_ON = "torch 2.14.1"
+
+# Base classes the pack checks against or subclasses (checked on torch 2.14.1).
+BatchNormBase = _BatchNorm
+DispatchMode = TorchDispatchMode
+
+# DDP's own names the pack reads or sets (checked on torch 2.14.1); the compat test asserts each exists.
+DDP_IGNORED_FLAG = "_ddp_ignored"  # set by DDP on each parameter it ignores
+DDP_IGNORE_LIST = "_ddp_params_and_buffers_to_ignore"  # the module attribute DDP reads its ignore list from
+
+
+def unregister_parameter(module: torch.nn.Module, name: str) -> None:
+    """Undo ``register_parameter``: ``del module._parameters[name]`` (checked on torch 2.14.1)."""
+    del module._parameters[name]
+
+
+def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """``DistributedDataParallel._get_ddp_logging_data()`` (checked on torch 2.14.1)."""
+    return ddp._get_ddp_logging_data()
+
+
+def ddp_graph_static(ddp: DistributedDataParallel) -> bool:
+    """``ddp.reducer._ddp_graph_static()`` (checked on torch 2.14.1)."""
+    return bool(ddp.reducer._ddp_graph_static())
+
+
+def local_used_map(ddp: DistributedDataParallel) -> torch.Tensor:
+    """``ddp.reducer._get_local_used_map()``: which parameters this step used, all-reduced over the ranks
+    under ``find_unused_parameters=True`` (checked on torch 2.14.1)."""
+    return ddp.reducer._get_local_used_map()
+
+
+def mark_ready(ddp: DistributedDataParallel, index: int) -> None:
+    """``ddp.reducer._autograd_hook(index)``: mark parameter ``index`` ready, as its gradient hook would
+    (checked on torch 2.14.1)."""
+    ddp.reducer._autograd_hook(index)
+
+
+def remove_autograd_hooks(ddp: DistributedDataParallel) -> None:
+    """``DistributedDataParallel._remove_autograd_hooks()`` (checked on torch 2.14.1)."""
+    ddp._remove_autograd_hooks()
+
+
+def set_params_to_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (checked on torch 2.14.1)."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
+    """``powerSGD_hook._should_compress(...)[0]``: whether PowerSGD compresses an n×m matrix at this rank
+    (checked on torch 2.14.1)."""
+    return powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0]
+
+
+def compress_hook(dtype: torch.dtype, process_group: Any, bucket: Any) -> torch.futures.Future:
+    """``default_hooks._compress_hook``: all-reduce a bucket in ``dtype`` (checked on torch 2.14.1)."""
+    return default_hooks._compress_hook(dtype, process_group, bucket)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async``: a device-side assertion, no host sync (checked on torch 2.14.1)."""
+    torch._assert_async(condition, message)
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """``GradScaler._scale``: the scale tensor, ``None`` before the first ``scale()`` (checked on torch 2.14.1)."""
+    return scaler._scale
+
+
+def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
+    """``GradScaler._init_scale`` (checked on torch 2.14.1)."""
+    return scaler._init_scale

@@ -1,0 +1,60 @@
+"""The per-device batch size, read one way for everyone: SyncBN's auto rule, WarmupScaledLR and the run summary."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import CombinedLoader
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.validate import is_int
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """The batch size a train loader feeds each device: a DataLoader's (or its batch sampler's); for several
+    loaders (a ``CombinedLoader``, a dict or list of them), the smallest they declare; ``None`` when none does."""
+    if isinstance(loader, CombinedLoader):
+        loader = loader.flattened
+    if isinstance(loader, DataLoader):
+        if loader.batch_size is not None:
+            return loader.batch_size
+        return getattr(loader.batch_sampler, "batch_size", None)
+    if isinstance(loader, Mapping):
+        loader = list(loader.values())
+    if isinstance(loader, Sequence) and not isinstance(loader, str):
+        sizes = [s for s in map(loader_batch_size, loader) if s is not None]
+        return min(sizes) if sizes else None
+    size = getattr(loader, "batch_size", None)  # e.g. a CombinedLoader-like wrapper
+    return size if is_int(size) else None
+
+
+def _declared_batch_size(obj: Any) -> int | None:
+    size = getattr(obj, "batch_size", None)
+    if size is None:
+        hparams = getattr(obj, "hparams", None)
+        size = hparams.get("batch_size") if isinstance(hparams, Mapping) else None
+    return size if is_int(size) else None
+
+
+def per_device_batch_size(trainer: pl.Trainer) -> int | None:
+    """The train loader's batch size as far as it is known when the strategy is set up (before Lightning
+    loads the loaders): a loaded loader, a loader passed to ``fit``, else ``batch_size`` on the datamodule
+    or LightningModule (attribute or hparam). ``None`` when none of them says."""
+    loaded = loader_batch_size(trainer.train_dataloader)
+    if loaded is not None:
+        return loaded
+    source = lightning_compat.fit_data_source(trainer)
+    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
+        given = loader_batch_size(source)
+        if given is not None:
+            return given
+    for owner in (trainer.datamodule, trainer.lightning_module):
+        size = _declared_batch_size(owner) if owner is not None else None
+        if size is not None:
+            return size
+    return None

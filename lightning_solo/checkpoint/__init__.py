@@ -1,0 +1,45 @@
+"""Checkpoint files, in three parts (the shape of torchtitan's ``checkpointer/``):
+
+- :mod:`~lightning_solo.checkpoint.io`: :class:`SoloCheckpointIO`, atomic same-directory writes, fsync, and
+  the cleanup of temp files a crashed writer left;
+- :mod:`~lightning_solo.checkpoint.manifest`: the manifest format (the checkpoint's zip comment), reading it,
+  and verifying a file against it;
+- :mod:`~lightning_solo.checkpoint.select`: the newest checkpoint that verifies, as a Decision (``resume=auto``,
+  ``ckpt_path="auto"``).
+
+Example::
+
+    import lightning as L
+    from lightning_solo import SoloDDP
+    from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path, verify
+
+    trainer = L.Trainer(strategy=SoloDDP())          # SoloCheckpointIO is SoloDDP's default
+    trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "outputs/checkpoints"))
+    verify("outputs/checkpoints/last.ckpt")          # -> the manifest, or CheckpointVerificationError
+"""
+
+from lightning_solo.checkpoint.io import (
+    SoloCheckpointIO,
+    UnsafeCheckpointError,
+    clean_stale_temp_files,
+    load_weights_only,
+)
+from lightning_solo.checkpoint.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    CheckpointVerificationError,
+    read_manifest,
+    verify,
+)
+from lightning_solo.checkpoint.select import (
+    checkpoint_dir,
+    decide_resume,
+    find_latest_valid,
+    resolve_ckpt_path,
+)
+
+__all__ = [
+    "MANIFEST_FORMAT", "MANIFEST_VERSION", "CheckpointVerificationError", "SoloCheckpointIO", "UnsafeCheckpointError",
+    "checkpoint_dir", "clean_stale_temp_files", "decide_resume", "find_latest_valid", "load_weights_only",
+    "read_manifest", "resolve_ckpt_path", "verify",
+]

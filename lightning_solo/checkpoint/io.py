@@ -1,0 +1,280 @@
+"""SoloCheckpointIO: checkpoints that are either the old complete file or the new complete file, never
+half of one, and that prove it when they are read back.
+
+A save streams ``torch.save`` output into a temp file *in the target's directory* (so ``$TMPDIR`` on another
+filesystem, or full, does not matter), hashing it on the way, appends the manifest
+(:mod:`~lightning_solo.checkpoint.manifest`), flushes and fsyncs it, checks that it reads back, renames it over
+the target with ``os.replace`` and fsyncs the directory. Temp files that a killed process left behind are
+removed the next time this IO writes into that directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.manifest import (
+    CheckpointVerificationError,
+    _append_manifest,
+    _file_size,
+    _manifest_fields,
+    _unverifiable,
+    read_manifest,
+    verify,
+)
+from lightning_solo.comm.powersgd_state import shard_dir
+from lightning_solo.validate import check_bool
+
+log = logging.getLogger(__name__)
+
+_TMP_MARK = ".solo-tmp-"
+_TMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<pid>\d+)@(?P<host>.+)\.solo-tmp-[^/]*$")
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """``weights_only=True`` refused a checkpoint that contains pickled Python objects."""
+
+
+class SoloCheckpointIO(TorchCheckpointIO):
+    """Atomic, fsynced, self-verifying checkpoint files (local paths; remote URLs go to Lightning's IO).
+
+    Args:
+        weights_only: default for loads. ``True`` refuses checkpoints holding arbitrary pickled objects
+            (they can run code when loaded); pass ``weights_only=False`` to a load, or here, to opt in for
+            files you trust.
+        verify_after_write: re-read and re-hash the temp file before it replaces the target. Off by default:
+            the sha256 is taken from the very bytes handed to the file, and every write gets a cheap
+            structural check (size and manifest read back from the file's end) before the rename; the
+            re-read mostly hits the page cache, so it proves little for its cost (about +50% save time,
+            see benchmarks/RESULTS.md). Loads and auto-resume always verify in full.
+        require_manifest: refuse to load files without a manifest (e.g. written by stock Lightning). By
+            default they load with a warning, since there is nothing to verify them against.
+        fsync: flush file and directory to stable storage (turn off only for throwaway runs on slow disks).
+        stale_after_s: temp files from another host are treated as abandoned after this many seconds (on
+            this host a temp file is abandoned as soon as the process that wrote it is gone).
+    """
+
+    def __init__(
+        self,
+        weights_only: bool = True,
+        verify_after_write: bool = False,
+        require_manifest: bool = False,
+        fsync: bool = True,
+        stale_after_s: float = 3600.0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("weights_only", weights_only), ("verify_after_write", verify_after_write),
+                            ("require_manifest", require_manifest), ("fsync", fsync)):
+            check_bool(name, value)
+        self.weights_only = weights_only
+        self.verify_after_write = verify_after_write
+        self.require_manifest = require_manifest
+        self.fsync = fsync
+        self.stale_after_s = float(stale_after_s)
+        self._cleaned_dirs: set[str] = set()
+        self.removed_temp_files: list[str] = []
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically. ``storage_options`` may be a dict of extra manifest
+        fields, e.g. ``{"trigger": "exception"}``."""
+        if not lightning_compat.is_local_path(path):
+            rank_zero_warn(f"{path!r} is not a local path; falling back to Lightning's (non-atomic) writer")
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of manifest fields or None, got {storage_options!r}")
+        path = os.path.abspath(os.fspath(path))
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        if directory not in self._cleaned_dirs:
+            self.removed_temp_files += clean_stale_temp_files(directory, self.stale_after_s)
+            self._cleaned_dirs.add(directory)
+        extra = {"trigger": "train", **(storage_options or {})}
+        _atomic_write(path, lambda f: torch.save(checkpoint, f), _manifest_fields(checkpoint, extra),
+                      fsync=self.fsync, verify_after_write=self.verify_after_write)
+
+    @override
+    def load_checkpoint(
+        self,
+        path,
+        map_location: Callable | Any = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Verify ``path`` against its manifest, then ``torch.load`` it (``weights_only`` defaults to the
+        IO's setting, ``True``)."""
+        weights_only = self.weights_only if weights_only is None else weights_only
+        if not lightning_compat.is_local_path(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if not self.require_manifest and (legacy := _unverifiable(path)):
+            rank_zero_warn(f"{os.fspath(path)!r} {legacy}; loading it unverified")
+        else:
+            verify(path)
+        return load_weights_only(path, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path) -> None:
+        if not lightning_compat.is_local_path(path):
+            return super().remove_checkpoint(path)
+        shutil.rmtree(shard_dir(path), ignore_errors=True)  # its PowerSGD shards, if any
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def load_weights_only(path, map_location: Any = None, weights_only: bool = True) -> Any:
+    """``torch.load`` that explains a ``weights_only`` refusal and how to opt out."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if not weights_only:
+            raise
+        raise UnsafeCheckpointError(
+            f"{os.fspath(path)!r} contains pickled Python objects that weights_only=True refuses to load, because"
+            " unpickling them can run arbitrary code. If you trust this file, load it with weights_only=False"
+            " (trainer.fit(..., weights_only=False), SoloCheckpointIO(weights_only=False), or"
+            f" torch.load(..., weights_only=False)). torch said: {err}"
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing
+
+
+class _HashingWriter:
+    """File-like that hashes what ``torch.save`` streams through it (torch only calls write/flush)."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, Any], *, fsync: bool = True,
+                  verify_after_write: bool = True) -> None:
+    directory, base = os.path.split(path)
+    prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
+        with os.fdopen(fd, "w+b") as raw:
+            writer = _HashingWriter(raw)
+            dump(writer)
+            manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
+            manifest = _append_manifest(raw, writer.size, manifest)
+            raw.flush()
+            if fsync:
+                os.fsync(raw.fileno())
+        if verify_after_write:
+            verify(tmp)
+        elif read_manifest(tmp) != manifest or os.path.getsize(tmp) != _file_size(manifest):
+            raise CheckpointVerificationError(tmp, "the written file does not read back as written")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        _fsync_dir(directory)
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc has it without that race (Linux >= 4.7).
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _fsync_dir(directory: str) -> None:
+    # Makes the rename itself durable; not possible on every platform/filesystem, hence best effort.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 3600.0) -> list[str]:
+    """Remove temp files that a crashed writer left in ``directory``; returns their paths.
+
+    A temp file from this host is stale once the process that wrote it is gone; one from another host
+    (shared filesystem) once it is older than ``stale_after_s``. Live writers' files are left alone.
+    """
+    removed = []
+    host = socket.gethostname()
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        match = _TMP_RE.match(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        if match["host"] == host:
+            stale = not _pid_alive(int(match["pid"]))
+        else:
+            try:
+                stale = time.time() - os.path.getmtime(path) > stale_after_s
+            except FileNotFoundError:
+                continue
+        if stale:
+            try:
+                os.remove(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.info("removed %d stale checkpoint temp file(s) in %s", len(removed), directory)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed writer nobody reaped yet (containers often lack an init that reaps) is a zombie
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,80 @@
+"""Choosing the checkpoint to resume from: the newest in a directory that verifies (``resume=auto``,
+``ckpt_path="auto"``), as a Decision that says which newer ones were passed over and why."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_solo.checkpoint.io import _TMP_MARK
+from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
+from lightning_solo.decision import Decision
+
+
+def _candidates(dirpath: str | os.PathLike) -> list[Path]:
+    directory = Path(dirpath)
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.suffix == ".ckpt" and p.is_file() and _TMP_MARK not in p.name]
+
+
+def decide_resume(dirpath: str | os.PathLike | None, include_exception: bool = False) -> Decision:
+    """The newest checkpoint in ``dirpath`` that verifies (by global step, then write time), and why the
+    newer ones were passed over. Checkpoints written while handling an exception (they may hold a
+    half-finished step) are only considered with ``include_exception=True``."""
+    if dirpath is None:
+        return Decision("resume", None, "no checkpoint directory is configured; starting fresh")
+    skipped: list[str] = []
+    ranked = []
+    for path in _candidates(dirpath):
+        manifest = read_manifest(path)
+        if manifest is None:
+            try:
+                verify(path)  # fails; it says why
+            except CheckpointVerificationError as err:
+                skipped.append(f"{path.name}: {err.reason}")
+        elif manifest.get("trigger") == "exception" and not include_exception:
+            skipped.append(f"{path.name}: written during an exception")
+        else:
+            step = manifest.get("global_step")
+            ranked.append(((step if isinstance(step, int) else -1, manifest.get("created", 0.0)), path))
+    for _, path in sorted(ranked, key=lambda item: item[0], reverse=True):
+        try:
+            manifest = verify(path)
+        except CheckpointVerificationError as err:
+            skipped.append(f"{path.name}: {err.reason}")
+            continue
+        reason = f"newest checkpoint that verifies (global step {manifest.get('global_step')})"
+        if skipped:
+            reason += "; passed over " + "; ".join(skipped)
+        return Decision("resume", str(path), reason)
+    reason = f"no checkpoint in {os.fspath(dirpath)!r} verifies; starting fresh"
+    if skipped:
+        reason += " (" + "; ".join(skipped) + ")"
+    return Decision("resume", None, reason)
+
+
+def find_latest_valid(dirpath: str | os.PathLike | None, include_exception: bool = False) -> str | None:
+    """Path of the newest checkpoint in ``dirpath`` that verifies, or ``None``."""
+    return decide_resume(dirpath, include_exception).value
+
+
+def checkpoint_dir(trainer) -> str | None:
+    """The first checkpoint callback's directory: where ``resume=auto`` and ``ckpt_path="auto"`` look."""
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            return str(callback.dirpath)
+    return None
+
+
+def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, dirpath: str | os.PathLike | None) -> str | None:
+    """Map the runner's ``resume`` value to ``Trainer.fit(ckpt_path=...)``: ``None`` stays ``None``,
+    ``"auto"`` becomes the newest checkpoint in ``dirpath`` that verifies (or ``None``, logged either way),
+    anything else is passed through (Lightning's ``"last"``/``"best"`` included)."""
+    if ckpt_path is None or os.fspath(ckpt_path) != "auto":
+        return None if ckpt_path is None else os.fspath(ckpt_path)
+    decision = decide_resume(dirpath)
+    rank_zero_info(f"resume=auto: {decision}")
+    return decision.value

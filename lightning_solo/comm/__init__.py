@@ -1,0 +1,29 @@
+"""Gradient communication for DDP, in four parts:
+
+- :mod:`~lightning_solo.comm.hooks`: :class:`CommHook`, a DDP comm hook chosen by name (exact, fp16/bf16,
+  PowerSGD, post-local-SGD), registered on every backend, with checkpointable state;
+- :mod:`~lightning_solo.comm.powersgd_state`: PowerSGD's state across bucket rebuilds and checkpoint/resume
+  (error feedback as one shard file per rank beside the checkpoint);
+- :mod:`~lightning_solo.comm.averaging`: post-local-SGD's in-place parameter averaging and per-node groups;
+- :mod:`~lightning_solo.comm.barrier`: a barrier that names the ranks that did not arrive, and its gloo side
+  group under NCCL.
+
+The public names are re-exported here, so ``from lightning_solo.comm import CommHook`` keeps working.
+"""
+
+from lightning_solo.comm.averaging import InPlaceAverager, average_in_place, node_groups
+from lightning_solo.comm.barrier import SIDE_GROUP_TIMEOUT, backend_for, barrier_group, monitored_barrier
+from lightning_solo.comm.hooks import (
+    CHECKPOINT_KEY,
+    COMM_HOOKS,
+    CommHook,
+    bf16_compress_any_build_hook,
+    check_bucket_cap_mb,
+)
+from lightning_solo.comm.powersgd_state import resumable_powerSGD_hook, shard_dir
+
+__all__ = [
+    "CHECKPOINT_KEY", "COMM_HOOKS", "SIDE_GROUP_TIMEOUT", "CommHook", "InPlaceAverager", "average_in_place",
+    "backend_for", "barrier_group", "bf16_compress_any_build_hook", "check_bucket_cap_mb", "monitored_barrier",
+    "node_groups", "resumable_powerSGD_hook", "shard_dir",
+]

@@ -1,0 +1,80 @@
+"""Every private upstream name the pack relies on still exists (lightning_solo._compat: one accessor per name,
+checked on lightning 2.6.6 and torch 2.14.1). An upstream release that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
+
+ACCESSOR_MODULES = (lightning_compat, torch_compat)
+
+
+def _accessors():
+    for module in ACCESSOR_MODULES:
+        for name, value in vars(module).items():
+            if inspect.isfunction(value) and value.__module__ == module.__name__:
+                yield module, name, value
+
+
+@pytest.mark.parametrize(("module", "name", "accessor"), list(_accessors()), ids=lambda v: getattr(v, "__name__", v))
+def test_every_accessor_says_the_versions_it_was_checked_on(module, name, accessor):
+    assert accessor.__doc__ and "checked on" in accessor.__doc__, f"{module.__name__}.{name}"
+
+
+@pytest.mark.parametrize(("owner", "name"), [(cls, n) for cls, names in lightning_compat.OVERRIDDEN.items() for n in names])
+def test_overridden_lightning_methods_exist(owner, name):
+    assert hasattr(owner, name), f"{owner.__name__}.{name} is gone: SoloDDP/SoloCheckpoint/SoloLauncher override it"
+
+
+def test_ddp_strategy_attributes_exist():
+    strategy = DDPStrategy()
+    missing = [n for n in lightning_compat.STRATEGY_ATTRIBUTES if not hasattr(strategy, n)]
+    assert not missing
+    assert hasattr(DDPStrategy, "process_group_backend")  # the public name, used instead of the private one
+
+
+def test_lightning_reads_exist():
+    import lightning as L
+
+    logger = CSVLogger("unused")
+    assert all(hasattr(logger, n) for n in lightning_compat.LOGGER_ATTRIBUTES)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    connector = lightning_compat.logger_connector(trainer)
+    assert all(isinstance(getattr(connector, n), dict) for n in lightning_compat.LOGGER_CONNECTOR_METRICS)
+    assert lightning_compat.precision_flags(trainer, "default")[0] == "32-true"
+    assert hasattr(trainer.fit_loop, "_data_source") and lightning_compat.fit_data_source(trainer) is None
+    assert hasattr(trainer._checkpoint_connector, "_ckpt_path")
+    assert callable(trainer._checkpoint_connector.dump_checkpoint)
+    assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path("s3://b/x.ckpt")
+    err = RuntimeError("Expected to have finished reduction")
+    lightning_compat.augment_message(err, ".*finished reduction.*", "explained")
+    assert "explained" in str(err)
+
+
+def test_torch_names_exist():
+    for name in ("_get_ddp_logging_data", "_remove_autograd_hooks", "_set_params_and_buffers_to_ignore_for_model"):
+        assert hasattr(DistributedDataParallel, name), name
+    reducer = torch.distributed.Reducer
+    for name in ("_get_local_used_map", "_autograd_hook", "_ddp_graph_static"):
+        assert hasattr(reducer, name), name
+    assert callable(powerSGD_hook._should_compress) and callable(default_hooks._compress_hook)
+    assert callable(torch._assert_async)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert torch_compat.scaler_scale(scaler) is None and torch_compat.scaler_init_scale(scaler) == 8.0
+    assert torch_compat.should_compress(64, 64, 1, 2.0) is True
+    module = torch.nn.Linear(2, 2)
+    module.register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
+    torch_compat.unregister_parameter(module, "extra")
+    assert "extra" not in dict(module.named_parameters())
+    torch_compat.set_params_to_ignore(module, ["weight"])
+    assert getattr(module, torch_compat.DDP_IGNORE_LIST) == ["weight"]
