@@ -32,11 +32,15 @@ from lightning_solo.checkpoint.io import SoloCheckpointIO
 
 def make_checkpoint(mb: int) -> dict:
     n = mb * (1 << 20) // 8  # half weights, half optimizer state, fp32
-    side = int(n ** 0.5)
+    side = int(n**0.5)
     weights = {f"layer{i}.weight": torch.randn(side // 4, side) for i in range(4)}
     momentum = {i: {"momentum_buffer": torch.randn(side // 4, side)} for i in range(4)}
-    return {"global_step": 1, "epoch": 0, "state_dict": weights,
-            "optimizer_states": [{"state": momentum, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}]}
+    return {
+        "global_step": 1,
+        "epoch": 0,
+        "state_dict": weights,
+        "optimizer_states": [{"state": momentum, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}],
+    }
 
 
 def main() -> None:
@@ -53,18 +57,22 @@ def main() -> None:
         "solo, full verify": SoloCheckpointIO(verify_after_write=True),
         "solo, no fsync": SoloCheckpointIO(fsync=False),
     }
-    times: dict[str, list[float]] = {name: [] for name in [*savers, "load: torch.load", "load: solo (verify+load)"]}
+    times: dict[str, list[float]] = {
+        name: [] for name in [*savers, "load: torch.load", "load: solo (verify+load)"]
+    }
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         names = list(savers)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 path = os.path.join(directory, f"{name.replace(' ', '').replace(',', '_')}.ckpt")
                 start = time.perf_counter()
                 savers[name].save_checkpoint(checkpoint, path)
                 times[name].append(time.perf_counter() - start)
             solo_file = os.path.join(directory, "solo.ckpt")
-            loads = [("load: torch.load", lambda p=solo_file: torch.load(p, weights_only=True)),
-                     ("load: solo (verify+load)", lambda p=solo_file: SoloCheckpointIO().load_checkpoint(p))]
+            loads = [
+                ("load: torch.load", lambda p=solo_file: torch.load(p, weights_only=True)),
+                ("load: solo (verify+load)", lambda p=solo_file: SoloCheckpointIO().load_checkpoint(p)),
+            ]
             for name, fn in loads if r % 2 else loads[::-1]:
                 start = time.perf_counter()
                 fn()

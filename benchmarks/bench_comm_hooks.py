@@ -26,7 +26,9 @@ HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
 
 def make_net(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    return nn.Sequential(
+        nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
 
 
 def run_hook(name, width, steps, rank, world_size) -> tuple[float, float]:
@@ -93,7 +95,9 @@ def main() -> None:
     params = sum(p.numel() for p in make_net(args.width).parameters())
     times, errors = run_ranks(bench, 2, args.width, args.steps, args.rounds, args.threads, timeout=1800)[0]
     base = statistics.median(times[None])
-    print(f"MLP width {args.width} ({params / 1e6:.2f} M params), 2 gloo processes, {args.steps} steps x {args.rounds} rounds")
+    print(
+        f"MLP width {args.width} ({params / 1e6:.2f} M params), 2 gloo processes, {args.steps} steps x {args.rounds} rounds"
+    )
     print(f"{'comm_hook':<16}{'ms/step':>10}{'vs None':>10}{'grad err':>12}")
     for name in HOOKS:
         med = statistics.median(times[name])

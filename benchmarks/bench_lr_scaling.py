@@ -48,9 +48,16 @@ def small_cnn(classes: int, width: int = 16) -> nn.Module:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(8, cout), nn.ReLU()]
 
     return nn.Sequential(
-        *block(3, width), *block(width, width), nn.MaxPool2d(2),  # GroupNorm(8, ·): batch-independent
-        *block(width, 2 * width), *block(2 * width, 2 * width), nn.MaxPool2d(2),
-        *block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, classes),
+        *block(3, width),
+        *block(width, width),
+        nn.MaxPool2d(2),  # GroupNorm(8, ·): batch-independent
+        *block(width, 2 * width),
+        *block(2 * width, 2 * width),
+        nn.MaxPool2d(2),
+        *block(2 * width, 4 * width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * width, classes),
     )
 
 
@@ -74,7 +81,9 @@ class Classifier(L.LightningModule):
 def accuracy(net: nn.Module, data: TensorDataset) -> float:
     net.eval()
     x, y = data.tensors
-    correct = sum((net(x[i:i + 1024]).argmax(1) == y[i:i + 1024]).sum().item() for i in range(0, len(y), 1024))
+    correct = sum(
+        (net(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum().item() for i in range(0, len(y), 1024)
+    )
     return 100.0 * correct / len(y)
 
 
@@ -82,21 +91,32 @@ def train_once(args, train, val, batch: int, policy: dict, seed: int, lr: float)
     L.seed_everything(seed, workers=True, verbose=False)
     model = Classifier(args.classes, lr, train, batch)
     callback = WarmupScaledLR(reference_batch_size=args.base_batch, decay="cosine", log_lr=False, **policy)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[callback])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     trainer.fit(model)
     diverged = not all(torch.isfinite(p).all() for p in model.parameters())
     return (0.0 if diverged else accuracy(model.net, val)), diverged
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-batch", type=int, default=16)
     parser.add_argument("--multiples", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=0.00625, help="base lr at the base global batch (--sweep)")
+    parser.add_argument(
+        "--lr", type=float, default=0.00625, help="base lr at the base global batch (--sweep)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train-size", type=int, default=8192)
     parser.add_argument("--val-size", type=int, default=4096)
@@ -104,8 +124,13 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--noise", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--sweep", type=float, nargs="*", default=None,
-                        help="only train the base batch at these lrs (default grid if empty) and stop")
+    parser.add_argument(
+        "--sweep",
+        type=float,
+        nargs="*",
+        default=None,
+        help="only train the base batch at these lrs (default grid if empty) and stop",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -114,16 +139,23 @@ def main() -> None:
 
     train = materialize(args.train_size, 0, 0, args.noise, args.image_size, args.classes)
     val = materialize(args.val_size, 0, args.train_size, args.noise, args.image_size, args.classes)
-    print(f"data: {args.train_size} train / {args.val_size} val, {args.classes} classes, "
-          f"3×{args.image_size}×{args.image_size}, noise {args.noise}; {args.epochs} epochs; "
-          f"base global batch {args.base_batch}; seeds {args.seeds}", flush=True)
+    print(
+        f"data: {args.train_size} train / {args.val_size} val, {args.classes} classes, "
+        f"3×{args.image_size}×{args.image_size}, noise {args.noise}; {args.epochs} epochs; "
+        f"base global batch {args.base_batch}; seeds {args.seeds}",
+        flush=True,
+    )
 
     if args.sweep is not None:
         for lr in args.sweep or [0.0125, 0.025, 0.05, 0.1, 0.2]:
-            accs = [train_once(args, train, val, args.base_batch, dict(rule="none", warmup_steps=0), s, lr)[0]
-                    for s in args.seeds]
-            print(f"sweep  batch {args.base_batch:4d}  lr {lr:<7g} acc {statistics.median(accs):6.2f}  {accs}",
-                  flush=True)
+            accs = [
+                train_once(args, train, val, args.base_batch, dict(rule="none", warmup_steps=0), s, lr)[0]
+                for s in args.seeds
+            ]
+            print(
+                f"sweep  batch {args.base_batch:4d}  lr {lr:<7g} acc {statistics.median(accs):6.2f}  {accs}",
+                flush=True,
+            )
         return
 
     configs = [("base", args.base_batch, dict(rule="none", warmup_steps=0))]
@@ -143,19 +175,27 @@ def main() -> None:
             acc, bad = train_once(args, train, val, batch, policy, seed, args.lr)
             results[name].append(acc)
             diverged[name] += bad
-            print(f"seed {seed}  {name:<28} batch {batch:4d}  acc {acc:6.2f}{'  DIVERGED' if bad else ''}",
-                  flush=True)
+            print(
+                f"seed {seed}  {name:<28} batch {batch:4d}  acc {acc:6.2f}{'  DIVERGED' if bad else ''}",
+                flush=True,
+            )
 
     base = statistics.median(results["base"])
-    print(f"\nbase lr {args.lr} at global batch {args.base_batch}; warmup {args.warmup_epochs} epochs; "
-          f"{len(args.seeds)} seeds; {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nbase lr {args.lr} at global batch {args.base_batch}; warmup {args.warmup_epochs} epochs; "
+        f"{len(args.seeds)} seeds; {time.perf_counter() - t0:.0f} s"
+    )
     print(f"| {'config':<28} | global batch | lr after warmup | median acc | Δ vs base | per seed |")
     print(f"|{'-' * 30}|--------------|-----------------|------------|-----------|----------|")
     for name, batch, policy in configs:
         med = statistics.median(results[name])
         scale = batch / args.base_batch if policy["rule"] == "linear" else 1.0
-        seeds = " ".join(f"{a:.2f}" for a in results[name]) + (f" ({diverged[name]} diverged)" if diverged[name] else "")
-        print(f"| {name:<28} | {batch:12d} | {args.lr * scale:15g} | {med:10.2f} | {med - base:+9.2f} | {seeds} |")
+        seeds = " ".join(f"{a:.2f}" for a in results[name]) + (
+            f" ({diverged[name]} diverged)" if diverged[name] else ""
+        )
+        print(
+            f"| {name:<28} | {batch:12d} | {args.lr * scale:15g} | {med:10.2f} | {med - base:+9.2f} | {seeds} |"
+        )
 
 
 if __name__ == "__main__":

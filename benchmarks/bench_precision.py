@@ -96,7 +96,9 @@ def worker(args: argparse.Namespace) -> dict:
             return self.x, self.y
 
     loader = DataLoader(SameBatch(), batch_size=None)
-    plugin = Precision() if args.precision.startswith("32-") else SoloMixedPrecision(args.precision, args.device)
+    plugin = (
+        Precision() if args.precision.startswith("32-") else SoloMixedPrecision(args.precision, args.device)
+    )
     clock, model = Clock(), Net()
     trainer = L.Trainer(
         accelerator=args.device,
@@ -128,7 +130,11 @@ def worker(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--precisions", default=None, help=f"comma list of {ALL_PRECISIONS} (default: all on cuda; no tf32 on cpu)")
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help=f"comma list of {ALL_PRECISIONS} (default: all on cuda; no tf32 on cpu)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps timed")
@@ -143,7 +149,9 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
 
-    precisions = (args.precisions or ",".join(ALL_PRECISIONS if args.device == "cuda" else CPU_DEFAULT)).split(",")
+    precisions = (
+        args.precisions or ",".join(ALL_PRECISIONS if args.device == "cuda" else CPU_DEFAULT)
+    ).split(",")
     bad = [x for x in precisions if x not in ALL_PRECISIONS]
     if bad:
         raise ValueError(f"unknown precision(s) {bad}; accepted: {ALL_PRECISIONS}")

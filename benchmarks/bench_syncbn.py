@@ -98,7 +98,9 @@ def main() -> None:
 
     print(f"2 CPU processes (gloo), per-process batch {args.batch}, {args.size}x{args.size} inputs, "
           f"{args.rounds} rounds x {args.steps} interleaved steps")  # fmt: skip
-    print(f"{'model':<14}{'BN layers':>10}{'plain ms':>11}{'synced ms':>11}{'ratio':>8}  (min-max over rounds)")
+    print(
+        f"{'model':<14}{'BN layers':>10}{'plain ms':>11}{'synced ms':>11}{'ratio':>8}  (min-max over rounds)"
+    )
     for name, r in results.items():
         print(
             f"{name:<14}{r['bn_layers']:>10}{r['plain_ms']:>11.1f}{r['synced_ms']:>11.1f}{r['ratio']:>8.3f}"

@@ -60,7 +60,10 @@ class _Run:
         self.ddp, self.group = self.policy.bind(ddp, group), group
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         data = torch.Generator().manual_seed(rank)
-        self.x, self.y = torch.randn(BATCH, WIDTH, generator=data), torch.randint(0, 10, (BATCH,), generator=data)
+        self.x, self.y = (
+            torch.randn(BATCH, WIDTH, generator=data),
+            torch.randint(0, 10, (BATCH,), generator=data),
+        )
         self.policy_s, self.policy_steps = 0.0, 0  # time inside the policy's calls
 
     def steps(self, n: int) -> None:
@@ -101,7 +104,9 @@ def _worker(rank: int, world: int, args) -> dict:
     side_channel = dist.new_group(backend="gloo")  # SoloDDP's: a gloo group apart from DDP's
     for head in (False, True):
         # False on the unused-head model raises on its second step (and leaves the peer waiting): not run.
-        runs = {s: _Run(s, head, rank, side_channel) for s in (["auto", True] if head else ["auto", True, False])}
+        runs = {
+            s: _Run(s, head, rank, side_channel) for s in (["auto", True] if head else ["auto", True, False])
+        }
         for run in runs.values():
             run.steps(args.warmup)  # includes auto's evidence window and its re-wrap
         names = list(runs)
@@ -120,7 +125,9 @@ def _worker(rank: int, world: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--blocks", type=int, default=15, help="timed blocks per setting")
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--warmup", type=int, default=12, help="untimed steps first (auto's window is 4)")
@@ -133,6 +140,7 @@ def main() -> None:
     print(f"MLP {DEPTH}x{WIDTH}, batch {BATCH}/rank, 2 gloo processes x 1 thread; {args.blocks} interleaved blocks "
           f"of {args.steps} steps per setting after {args.warmup} untimed; median steps/s of rank 0")  # fmt: skip
     print(f"{'model':<18}{'auto':>10}{'True':>10}{'False':>10}   ratios")
+
     def ratio(head, a, b):
         # Paired: the blocks of one rotation ran back to back, so their ratio cancels slow load changes.
         return statistics.median(x / y for x, y in zip(results[head, a], results[head, b]))
@@ -148,9 +156,15 @@ def main() -> None:
         print(f"auto ({'unused head' if h else 'all used'}): {results[h, 'policy_us']:.0f} us per step inside the "
               f"policy's calls, {100 * results[h, 'policy_us'] * (head if h else used)['auto'] / 1e6:.2f}% of a step; "
               f"{results[h, 'decision']}")  # fmt: skip
-    quartiles = {k: statistics.quantiles(v, n=4) for k, v in results.items() if k[1] not in ("decision", "policy_us")}
-    print("interquartile range (steps/s):",
-          ", ".join(f"{'head' if h else 'used'}/{s}: {q[0]:.1f}..{q[2]:.1f}" for (h, s), q in quartiles.items()))
+    quartiles = {
+        k: statistics.quantiles(v, n=4) for k, v in results.items() if k[1] not in ("decision", "policy_us")
+    }
+    print(
+        "interquartile range (steps/s):",
+        ", ".join(
+            f"{'head' if h else 'used'}/{s}: {q[0]:.1f}..{q[2]:.1f}" for (h, s), q in quartiles.items()
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,14 @@ def _rewrap_rank(device: str, rank: int, port: int, out: str) -> None:
 
     from lightning_solo import SoloDDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      NODE_RANK=str(rank), LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        NODE_RANK=str(rank),
+        LOCAL_RANK="0",
+    )
 
     class Branchy(L.LightningModule):
         def __init__(self) -> None:
@@ -73,14 +79,22 @@ def _rewrap_rank(device: str, rank: int, port: int, out: str) -> None:
     data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 4, generator=g))
     model = Branchy()
     trainer = L.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu", devices=1, num_nodes=2, max_steps=40,
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        num_nodes=2,
+        max_steps=40,
         strategy=SoloDDP(start_method="popen", process_group_backend="gloo"),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=8))
     flat = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
     decision = trainer.strategy.decisions["find_unused_parameters"]
-    torch.save({"params": flat, "find_unused": decision.value, "reason": decision.reason}, f"{out}/rank{rank}.pt")
+    torch.save(
+        {"params": flat, "find_unused": decision.value, "reason": decision.reason}, f"{out}/rank{rank}.pt"
+    )
 
 
 def check_rewrap(device: str) -> tuple[bool, str]:
@@ -93,9 +107,26 @@ def check_rewrap(device: str) -> tuple[bool, str]:
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            subprocess.Popen([sys.executable, __file__, "--check", "rewrap-rank", "--device", device,
-                              "--rank", str(r), "--port", str(port), "--tmp", out], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--check",
+                    "rewrap-rank",
+                    "--device",
+                    device,
+                    "--rank",
+                    str(r),
+                    "--port",
+                    str(port),
+                    "--tmp",
+                    out,
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             for r in (0, 1)
         ]
         logs = [p.communicate(timeout=240)[0] for p in procs]
@@ -140,8 +171,12 @@ def _syncbn_rank(rank: int, world_size: int, device: str) -> dict:
     def rel(a, b):
         return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
-    out = {"syncs": recorder.syncs, "allreduces": recorder.allreduces, "dtype": str(y.dtype),
-           "running_var": rel(mine[1].running_var, net[1].running_var)}
+    out = {
+        "syncs": recorder.syncs,
+        "allreduces": recorder.allreduces,
+        "dtype": str(y.dtype),
+        "running_var": rel(mine[1].running_var, net[1].running_var),
+    }
     if rank == 1:
         out.update(y=rel(y.detach(), ref_y.detach()), grad_x=rel(local.grad, ref_x.grad))
     return out
@@ -156,7 +191,8 @@ def check_syncbn(device: str) -> tuple[bool, str]:
         and empty["allreduces"] == full["allreduces"]
         and full["dtype"] == "torch.bfloat16"
         and max(empty["running_var"], full["running_var"]) <= 1e-4
-        and full["y"] <= 2e-2 and full["grad_x"] <= 3e-2
+        and full["y"] <= 2e-2
+        and full["grad_x"] <= 3e-2
     )
     return ok, (
         f"rel. err y {full['y']:.2g}, grad_x {full['grad_x']:.2g}, running_var {full['running_var']:.2g}; "
@@ -201,8 +237,15 @@ def _fork_child() -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     torch.zeros(1, device="cuda")  # what a notebook cell does before fit
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork"),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     try:
         trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
     except Exception as err:  # noqa: BLE001 - what the user would see
@@ -214,8 +257,13 @@ def _fork_child() -> None:
 def check_fork(device: str) -> tuple[bool, str]:
     if device != "cuda":
         return True, "skipped: needs CUDA"
-    proc = subprocess.run([sys.executable, __file__, "--check", "fork-child"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--check", "fork-child"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     out = proc.stdout + proc.stderr
     refused = next((line for line in proc.stdout.splitlines() if line.startswith("REFUSED")), None)
     ok = refused is not None and "CUDA" in refused and "Cannot re-initialize" not in out
@@ -226,8 +274,21 @@ def check_precision(device: str) -> tuple[bool, str]:
     size = ["--image-size", "224", "--batch-size", "128", "--warmup", "5", "--steps", "20", "--channels-last"]
     if device != "cuda":
         size = ["--image-size", "32", "--batch-size", "16", "--warmup", "1", "--steps", "2"]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_precision.py"), "--device", device,
-                           "--rounds", "1", *size], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_precision.py"),
+            "--device",
+            device,
+            "--rounds",
+            "1",
+            *size,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     table = [line for line in proc.stdout.splitlines() if line.startswith("|") or line.startswith("ResNet")]
     return proc.returncode == 0 and len(table) > 3, "\n".join(table) if table else proc.stderr[-600:]
 
@@ -238,12 +299,20 @@ def check_precision(device: str) -> tuple[bool, str]:
 def run_check(name: str, device: str) -> dict:
     """Run one check in a fresh interpreter; returns {check, ok, detail, seconds}."""
     start = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     try:
-        proc = subprocess.run([sys.executable, __file__, "--check", name, "--device", device], cwd=ROOT,
-                              capture_output=True, text=True, timeout=480, env=env)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--check", name, "--device", device],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=480,
+            env=env,
+        )
         line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
-        result = json.loads(line[len(RESULT):]) if line else {"ok": False, "detail": proc.stderr[-800:]}
+        result = json.loads(line[len(RESULT) :]) if line else {"ok": False, "detail": proc.stderr[-800:]}
     except subprocess.TimeoutExpired:
         result = {"ok": False, "detail": "timed out after 480 s"}
     return {"check": name, **result, "seconds": round(time.monotonic() - start, 1)}
@@ -290,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # is_available() does not initialise CUDA: the children may still fork
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: SKIPPED, CUDA is not available on this machine (nothing was checked). Run it where a "
-              "GPU is, or pass --device cpu to exercise the logic on CPU.")
+        print(
+            "gpu_check: SKIPPED, CUDA is not available on this machine (nothing was checked). Run it where a "
+            "GPU is, or pass --device cpu to exercise the logic on CPU."
+        )
         return 0
     rows = []
     for name in names:

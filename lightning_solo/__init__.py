@@ -17,6 +17,12 @@ SoloDDP.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 __all__ = [
-    "CommHook", "Decision", "SoloCheckpointIO", "SoloDDP", "SoloMixedPrecision", "SoloSyncBatchNorm",
-    "__version__", "resolve_ckpt_path",
+    "CommHook",
+    "Decision",
+    "SoloCheckpointIO",
+    "SoloDDP",
+    "SoloMixedPrecision",
+    "SoloSyncBatchNorm",
+    "__version__",
+    "resolve_ckpt_path",
 ]

@@ -67,7 +67,21 @@ class _NotPlain(TypeError):
     pass
 
 
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, PurePath, range, slice, torch.dtype, torch.device)
+_ATOMS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    Enum,
+    PurePath,
+    range,
+    slice,
+    torch.dtype,
+    torch.device,
+)
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -80,7 +94,11 @@ def _plain(value: Any, depth: int = 0) -> Any:
         if isinstance(value, torch.nn.Parameter):
             raise _NotPlain("a parameter belongs to a module")
         return value.detach().to("cpu", copy=True)
-    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+    if (
+        type(value).__module__ == "numpy"
+        and getattr(value, "dtype", None) is not None
+        and value.dtype != object
+    ):
         return value.copy()
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
@@ -100,6 +118,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = copy.copy(value)
         for field in dataclasses.fields(value):
-            object.__setattr__(out, field.name, _plain(getattr(value, field.name), depth + 1))  # frozen ones too
+            object.__setattr__(
+                out, field.name, _plain(getattr(value, field.name), depth + 1)
+            )  # frozen ones too
         return out
     raise _NotPlain(type(value).__name__)

@@ -51,7 +51,7 @@ def plain_state_dict(state_dict: dict[str, Any], prefix: str | None = None) -> d
         if prefix:
             if not key.startswith(prefix):
                 continue
-            key = _strip_wrappers(key[len(prefix):])
+            key = _strip_wrappers(key[len(prefix) :])
         out[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
     return out
 
@@ -62,7 +62,7 @@ def _strip_wrappers(key: str) -> str:
         stripped = False
         for prefix in _WRAPPER_PREFIXES:
             if key.startswith(prefix):
-                key, stripped = key[len(prefix):], True
+                key, stripped = key[len(prefix) :], True
     return key
 
 
@@ -72,7 +72,9 @@ def build_network(hparams: dict[str, Any]) -> nn.Module | None:
         return None
     from lightning_solo.models.classifier import build_backbone
 
-    return build_backbone(hparams["arch"], int(hparams["num_classes"]), hparams.get("stem", "imagenet"), weights=None)
+    return build_backbone(
+        hparams["arch"], int(hparams["num_classes"]), hparams.get("stem", "imagenet"), weights=None
+    )
 
 
 def export_checkpoint(
@@ -110,12 +112,18 @@ def export_checkpoint(
         net.eval()
         stem = hparams.get("stem", "imagenet")
         shape = tuple(input_shape) if input_shape else ((3, 32, 32) if stem == "cifar" else (3, 224, 224))
-        info.update(arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape))
+        info.update(
+            arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape)
+        )
         if stem != "imagenet":
-            info["notes"].append(f"stem={stem!r}: build the network with lightning_solo.models.classifier."
-                                 f"build_backbone({hparams['arch']!r}, {int(hparams['num_classes'])}, {stem!r})")
+            info["notes"].append(
+                f"stem={stem!r}: build the network with lightning_solo.models.classifier."
+                f"build_backbone({hparams['arch']!r}, {int(hparams['num_classes'])}, {stem!r})"
+            )
         example = torch.randn(2, *shape)
-        program = torch.export.export(net, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},))
+        program = torch.export.export(
+            net, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},)
+        )
         torch.export.save(program, outdir / "model.pt2")
         info["files"]["program"] = "model.pt2"
         info["load_program"] = "torch.export.load('model.pt2').module()(images)"
@@ -132,11 +140,25 @@ def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[
     dynamo = importlib.util.find_spec("onnxscript") is not None
     try:
         if dynamo:
-            torch.onnx.export(net, (example,), str(path), input_names=["images"], output_names=["logits"],
-                              dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},), dynamo=True)
+            torch.onnx.export(
+                net,
+                (example,),
+                str(path),
+                input_names=["images"],
+                output_names=["logits"],
+                dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
+                dynamo=True,
+            )
         else:
-            torch.onnx.export(net, (example,), str(path), input_names=["images"], output_names=["logits"],
-                              dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+            torch.onnx.export(
+                net,
+                (example,),
+                str(path),
+                input_names=["images"],
+                output_names=["logits"],
+                dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
+                dynamo=False,
+            )
     except Exception as err:  # noqa: BLE001 - the other artefacts are still good; say why this one is missing
         notes.append(f"ONNX export failed: {type(err).__name__}: {err}")
         return {}
@@ -144,18 +166,36 @@ def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_solo.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_solo.export", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("checkpoint", help="a Lightning checkpoint (.ckpt), verified before use")
     parser.add_argument("outdir", help="directory for weights.pt, model.pt2, model.onnx, export.json")
-    parser.add_argument("--input-shape", type=int, nargs="+", metavar="N",
-                        help="one sample's shape, e.g. 3 224 224 (default: 3 32 32 for stem=cifar, else 3 224 224)")
-    parser.add_argument("--prefix", default="model.", help="attribute path of the network in the LightningModule")
+    parser.add_argument(
+        "--input-shape",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="one sample's shape, e.g. 3 224 224 (default: 3 32 32 for stem=cifar, else 3 224 224)",
+    )
+    parser.add_argument(
+        "--prefix", default="model.", help="attribute path of the network in the LightningModule"
+    )
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX even when onnx is installed")
-    parser.add_argument("--unsafe-pickle", action="store_true",
-                        help="load with weights_only=False (only for checkpoints you trust)")
+    parser.add_argument(
+        "--unsafe-pickle",
+        action="store_true",
+        help="load with weights_only=False (only for checkpoints you trust)",
+    )
     args = parser.parse_args(argv)
-    info = export_checkpoint(args.checkpoint, args.outdir, args.input_shape, args.prefix,
-                             onnx=False if args.no_onnx else None, weights_only=not args.unsafe_pickle)
+    info = export_checkpoint(
+        args.checkpoint,
+        args.outdir,
+        args.input_shape,
+        args.prefix,
+        onnx=False if args.no_onnx else None,
+        weights_only=not args.unsafe_pickle,
+    )
     for role, name in info["files"].items():
         print(f"{role:8s} {os.path.join(args.outdir, name)}")
     for note in info["notes"]:

@@ -67,7 +67,9 @@ _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 def in_notebook() -> bool:
     """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
+    return (
+        hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
+    )
 
 
 def _ipython_active() -> bool:
@@ -118,16 +120,22 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         # Bytes: the queue's pickler would share tensors through memory that dies with this process.
-        extra[_STATE_KEY] = pickle.dumps({**capture(trainer), "training_state": _training_state(trainer, self)})
+        extra[_STATE_KEY] = pickle.dumps(
+            {**capture(trainer), "training_state": _training_state(trainer, self)}
+        )
         return extra
 
     @override
-    def _recover_results_in_main_process(self, worker_output: lightning_compat.WorkerOutput, trainer: L.Trainer) -> None:
+    def _recover_results_in_main_process(
+        self, worker_output: lightning_compat.WorkerOutput, trainer: L.Trainer
+    ) -> None:
         if trainer.checkpoint_callback and hasattr(trainer.checkpoint_callback, "best_model_path"):
             trainer.checkpoint_callback.best_model_path = str(worker_output.best_model_path)
         if worker_output.weights_path is not None:
             # map_location="cpu": a CUDA context in the parent would make the next fork unusable.
-            weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path, map_location="cpu")
+            weights = self._strategy.checkpoint_io.load_checkpoint(
+                worker_output.weights_path, map_location="cpu"
+            )
             # Non-strict as in Lightning: the worker may have added or removed layers.
             trainer.lightning_module.load_state_dict(weights, strict=False)
             # Lightning removes the file but leaks the mkdtemp() directory around it, one per fit.
@@ -149,10 +157,14 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     connector = lightning_compat.logger_connector(trainer)
     return {
         "fit_loop": pack(trainer.fit_loop.state_dict()) if fitting else None,
-        "callbacks": [(cb.state_key, packed_attributes(cb), pack(cb.state_dict())) for cb in trainer.callbacks],
+        "callbacks": [
+            (cb.state_key, packed_attributes(cb), pack(cb.state_dict())) for cb in trainer.callbacks
+        ],
         "module": packed_attributes(trainer.lightning_module, public_only=True, skip=("training",)),
         "strategy": packed_attributes(trainer.strategy, only=_STRATEGY_ATTRIBUTES),
-        "loggers": [packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers],
+        "loggers": [
+            packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers
+        ],
         "logged_metrics": pack(dict(connector._logged_metrics)),
         "progress_bar_metrics": pack(dict(connector._progress_bar_metrics)),
     }
@@ -173,7 +185,9 @@ def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> No
         strategy.precision_plugin = plugin
     hook_state = unpack(state["comm_hook"], "the comm hook's state")
     if hook_state not in (LEFT_BEHIND, None) and getattr(strategy, "_comm", None) is not None:
-        strategy._comm.load_state_dict(hook_state)  # the next fit's ranks apply it when they register the hook
+        strategy._comm.load_state_dict(
+            hook_state
+        )  # the next fit's ranks apply it when they register the hook
 
 
 def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
@@ -220,15 +234,19 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, di
             continue
         packed, packed_state = matches.pop(0)
         name = type(callback).__name__
-        vars(callback).update(unpack_attributes(packed, name))  # first: ModelCheckpoint reloads scores into its dirpath only
+        vars(callback).update(
+            unpack_attributes(packed, name)
+        )  # first: ModelCheckpoint reloads scores into its dirpath only
         state_dict = unpack(packed_state, f"{name}.state_dict()")
         if state_dict is LEFT_BEHIND or not state_dict:
             continue
         try:
             callback.load_state_dict(state_dict)
         except Exception as err:  # noqa: BLE001 - the fit itself succeeded; don't fail it over this
-            rank_zero_warn(f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
-                           "its data attributes were restored")
+            rank_zero_warn(
+                f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
+                "its data attributes were restored"
+            )
         # load_state_dict may stage a resume for the next fit (WarmupScaledLR does); an in-process fit
         # would have consumed it, so the worker's attributes have the last word.
         vars(callback).update(unpack_attributes(packed, name))

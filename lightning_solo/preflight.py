@@ -95,7 +95,9 @@ def gloo_interface_warning(
     try:
         address = resolve(hostname)
     except OSError as err:
-        return f"gloo picks its interface from the hostname {hostname!r}, which does not resolve ({err}). {fix}"
+        return (
+            f"gloo picks its interface from the hostname {hostname!r}, which does not resolve ({err}). {fix}"
+        )
     if ipaddress.ip_address(address).is_loopback:
         return (
             f"gloo picks its interface from the hostname {hostname!r}, which resolves to the loopback address "

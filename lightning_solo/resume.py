@@ -55,7 +55,9 @@ class ResumableSampler(Sampler):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
-    def resume_once(self, epoch: int | None, skip_samples: int, on_start: Callable[[], None] | None = None) -> None:
+    def resume_once(
+        self, epoch: int | None, skip_samples: int, on_start: Callable[[], None] | None = None
+    ) -> None:
         """Arm the next iteration: ``epoch`` (``None``: keep what Lightning set), skip, RNG restore."""
         self._plan = (epoch, skip_samples, on_start)
 
@@ -144,7 +146,10 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
     inner = dataloader.sampler
     try:
         args, kwargs = _get_dataloader_init_args_and_kwargs(
-            dataloader, ResumableSampler(inner, dataloader.batch_size, tag_epoch=True), mode=RunningStage.TRAINING)
+            dataloader,
+            ResumableSampler(inner, dataloader.batch_size, tag_epoch=True),
+            mode=RunningStage.TRAINING,
+        )
         seeded = SeededDataset(dataloader.dataset, seed)
         if "dataset" in kwargs:
             kwargs["dataset"] = seeded
@@ -157,11 +162,14 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
     if hasattr(inner, "set_epoch") or isinstance(inner, SequentialSampler):
         return wrapped, Decision(
-            "resumable_data", True,
+            "resumable_data",
+            True,
             f"{type(inner).__name__} order is fixed by seed and epoch: skip the batches done; each sample is loaded"
-            " with the RNGs seeded from (seed, epoch, index), so augmentation and loader workers resume exactly")
+            " with the RNGs seeded from (seed, epoch, index), so augmentation and loader workers resume exactly",
+        )
     return wrapped, Decision(
-        "resumable_data", "approximate",
+        "resumable_data",
+        "approximate",
         f"{type(inner).__name__} draws a new order from the global RNG each epoch, so a mid-epoch resume skips"
         " the right number of batches of a different order; Lightning's DistributedSampler (the default"
         " under DDP) is exact",
@@ -172,8 +180,9 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
 # save and restore the position
 
 
-def capture(trainer: Any, loader: Any, last_step: tuple[dict[str, Any], int] | None,
-            collective: bool = True) -> dict[str, Any]:
+def capture(
+    trainer: Any, loader: Any, last_step: tuple[dict[str, Any], int] | None, collective: bool = True
+) -> dict[str, Any]:
     """The resume record; call on every rank (it gathers the RNG states of all ranks to each), or with
     ``collective=False`` on one rank (only its own RNG state: a resume then restores none).
 
@@ -237,7 +246,11 @@ def decide(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision
     saved = saved_rng(record)
     restore = (lambda: set_rng_state(saved)) if saved is not None else None
     rng, world_size = record.get("rng") or [], ranks.world_size()
-    rng_note = "RNG states restored" if restore else f"RNG states not restored ({len(rng)} saved, {world_size} ranks)"
+    rng_note = (
+        "RNG states restored"
+        if restore
+        else f"RNG states not restored ({len(rng)} saved, {world_size} ranks)"
+    )
     if sampler is None:
         if restore is not None:
             restore()
@@ -259,18 +272,30 @@ def decide(record: dict[str, Any] | None, trainer: Any, loader: Any) -> Decision
             sampler.resume_once(None, 0, restore)
         return Decision("mid_epoch_resume", 0, f"the checkpoint is at an epoch boundary; {rng_note}")
     # Lightning's "your dataloader is not resumable" warning is about the loader it restarts; this one resumes.
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    warnings.filterwarnings(
+        "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+    )
     if record.get("world_size") != world_size or record.get("batch_size") != sampler.batch_size:
         _rewind(trainer, progress.ready)
         sampler.resume_once(epoch, 0, restore)
-        return Decision("mid_epoch_resume", 0,
-                        f"saved with {record.get('world_size')} ranks x batch {record.get('batch_size')}, now"
-                        f" {world_size} x {sampler.batch_size}: the shards differ, so epoch {epoch} restarts in full"
-                        f" on the new shards (its first {consumed} batches per old rank are trained again); {rng_note}")
+        return Decision(
+            "mid_epoch_resume",
+            0,
+            f"saved with {record.get('world_size')} ranks x batch {record.get('batch_size')}, now"
+            f" {world_size} x {sampler.batch_size}: the shards differ, so epoch {epoch} restarts in full"
+            f" on the new shards (its first {consumed} batches per old rank are trained again); {rng_note}",
+        )
     replay = progress.ready - consumed
     _rewind(trainer, replay)
     sampler.resume_once(epoch, consumed * sampler.batch_size, restore)
-    note = (f"; the checkpoint was written {replay} batch(es) into an accumulation cycle: it holds the state of the"
-            " last optimizer step and those batches are trained again" if replay > 0 else "")
-    return Decision("mid_epoch_resume", consumed,
-                    f"epoch {epoch} continues after the {consumed} batches already trained on; {rng_note}{note}")
+    note = (
+        f"; the checkpoint was written {replay} batch(es) into an accumulation cycle: it holds the state of the"
+        " last optimizer step and those batches are trained again"
+        if replay > 0
+        else ""
+    )
+    return Decision(
+        "mid_epoch_resume",
+        consumed,
+        f"epoch {epoch} continues after the {consumed} batches already trained on; {rng_note}{note}",
+    )

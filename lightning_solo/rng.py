@@ -13,8 +13,13 @@ import torch
 def numpy_state(generator: Any) -> dict[str, Any]:
     """A NumPy MT19937 state (``np.random`` itself, or a ``RandomState``) as tensors and plain numbers."""
     kind, keys, pos, has_gauss, gauss = generator.get_state()
-    return {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
 
 
 def set_numpy_state(generator: Any, saved: dict[str, Any]) -> None:

@@ -44,7 +44,11 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Build every named entry with a ``_target_`` (``callbacks:``/``logger:`` dicts)."""
     if not group:
         return []
-    return [hydra.utils.instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+    return [
+        hydra.utils.instantiate(node)
+        for node in group.values()
+        if isinstance(node, DictConfig) and "_target_" in node
+    ]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -81,8 +85,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start);
     # SoloDDP chooses it on rank 0 once the process group exists, so the ranks cannot pick different files.
     resume = cfg.get("resume")
-    ckpt_path = "auto" if resume == "auto" and isinstance(trainer.strategy, SoloDDP) \
+    ckpt_path = (
+        "auto"
+        if resume == "auto" and isinstance(trainer.strategy, SoloDDP)
         else resolve_ckpt_path(resume, checkpoint_dir(trainer))
+    )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     _close_process_group()
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

@@ -55,6 +55,7 @@ class _NoCheckpoint(dict):
 
 _NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
 
+
 class SoloDDP(DecisionLog, DDPStrategy):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
     nccl on CUDA and gloo on CPU.
@@ -156,13 +157,17 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if precision is not None and precision_plugin is not None:
             raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
         if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=check_number("timeout", timeout, what="a positive number of seconds or a timedelta"))
+            timeout = timedelta(
+                seconds=check_number("timeout", timeout, what="a positive number of seconds or a timedelta")
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else SoloCheckpointIO(),
-            precision_plugin=precision_plugin if precision_plugin is not None else amp.pending_plugin(precision_options),
+            precision_plugin=precision_plugin
+            if precision_plugin is not None
+            else amp.pending_plugin(precision_options),
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=launcher.value,
@@ -177,7 +182,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._precision_options = precision_options
         self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
-        self._barrier_group = None  # the monitored barrier's and unused-parameter evidence's group; None: world
+        self._barrier_group = (
+            None  # the monitored barrier's and unused-parameter evidence's group; None: world
+        )
         self._barrier_made = False
         self._side_group: Any = None
         self._side_channel_made = False
@@ -239,8 +246,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._decide(decision)
         if self.root_device.type == "cpu":
             # Lightning's launchers already split the cores between local ranks; record what is in force.
-            self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
-        self._decide(Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise"))
+            self._decide(
+                Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes")
+            )
+        self._decide(
+            Decision("process_group_backend", self._process_group_backend, "nccl on CUDA, gloo otherwise")
+        )
         # A group creation is a collective: once per process, and only with a live process group (none exists
         # when `init_process_group` is mocked, as in Lightning's own strategy tests); the next setup makes it.
         if not self._barrier_made and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -297,17 +308,22 @@ class SoloDDP(DecisionLog, DDPStrategy):
             resume.validation_neutral(getattr(self, "_last_step", None))
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
         self.add_resume_state(checkpoint, filepath=filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def add_resume_state(self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None) -> None:
+    def add_resume_state(
+        self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None
+    ) -> None:
         """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
         on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             checkpoint[resume.RESUME_KEY] = resume.capture(
-                trainer, getattr(self, "_train_loader", None), getattr(self, "_last_step", None), collective)
+                trainer, getattr(self, "_train_loader", None), getattr(self, "_last_step", None), collective
+            )
         # A full checkpoint. PowerSGD's state is a collective (rank 0 records every rank's shard): only with all.
         if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
             if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it
@@ -319,9 +335,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
             checkpoint_path = self._choose_auto_checkpoint()
             if checkpoint_path is None:
                 return _NO_CHECKPOINT
-            checkpoint = load_weights_only(checkpoint_path, map_location=lambda storage, loc: storage,
-                                           weights_only=getattr(self.checkpoint_io, "weights_only", True)
-                                           if weights_only is None else weights_only)
+            checkpoint = load_weights_only(
+                checkpoint_path,
+                map_location=lambda storage, loc: storage,
+                weights_only=getattr(self.checkpoint_io, "weights_only", True)
+                if weights_only is None
+                else weights_only,
+            )
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_record = checkpoint.get(resume.RESUME_KEY)
@@ -341,8 +361,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._decide(decision)
         rank_zero_info(f"ckpt_path='auto': {decision}")
         if decision.value is not None and read_manifest(decision.value) != manifest:
-            raise RuntimeError(f"rank {self.global_rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
-                               f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share")
+            raise RuntimeError(
+                f"rank {self.global_rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
+                f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share"
+            )
         lightning_compat.set_ckpt_path(trainer, decision.value)
         return decision.value
 
@@ -351,7 +373,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
         if self._comm.name is None and self._ddp_comm_hook is not None:
             lightning_compat.register_ddp_comm_hook(  # self.model is DDP here
-                self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper  # type: ignore[arg-type]
+                self.model,
+                self._ddp_comm_state,
+                self._ddp_comm_hook,
+                self._ddp_comm_wrapper,  # type: ignore[arg-type]
             )
             name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
             self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
@@ -415,7 +440,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return closure_loss
 
     @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         if sync_grads and torch.is_grad_enabled() and torch.distributed.is_initialized():
             # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary,
             # and until then that collective runs on the side channel, apart from DDP's buckets.

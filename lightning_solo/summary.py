@@ -34,7 +34,9 @@ def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
     strategy = trainer.strategy
     settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    metrics = {
+        k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
+    }
     ckpt = trainer.checkpoint_callback
     return {
         "world_size": trainer.world_size,

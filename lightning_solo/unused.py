@@ -91,7 +91,9 @@ class Phase(StrEnum):
 
 def check_find_unused(value: Any) -> FindUnused:
     """Return ``value`` if it is an accepted ``find_unused_parameters``, else raise ``ValueError``."""
-    if not any(value is accepted or (isinstance(value, str) and value == accepted) for accepted in FIND_UNUSED_VALUES):
+    if not any(
+        value is accepted or (isinstance(value, str) and value == accepted) for accepted in FIND_UNUSED_VALUES
+    ):
         raise ValueError(
             f"find_unused_parameters={value!r} is not accepted: use one of {FIND_UNUSED_VALUES} "
             "('auto': the fast path unless parameters go unused, decided from the first steps)"
@@ -151,12 +153,15 @@ class UnusedParameters:
         elif static_graph:
             self.phase, self.find_unused = Phase.USER, False
             self.decision = Decision(
-                "find_unused_parameters", False, "static_graph=True: DDP tracks a fixed set of unused parameters itself"
+                "find_unused_parameters",
+                False,
+                "static_graph=True: DDP tracks a fixed set of unused parameters itself",
             )
         else:
             self.phase, self.find_unused = Phase.WINDOW, True
             self.decision = Decision(
-                "find_unused_parameters", "auto",
+                "find_unused_parameters",
+                "auto",
                 f"deciding from the first {window} steps (on True meanwhile, so DDP may warn once that it found "
                 "no unused parameter: expected)",
             )
@@ -193,7 +198,9 @@ class UnusedParameters:
         self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or _reducer_parameters(ddp)]
         if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
             more = ", ..." if len(found) > 3 else ""
-            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            self._backward_collective = (
+                f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            )
             self._search(f"{self._backward_collective} communicate inside backward")
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
             self._arrivals = arrivals = _Arrivals(self._named, [i for i in self._to_ours if i >= 0], group)
@@ -285,7 +292,9 @@ class UnusedParameters:
                 delattr(param, torch_compat.DDP_IGNORED_FLAG)
         names = [self._named[i][0] for i in self._ignored]
         # "." + name as well: DDP's reducer spells root-level parameters that way.
-        torch_compat.set_params_to_ignore(module, self._user_ignore + names + ["." + n for n in names if "." not in n])
+        torch_compat.set_params_to_ignore(
+            module, self._user_ignore + names + ["." + n for n in names if "." not in n]
+        )
         return module
 
     def finish(self, ddp: Module) -> None:
@@ -316,7 +325,11 @@ class UnusedParameters:
         if not isinstance(exception, RuntimeError) or not any(m in text for m in _REDUCER_ERRORS):
             return
         indices = [int(i) for found in _INDICES.findall(text) for i in re.findall(r"\d+", found)]
-        names = [self._named[self._to_ours[i]][0] for i in indices if i < len(self._to_ours) and self._to_ours[i] >= 0]
+        names = [
+            self._named[self._to_ours[i]][0]
+            for i in indices
+            if i < len(self._to_ours) and self._to_ours[i] >= 0
+        ]
         named = f" DDP's parameter indices there are: {', '.join(names)}." if names else ""
         exception.args = (
             f"{text}\n\nSoloDDP (find_unused_parameters='auto', {self.phase.value} phase, DDP built with "

@@ -24,8 +24,9 @@ def is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: Any, minimum: int = 1, *, optional: bool = False,
-              error: type[Exception] = ValueError) -> Any:
+def check_int(
+    name: str, value: Any, minimum: int = 1, *, optional: bool = False, error: type[Exception] = ValueError
+) -> Any:
     """``value`` if it is an integer >= ``minimum`` (or ``None`` with ``optional``); raise ``error`` otherwise."""
     if optional and value is None:
         return value
@@ -35,14 +36,23 @@ def check_int(name: str, value: Any, minimum: int = 1, *, optional: bool = False
     return value
 
 
-def check_number(name: str, value: Any, *, positive: bool = True, optional: bool = False, what: str | None = None,
-                 error: type[Exception] = ValueError) -> Any:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    positive: bool = True,
+    optional: bool = False,
+    what: str | None = None,
+    error: type[Exception] = ValueError,
+) -> Any:
     """``value`` if it is a finite number, > 0 with ``positive`` (or ``None`` with ``optional``); raise otherwise.
     ``what`` replaces the description of what is accepted in the message."""
     if optional and value is None:
         return value
     if not is_number(value) or not math.isfinite(value) or (positive and value <= 0):
-        what = what or ("a positive number" if positive else "a finite number") + (" or None" if optional else "")
+        what = what or ("a positive number" if positive else "a finite number") + (
+            " or None" if optional else ""
+        )
         raise error(f"{name} must be {what}, got {value!r}")
     return value
 

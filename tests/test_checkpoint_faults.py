@@ -62,16 +62,25 @@ class Wide(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(256, 64, generator=torch.Generator().manual_seed(0))),
-                          batch_size=8, shuffle=True)
+        return DataLoader(
+            TensorDataset(torch.randn(256, 64, generator=torch.Generator().manual_seed(0))),
+            batch_size=8,
+            shuffle=True,
+        )
 
 
 def _trainer(ckpt_dir: str, max_steps: int, strategy=None, **ckpt_kwargs) -> L.Trainer:
     ckpt_kwargs.setdefault("every_n_train_steps", 1)
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy or SoloDDP(start_method="fork"), max_steps=max_steps,
-        callbacks=[SoloCheckpoint(dirpath=ckpt_dir, **ckpt_kwargs)], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy or SoloDDP(start_method="fork"),
+        max_steps=max_steps,
+        callbacks=[SoloCheckpoint(dirpath=ckpt_dir, **ckpt_kwargs)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
 
 
@@ -136,8 +145,15 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     ckpt_dir, last = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "ckpt", "last.ckpt")
     os.makedirs(run_dir, exist_ok=True)
-    out = {"trials": 0, "killed_mid_write": 0, "killed_at_random": 0, "last_verified": 0, "resumed": 0,
-           "steps": [], "errors": []}
+    out = {
+        "trials": 0,
+        "killed_mid_write": 0,
+        "killed_at_random": 0,
+        "last_verified": 0,
+        "resumed": 0,
+        "steps": [],
+        "errors": [],
+    }
     for trial in range(trials):
         before = _step(last)
         pid = _fork(_child_train, run_dir, 100_000, f"trial{trial}", trial % 2 == 1)
@@ -182,10 +198,14 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    newest = next(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir) if n.endswith(f"-step={final_step}.ckpt"))
+    newest = next(
+        os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir) if n.endswith(f"-step={final_step}.ckpt")
+    )
     os.truncate(newest, os.path.getsize(newest) // 2)
     out["fallback"] = decide_resume(ckpt_dir).as_dict()
-    out["fallback_step"] = verify(out["fallback"]["value"])["global_step"] if out["fallback"]["value"] else None
+    out["fallback_step"] = (
+        verify(out["fallback"]["value"])["global_step"] if out["fallback"]["value"] else None
+    )
     pid = _fork(_child_train, run_dir, final_step + 2, "after_damage", True)
     out["after_damage_exit"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     out["after_damage_step"] = _step(last)
@@ -198,8 +218,13 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path), str(TRIALS)], capture_output=True, text=True,
-                          timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tmp_path), str(TRIALS)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1])
@@ -213,7 +238,9 @@ def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
     fallback = out["fallback"]
     assert not fallback["value"].endswith("last.ckpt") and "last.ckpt: sha256 mismatch" in fallback["reason"]
     assert f"step={out['final_target']}.ckpt: the file does not end in a zip directory" in fallback["reason"]
-    assert out["fallback_step"] == out["final_target"] - 1  # the keep-last-k checkpoint before the truncated one
+    assert (
+        out["fallback_step"] == out["final_target"] - 1
+    )  # the keep-last-k checkpoint before the truncated one
     assert out["after_damage_exit"] == 0 and out["after_damage_step"] == out["final_target"] + 2
     assert out["resumes"][-1].split()[1] == fallback["value"]
 
@@ -259,9 +286,14 @@ def _exception_run(run_dir: str, fail_rank: int) -> None:
     # on_exception hooks run (the fork launcher only raises in the parent). A long process-group timeout
     # means any collective entered from one rank would outlast the test's time bound.
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=_SpyDDP(start_method="popen", timeout=600), max_steps=20,
+        accelerator="cpu",
+        devices=2,
+        strategy=_SpyDDP(start_method="popen", timeout=600),
+        max_steps=20,
         callbacks=[_FlaggedCheckpoint(dirpath=run_dir, every_n_train_steps=10, save_on_exception=True)],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(Wide(fail_rank=fail_rank))
 
@@ -277,11 +309,22 @@ def test_exception_on_one_rank_ends_the_run_promptly_and_enters_no_collective(tm
     ports = {0: free_port(), 1: free_port()}
     while ports[1] == ports[0]:
         ports[1] = free_port()
-    procs = {rank: subprocess.Popen([sys.executable, __file__, "exception", str(tmp_path / f"fail{rank}"), str(rank)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-                                         "MASTER_PORT": str(ports[rank])}, start_new_session=True)
-             for rank in (0, 1)}
+    procs = {
+        rank: subprocess.Popen(
+            [sys.executable, __file__, "exception", str(tmp_path / f"fail{rank}"), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(ports[rank]),
+            },
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    }
     try:
         stderr = {rank: proc.communicate(timeout=80)[1] for rank, proc in procs.items()}
     finally:
@@ -333,9 +376,16 @@ class _Tiny(L.LightningModule):
 
 
 def _single(ckpt: SoloCheckpoint, max_steps: int) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[ckpt],
-                        plugins=[SoloCheckpointIO()], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[ckpt],
+        plugins=[SoloCheckpointIO()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_Tiny())
     return trainer
 

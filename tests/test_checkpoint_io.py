@@ -73,12 +73,15 @@ def test_write_is_same_directory_fsynced_and_independent_of_tmpdir(tmp_path, mon
 
     replaced, synced = [], []
     real_replace, real_fsync = os.replace, os.fsync
-    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((src, dst)), real_replace(src, dst))[1])
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.path.realpath(f"/proc/self/fd/{fd}")),
-                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(
+        os, "replace", lambda src, dst: (replaced.append((src, dst)), real_replace(src, dst))[1]
+    )
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.path.realpath(f"/proc/self/fd/{fd}")), real_fsync(fd))[1]
+    )
     target = tmp_path / "ckpts" / "last.ckpt"
     SoloCheckpointIO().save_checkpoint(_ckpt(1), target)
-    (src, dst), = replaced
+    ((src, dst),) = replaced
     assert os.path.dirname(src) == os.path.dirname(dst) == str(target.parent)
     assert os.path.basename(src).startswith(".last.ckpt.") and ".solo-tmp-" in os.path.basename(src)
     assert src in synced and str(target.parent) in synced  # the file, then the directory entry
@@ -114,7 +117,8 @@ def test_stale_temp_files_are_cleaned_on_next_start(tmp_path):
     left = set(os.listdir(tmp_path))
     assert left == {"last.ckpt", names["alive_here"], names["new_elsewhere"]}
     assert sorted(os.path.basename(p) for p in io.removed_temp_files) == sorted(
-        [names["dead_here"], names["old_elsewhere"]])
+        [names["dead_here"], names["old_elsewhere"]]
+    )
     assert find_latest_valid(tmp_path) == str(tmp_path / "last.ckpt")  # temp files are never candidates
 
 
@@ -187,19 +191,31 @@ def test_training_states_load_with_weights_only(tmp_path):
     opt.step()
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    powersgd = {"iter": 7, "rng": torch.get_rng_state(), "error_dict": {0: torch.randn(8)}, "p_memory_dict": {}}
+    powersgd = {
+        "iter": 7,
+        "rng": torch.get_rng_state(),
+        "error_dict": {0: torch.randn(8)},
+        "p_memory_dict": {},
+    }
     rng = resume.rng_state()
     draws = (torch.rand(3), np.random.rand(), random.random())
-    ckpt = {"global_step": 3, "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()],
-            "MixedPrecision": scaler.state_dict(), "powersgd": powersgd,
-            resume.RESUME_KEY: {"rng": [resume.rng_state(), rng], "epoch": 1}}
+    ckpt = {
+        "global_step": 3,
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+        "MixedPrecision": scaler.state_dict(),
+        "powersgd": powersgd,
+        resume.RESUME_KEY: {"rng": [resume.rng_state(), rng], "epoch": 1},
+    }
     SoloCheckpointIO().save_checkpoint(ckpt, tmp_path / "s.ckpt")
     loaded = SoloCheckpointIO().load_checkpoint(tmp_path / "s.ckpt")
     assert loaded["MixedPrecision"]["scale"] == 1024.0
     assert loaded["powersgd"]["iter"] == 7
     assert torch.equal(loaded["powersgd"]["error_dict"][0], powersgd["error_dict"][0])
-    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["momentum_buffer"],
-                       opt.state[model.weight]["momentum_buffer"])
+    assert torch.equal(
+        loaded["optimizer_states"][0]["state"][0]["momentum_buffer"],
+        opt.state[model.weight]["momentum_buffer"],
+    )
     assert loaded["lr_schedulers"][0] == sched.state_dict()
     resume.set_rng_state(loaded[resume.RESUME_KEY]["rng"][1])
     again = (torch.rand(3), np.random.rand(), random.random())
@@ -236,8 +252,14 @@ def test_file_mode_follows_the_umask(tmp_path):
 def test_stock_and_legacy_format_checkpoints_load_with_a_warning(tmp_path):
     import lightning as L
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     trainer.fit(BoringModel())

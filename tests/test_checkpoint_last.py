@@ -22,8 +22,9 @@ class Worsening(TinyModule):
 def _last_step(callback_cls, tmp_path) -> tuple[int, int]:
     data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
     ckpt = callback_cls(dirpath=tmp_path, monitor="val/acc", mode="max", save_top_k=1, save_last=True)
-    trainer = L.Trainer(max_epochs=3, callbacks=[ckpt], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=3, callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.fit(Worsening(), data, data)
     return torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"], trainer.global_step
 

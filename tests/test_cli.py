@@ -30,8 +30,10 @@ def test_default_run_end_to_end(tmp_path):
     assert len(list(tmp_path.rglob(".hydra"))) == 1
     assert (run / "train_ddp_process_1.log").exists(), "rank 1 must log into rank 0's run directory"
     summary = json.loads((run / "summary.json").read_text())
-    print(f"default run: wall {wall:.1f} s, val/acc {summary['val_acc']:.4f}, "
-          f"{summary['samples_per_second']:.1f} samples/s")
+    print(
+        f"default run: wall {wall:.1f} s, val/acc {summary['val_acc']:.4f}, "
+        f"{summary['samples_per_second']:.1f} samples/s"
+    )
     assert summary["world_size"] == 2 and summary["global_batch"] == 64
     assert summary["val_acc"] >= 0.90
     ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
@@ -44,8 +46,11 @@ def test_default_run_end_to_end(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_resnet_4gpu_cpu_dry_run(tmp_path):
-    proc = run_cli(["+experiment=resnet_4gpu", "+dryrun=cpu", "hydra.run.dir=run",
-                    "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=220)
+    proc = run_cli(
+        ["+experiment=resnet_4gpu", "+dryrun=cpu", "hydra.run.dir=run", "trainer.enable_progress_bar=false"],
+        cwd=tmp_path,
+        timeout=220,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 4
@@ -66,7 +71,9 @@ def _one_line_error(proc) -> str:
 @pytest.mark.timeout(120)
 def test_resnet_4gpu_without_gpus_stops_with_a_clear_message(tmp_path):
     # A preflight error: the key, what the machine has, and the hint.
-    proc = run_cli(["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False)
+    proc = run_cli(
+        ["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False
+    )
     line = _one_line_error(proc)
     assert "parallelism.devices=4" in line and "asks for 4 GPU(s)" in line and "+dryrun=cpu" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -75,8 +82,9 @@ def test_resnet_4gpu_without_gpus_stops_with_a_clear_message(tmp_path):
 @pytest.mark.timeout(120)
 def test_bad_input_fails_before_any_worker_starts(tmp_path):
     # The other bad-input cases are checked in-process in test_configs.py; these show the CLI path.
-    proc = run_cli(["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100,
-                   full_error=False)
+    proc = run_cli(
+        ["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False
+    )
     line = _one_line_error(proc)
     assert "model.optimizer.momentm" in line and "Did you mean 'momentum'?" in line
     assert not list(tmp_path.rglob("train_ddp_process_*.log"))
@@ -110,9 +118,19 @@ def test_trainer_trains_two_processes_with_solo_ddp(mode, tmp_path):
 @pytest.mark.timeout(120)
 def test_ranks_that_compose_different_configs_are_stopped(tmp_path):
     # Every rank composes the config itself; one that resolves differently per process must not train.
-    proc = run_cli(["+experiment=quick_cpu", "data.image_size=8", "data.train_size=64", "data.val_size=32",
-                    "trainer.max_epochs=1", "hydra.run.dir=run", "+probe=${oc.env:LOCAL_RANK,0}"],
-                   cwd=tmp_path, timeout=100)
+    proc = run_cli(
+        [
+            "+experiment=quick_cpu",
+            "data.image_size=8",
+            "data.train_size=64",
+            "data.val_size=32",
+            "trainer.max_epochs=1",
+            "hydra.run.dir=run",
+            "+probe=${oc.env:LOCAL_RANK,0}",
+        ],
+        cwd=tmp_path,
+        timeout=100,
+    )
     assert proc.returncode != 0
     assert "rank(s) [1] composed a different configuration than rank 0" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -51,7 +51,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         ({"bucket_cap_mb": 0}, "positive number of megabytes"),
         ({"comm_hook": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be a positive integer, got 0"),
         ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, "integer >= 2"),
-        ({"comm_hook": "post_local_sgd", "local_sgd_period": 0}, "local_sgd_period must be a positive integer, got 0"),
+        (
+            {"comm_hook": "post_local_sgd", "local_sgd_period": 0},
+            "local_sgd_period must be a positive integer, got 0",
+        ),
         ({"comm_hook": "post_local_sgd", "local_sgd_warmup": -1}, "integer >= 0"),
         ({"comm_hook": "fp16", "ddp_comm_hook": lambda state, bucket: None}, "not both"),
     ],
@@ -134,7 +137,9 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int, ckpt: str) -> dic
             "logged": ddp._get_ddp_logging_data().get("comm_hook"),
             "decision": decision.value,
             "errors": errors,
-            "params": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),  # no shared memory
+            "params": torch.cat(
+                [p.detach().flatten() for p in net.parameters()]
+            ).tolist(),  # no shared memory
         }
     out["resume_across_rebucketing"] = _powersgd_resume_across_rebucketing(rank, ckpt)
     # post-local-SGD counters come back from a state dict on every rank
@@ -319,7 +324,9 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
 @pytest.mark.multiproc
 def test_post_local_sgd_averages_with_configured_period(tmp_path):
     warmup, period = 2, 3
-    r0, r1 = fit(tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period)
+    r0, r1 = fit(
+        tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period
+    )
     assert r0["logged"] == "post_localSGD_hook"
     steps = len(r0["steps"])
     assert steps == 8

@@ -25,14 +25,20 @@ def _accessors():
                 yield module, name, value
 
 
-@pytest.mark.parametrize(("module", "name", "accessor"), list(_accessors()), ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize(
+    ("module", "name", "accessor"), list(_accessors()), ids=lambda v: getattr(v, "__name__", v)
+)
 def test_every_accessor_says_the_versions_it_was_checked_on(module, name, accessor):
     assert accessor.__doc__ and "checked on" in accessor.__doc__, f"{module.__name__}.{name}"
 
 
-@pytest.mark.parametrize(("owner", "name"), [(cls, n) for cls, names in lightning_compat.OVERRIDDEN.items() for n in names])
+@pytest.mark.parametrize(
+    ("owner", "name"), [(cls, n) for cls, names in lightning_compat.OVERRIDDEN.items() for n in names]
+)
 def test_overridden_lightning_methods_exist(owner, name):
-    assert hasattr(owner, name), f"{owner.__name__}.{name} is gone: SoloDDP/SoloCheckpoint/SoloLauncher override it"
+    assert hasattr(owner, name), (
+        f"{owner.__name__}.{name} is gone: SoloDDP/SoloCheckpoint/SoloLauncher override it"
+    )
 
 
 def test_ddp_strategy_attributes_exist():
@@ -47,22 +53,34 @@ def test_lightning_reads_exist():
 
     logger = CSVLogger("unused")
     assert all(hasattr(logger, n) for n in lightning_compat.LOGGER_ATTRIBUTES)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     connector = lightning_compat.logger_connector(trainer)
     assert all(isinstance(getattr(connector, n), dict) for n in lightning_compat.LOGGER_CONNECTOR_METRICS)
     assert lightning_compat.precision_flags(trainer, "default")[0] == "32-true"
     assert hasattr(trainer.fit_loop, "_data_source") and lightning_compat.fit_data_source(trainer) is None
     assert hasattr(trainer._checkpoint_connector, "_ckpt_path")
     assert callable(trainer._checkpoint_connector.dump_checkpoint)
-    assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path("s3://b/x.ckpt")
+    assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path(
+        "s3://b/x.ckpt"
+    )
     err = RuntimeError("Expected to have finished reduction")
     lightning_compat.augment_message(err, ".*finished reduction.*", "explained")
     assert "explained" in str(err)
 
 
 def test_torch_names_exist():
-    for name in ("_get_ddp_logging_data", "_remove_autograd_hooks", "_set_params_and_buffers_to_ignore_for_model"):
+    for name in (
+        "_get_ddp_logging_data",
+        "_remove_autograd_hooks",
+        "_set_params_and_buffers_to_ignore_for_model",
+    ):
         assert hasattr(DistributedDataParallel, name), name
     reducer = torch.distributed.Reducer
     for name in ("_get_local_used_map", "_autograd_hook", "_ddp_graph_static"):

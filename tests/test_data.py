@@ -29,7 +29,12 @@ def test_synthetic_labels_follow_the_class_templates():
     templates = data.templates.flatten(1)
     scores = torch.nn.functional.normalize(images, dim=1) @ torch.nn.functional.normalize(templates, dim=1).T
     accuracy = (scores.argmax(1) == labels).float().mean().item()
-    shuffled = (scores.argmax(1) == labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]).float().mean().item()
+    shuffled = (
+        (scores.argmax(1) == labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))])
+        .float()
+        .mean()
+        .item()
+    )
     assert accuracy > 0.9 and shuffled < 0.3
     assert len(set(labels.tolist())) == 10
 

@@ -19,8 +19,15 @@ from lightning_solo import SoloDDP
 
 
 def _setup_with_mocked_init(strategy: DDPStrategy):
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", strategy=strategy, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.strategy.connect(BoringModel())
     trainer.lightning_module.trainer = trainer
     with mock.patch("torch.distributed.init_process_group") as init_mock:
@@ -73,6 +80,8 @@ def test_registry_names(name, start_method):
     assert type(strategy) is SoloDDP
     if start_method is not None:
         assert strategy._start_method == start_method
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=name, logger=False, enable_checkpointing=False
+    )
     assert type(trainer.strategy) is SoloDDP
     assert "ddp" in StrategyRegistry and StrategyRegistry["ddp"]["strategy"] is DDPStrategy

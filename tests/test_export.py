@@ -28,15 +28,40 @@ def test_exported_weights_and_program_match_the_trained_model(tmp_path):
     torch.manual_seed(0)
     model = ImageClassifier("resnet18", num_classes=10, stem="imagenet")
     data = TensorDataset(torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, plugins=[SoloCheckpointIO()], logger=False,
-                        callbacks=[SoloCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)],
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(model, DataLoader(data, batch_size=4))  # BatchNorm statistics move, so eval outputs are non-trivial
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        plugins=[SoloCheckpointIO()],
+        logger=False,
+        callbacks=[SoloCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(
+        model, DataLoader(data, batch_size=4)
+    )  # BatchNorm statistics move, so eval outputs are non-trivial
 
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "lightning_solo.export", str(tmp_path / "ckpt" / "last.ckpt"),
-                           str(out), "--input-shape", "3", "64", "64"], cwd=REPO, capture_output=True, text=True,
-                          timeout=100, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_solo.export",
+            str(tmp_path / "ckpt" / "last.ckpt"),
+            str(out),
+            "--input-shape",
+            "3",
+            "64",
+            "64",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((out / "export.json").read_text())
     assert info["arch"] == "resnet18" and info["num_classes"] == 10 and info["global_step"] == 2

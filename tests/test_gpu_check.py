@@ -26,7 +26,9 @@ def test_without_cuda_it_skips_with_a_message(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path / "table.md")]) == 0
     assert "SKIPPED, CUDA is not available" in capsys.readouterr().out
     assert not (tmp_path / "table.md").exists()
-    rows = [{"check": "rng", "ok": True, "detail": "a|b", "seconds": 1.0}, {"check": "precision", "ok": False,
-            "detail": "| precision | img/s |\n|---|---|", "seconds": 2.0}]
+    rows = [
+        {"check": "rng", "ok": True, "detail": "a|b", "seconds": 1.0},
+        {"check": "precision", "ok": False, "detail": "| precision | img/s |\n|---|---|", "seconds": 2.0},
+    ]
     table = gpu_check.render(rows, "cuda")
     assert "| rng | PASS | 1.0 | a/b |" in table and "| precision | FAIL | 2.0 | table below |" in table

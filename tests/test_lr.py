@@ -49,7 +49,9 @@ class RecordingSGD(torch.optim.SGD):
 
 
 class Tiny(L.LightningModule):
-    def __init__(self, out: Path | None = None, batch_size: int = 4, scheduler=None, two_groups: bool = False):
+    def __init__(
+        self, out: Path | None = None, batch_size: int = 4, scheduler=None, two_groups: bool = False
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
@@ -66,7 +68,10 @@ class Tiny(L.LightningModule):
 
     def configure_optimizers(self):
         if self.two_groups:
-            params = [{"params": self.net[0].parameters()}, {"params": self.net[2].parameters(), "lr": BASE_LR / 10}]
+            params = [
+                {"params": self.net[0].parameters()},
+                {"params": self.net[2].parameters(), "lr": BASE_LR / 10},
+            ]
         else:
             params = self.parameters()
         opt = RecordingSGD(params, lr=BASE_LR)
@@ -83,14 +88,24 @@ class Tiny(L.LightningModule):
             "lrs": self.trainer.optimizers[0].lrs,
             "decisions": {k: d.as_dict() for k, d in cb.decisions.items()},
             "global_step": self.trainer.global_step,
-            "resume": self.trainer.strategy.decisions.get("mid_epoch_resume", Decision("", None, "")).as_dict(),
+            "resume": self.trainer.strategy.decisions.get(
+                "mid_epoch_resume", Decision("", None, "")
+            ).as_dict(),
         }
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
 def _trainer(tmp_path, callbacks, devices=1, **kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    defaults = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     if devices > 1:
         # Keep the sample order of the 1-process run: rank r takes samples r, r+2, ...
         defaults.update(strategy=SoloDDP(start_method="fork"), use_distributed_sampler=True)
@@ -128,7 +143,9 @@ def test_scale_rules_and_schedule_points():
     assert [s.factor(i) for i in (0, 5, 10)] == [1.0, 4.5, 8.0]
     assert s.factor(60) == pytest.approx(8.0 * (0.1 + 0.9 * 0.5))
     assert s.factor(110) == pytest.approx(0.8)
-    step = LRSchedule(scale=2.0, warmup_steps=0, total_steps=100, decay="step", milestones=(50, 80), gamma=0.1)
+    step = LRSchedule(
+        scale=2.0, warmup_steps=0, total_steps=100, decay="step", milestones=(50, 80), gamma=0.1
+    )
     assert [step.factor(i) for i in (0, 49, 50, 80)] == pytest.approx([2.0, 2.0, 0.2, 0.02])
     # A global batch below the reference scales down; warmup must then not start above its target.
     down = LRSchedule(scale=0.25, warmup_steps=4, total_steps=8)
@@ -138,7 +155,9 @@ def test_scale_rules_and_schedule_points():
 
 
 def test_plot_a_planned_schedule(tmp_path):
-    cb = WarmupScaledLR(reference_batch_size=256, warmup_epochs=5, decay="step", decay_milestones=[1 / 3, 2 / 3])
+    cb = WarmupScaledLR(
+        reference_batch_size=256, warmup_epochs=5, decay="step", decay_milestones=[1 / 3, 2 / 3]
+    )
     png = cb.plot_schedule(tmp_path / "plan.png", global_batch=2048, total_steps=900, steps_per_epoch=10)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert cb.decisions == {}  # a plan is not a decision of the run
@@ -169,7 +188,9 @@ def test_bad_options_raise(kwargs, match):
 
 def test_warmup_longer_than_the_run_fails_at_fit(tmp_path):
     cb = WarmupScaledLR(reference_batch_size=4, warmup_epochs=3)
-    with pytest.raises(ValueError, match=r"warmup \(warmup_epochs=3 → 48 optimizer steps\) is longer than the run \(32"):
+    with pytest.raises(
+        ValueError, match=r"warmup \(warmup_epochs=3 → 48 optimizer steps\) is longer than the run \(32"
+    ):
         _trainer(tmp_path, [cb]).fit(Tiny())
 
 
@@ -218,7 +239,8 @@ def test_composes_with_user_scheduler_and_lr_monitor(tmp_path, make, interval):
     assert applied == pytest.approx([u * f for u, f in zip(user, factor)], rel=1e-9)
     # The user's scheduler kept computing on its own values: nothing compounded.
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(
-        _user_scheduler_lrs(make, interval, 33, 16)[-1])
+        _user_scheduler_lrs(make, interval, 33, 16)[-1]
+    )
     assert monitor.lrs["lr-RecordingSGD"] == pytest.approx(applied, rel=1e-9)
     assert "lr_user_scheduler" in cb.decisions
 
@@ -281,8 +303,9 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-@pytest.mark.parametrize("accumulate, save_after_batch, step", [(1, 5, 6), (2, 6, 3)],
-                         ids=["after-a-step", "mid-accumulation"])
+@pytest.mark.parametrize(
+    "accumulate, save_after_batch, step", [(1, 5, 6), (2, 6, 3)], ids=["after-a-step", "mid-accumulation"]
+)
 def test_resume_mid_warmup_continues_the_uninterrupted_curve(tmp_path, accumulate, save_after_batch, step):
     # With a user StepLR too (it moves the lr right at step 6), so the restored scheduler state, the
     # callback state and the factor must line up.
@@ -353,11 +376,19 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
 
     # (3) And back: saved at 2 processes in the middle of epoch 0, resumed at 1 process; epoch 0 restarts whole.
     ckpt_cb = ModelCheckpoint(dirpath=two, every_n_train_steps=3, save_top_k=-1)
-    _trainer(two, [WarmupScaledLR(reference_batch_size=2, warmup_steps=6), ckpt_cb], devices=2, max_epochs=1,
-             enable_checkpointing=True).fit(Tiny(two))
+    _trainer(
+        two,
+        [WarmupScaledLR(reference_batch_size=2, warmup_steps=6), ckpt_cb],
+        devices=2,
+        max_epochs=1,
+        enable_checkpointing=True,
+    ).fit(Tiny(two))
     back = tmp_path / "back"
     back.mkdir()
-    _trainer(back, [WarmupScaledLR(reference_batch_size=2, warmup_steps=6)], strategy=SoloDDP(start_method="fork"),
-             ).fit(Tiny(back), ckpt_path=two / "epoch=0-step=3.ckpt")
+    _trainer(
+        back,
+        [WarmupScaledLR(reference_batch_size=2, warmup_steps=6)],
+        strategy=SoloDDP(start_method="fork"),
+    ).fit(Tiny(back), ckpt_path=two / "epoch=0-step=3.ckpt")
     record = json.loads((back / "rank0.json").read_text())
     assert record["global_step"] == 3 + 16 + 16 and "restarts in full" in record["resume"]["reason"]

@@ -66,7 +66,9 @@ class RankRecorder(L.Callback):
         self.steps_seen.append(trainer.global_step)
 
     def on_train_end(self, trainer, pl_module):
-        torch.save(pl_module.state_dict(), f"{self.directory}/rank{trainer.global_rank}_{trainer.global_step}.pt")
+        torch.save(
+            pl_module.state_dict(), f"{self.directory}/rank{trainer.global_rank}_{trainer.global_step}.pt"
+        )
 
 
 def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
@@ -74,9 +76,16 @@ def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
     summary = RunSummary()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / name, monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=max_epochs,
-        callbacks=[recorder, summary, checkpoint], logger=CSVLogger(tmp_path, name=name),
-        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        callbacks=[recorder, summary, checkpoint],
+        logger=CSVLogger(tmp_path, name=name),
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
     )
     return trainer, recorder, summary, checkpoint
 
@@ -121,7 +130,9 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     # Callbacks: ModelCheckpoint's best path and score, a user callback's list, the run summary.
     assert checkpoint.best_model_path and (tmp_path / "first").joinpath(checkpoint.best_model_path).exists()
     assert checkpoint.best_model_score is not None
-    assert math.isclose(float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5)
+    assert math.isclose(
+        float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5
+    )
     assert recorder.steps_seen == list(range(1, steps + 1))
     assert summary.summary is not None and summary.summary["global_step"] == steps
     # Module attributes filled in training_step; the strategy's decisions made in the workers.
@@ -201,7 +212,10 @@ class TrainingStateRecorder(L.Callback):
 
     def _write(self, trainer, when: str) -> None:
         if trainer.global_rank == 0:
-            state = {"scale": trainer.precision_plugin.scaler.get_scale(), "iter": trainer.strategy._comm.state.iter}
+            state = {
+                "scale": trainer.precision_plugin.scaler.get_scale(),
+                "iter": trainer.strategy._comm.state.iter,
+            }
             torch.save(state, f"{self.directory}/{when}_{trainer.global_step}.pt")
 
     def on_train_start(self, trainer, pl_module):
@@ -214,11 +228,24 @@ class TrainingStateRecorder(L.Callback):
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
-    strategy = SoloDDP(start_method="fork", precision="16-mixed", scaler={"init_scale": 2.0**8, "growth_interval": 1},
-                       comm_hook="powersgd", powersgd_start_iter=2)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=3, logger=False,
-                        callbacks=[TrainingStateRecorder(tmp_path)], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    strategy = SoloDDP(
+        start_method="fork",
+        precision="16-mixed",
+        scaler={"init_scale": 2.0**8, "growth_interval": 1},
+        comm_hook="powersgd",
+        powersgd_start_iter=2,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        callbacks=[TrainingStateRecorder(tmp_path)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = TinyClassifier()
     trainer.fit(model, loader())
     first_end = torch.load(tmp_path / "end_3.pt")

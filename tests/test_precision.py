@@ -150,7 +150,9 @@ def test_auto_rule_and_trainer_strategy_agreement():
 
 def test_agreed_rule_takes_the_lowest_capability_of_all_ranks():
     assert agreed_rule([2]) == auto_rule("cuda", bf16_supported=True)
-    assert agreed_rule([2, 2]).value == "bf16-mixed" and "the same on all 2 ranks" in agreed_rule([2, 2]).reason
+    assert (
+        agreed_rule([2, 2]).value == "bf16-mixed" and "the same on all 2 ranks" in agreed_rule([2, 2]).reason
+    )
     mixed = agreed_rule([2, 1, 2, 1])  # A100 and V100 nodes: fp16 + GradScaler everywhere
     assert mixed.value == "16-mixed" and "rank(s) [1, 3] cannot do more" in mixed.reason
     assert agreed_rule([0, 2]).value == "32-true"
@@ -190,7 +192,10 @@ def test_soloddp_settles_the_plugin_on_its_device():
     assert plugin.scaler._init_scale == 256.0
     assert [d.setting for d in decisions] == ["precision", "grad_scaler", "lr_on_overflow"]
     # A second fit/validate of the same Trainer keeps the settled plugin and its scaler state.
-    assert decide_precision_plugin(plugin, precision_options("16-mixed", None, False), None, CPU) == (plugin, [])
+    assert decide_precision_plugin(plugin, precision_options("16-mixed", None, False), None, CPU) == (
+        plugin,
+        [],
+    )
     # auto on CPU -> plain fp32 plugin.
     plugin, decisions = _settle(SoloDDP(precision="auto"))
     assert type(plugin) is Precision and decisions[0].value == "32-true"

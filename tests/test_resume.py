@@ -72,9 +72,17 @@ def _fit(run_dir: str, crash_at: int | None = None, resume: str | None = None, *
     L.seed_everything(1234, verbose=False)
     model = Net(run_dir, crash_at)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork", **strategy_kwargs), max_steps=MAX_STEPS,
-        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), every_n_train_steps=1, keep_last_k=2)],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork", **strategy_kwargs),
+        max_steps=MAX_STEPS,
+        callbacks=[
+            SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), every_n_train_steps=1, keep_last_k=2)
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     ckpt_path = resolve_ckpt_path(resume, os.path.join(run_dir, "ckpt"))
     if crash_at is None:
@@ -212,7 +220,9 @@ class RealNet(Net):
             raise Crash(f"simulated crash before batch {self.crash_at_batch}")
 
     def validation_step(self, batch, batch_idx):
-        self.log("val", self.net(batch[0]).pow(2).mean() + torch.rand(()), sync_dist=True)  # validation draws too
+        self.log(
+            "val", self.net(batch[0]).pow(2).mean() + torch.rand(()), sync_dist=True
+        )  # validation draws too
 
     def train_dataloader(self):
         return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
@@ -221,14 +231,24 @@ class RealNet(Net):
         return DataLoader(Augmented(), batch_size=BATCH)
 
 
-def _fit_real(run_dir: str, crash_at_batch: int | None = None, resume: bool = False, **trainer_kwargs) -> dict:
+def _fit_real(
+    run_dir: str, crash_at_batch: int | None = None, resume: bool = False, **trainer_kwargs
+) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     L.seed_everything(1234, verbose=False)
     model = RealNet(run_dir, crash_at_batch)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_epochs=2, val_check_interval=0.5,
-        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1)], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs,
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork"),
+        max_epochs=2,
+        val_check_interval=0.5,
+        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
     )
     if crash_at_batch is None:
         trainer.fit(model, ckpt_path="auto" if resume else None)
@@ -252,7 +272,9 @@ def test_resume_with_workers_augmentation_validation_and_accumulation_is_exact(t
     assert manifest["global_step"] == (9 if accumulate == 1 else 4)
     resumed = _fit_real(run, resume=True, accumulate_grad_batches=accumulate)
     for name, value in reference.items():
-        assert torch.equal(resumed[name], value), f"{name}: {(resumed[name] - value).abs().max()} after resuming"
+        assert torch.equal(resumed[name], value), (
+            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
+        )
     with open(os.path.join(run, "decisions.json")) as f:
         decisions = json.load(f)
     consumed, reason = decisions["mid_epoch_resume"]

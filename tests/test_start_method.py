@@ -70,7 +70,14 @@ def test_notebook_fork_after_cuda_init_fails_before_forking(notebook, monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr("os.fork", no_fork)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(), max_steps=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(RuntimeError, match="Restart the kernel"):
         trainer.fit(BoringModel())

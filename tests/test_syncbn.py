@@ -64,7 +64,10 @@ def _compare_layers(rank: int, world_size: int) -> dict[str, float]:
         for step in range(3):  # several steps: momentum and running statistics accumulate
             x = torch.randn(sum(sizes), *shape) * (step + 1) + offset
             gout = torch.randn_like(x)
-            x_ref, x_mine = x.clone().requires_grad_(), x[start : start + sizes[rank]].clone().requires_grad_()
+            x_ref, x_mine = (
+                x.clone().requires_grad_(),
+                x[start : start + sizes[rank]].clone().requires_grad_(),
+            )
             y_ref, y_mine = ref(x_ref), mine(x_mine)
             (y_ref * gout).sum().backward()
             (y_mine * gout[start : start + sizes[rank]]).sum().backward()
@@ -113,7 +116,11 @@ def _native_vs_solo_on_cuda(rank: int, world_size: int) -> dict[str, float]:
         xi = (x if name == "ref" else x[start : start + sizes[rank]]).clone().requires_grad_()
         y = layer(xi)
         (y * (gout if name == "ref" else gout[start : start + sizes[rank]])).sum().backward()
-        y, gx = (y, xi.grad) if name != "ref" else (y[start : start + sizes[rank]], xi.grad[start : start + sizes[rank]])
+        y, gx = (
+            (y, xi.grad)
+            if name != "ref"
+            else (y[start : start + sizes[rank]], xi.grad[start : start + sizes[rank]])
+        )
         outs[name] = (y, gx, layer.running_var)
     return {
         f"{what}/{name}": rel_err(outs[name][i], outs["ref"][i])
@@ -130,6 +137,7 @@ def test_cuda_native_and_solo_agree():
 
 
 # ---------------------------------------------------------------- K DDP steps, 2 gloo ranks
+
 
 def _small_net() -> nn.Module:
     return nn.Sequential(
@@ -151,7 +159,10 @@ def _train(model: nn.Module, batches, step_model=None) -> nn.Module:
 def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -> dict[str, float]:
     torch.manual_seed(1)
     init = _small_net()
-    data = [(torch.randn(world_size * batch, 3, 8, 8), torch.randint(0, 4, (world_size * batch,))) for _ in range(steps)]
+    data = [
+        (torch.randn(world_size * batch, 3, 8, 8), torch.randint(0, 4, (world_size * batch,)))
+        for _ in range(steps)
+    ]
     reference = _train(copy.deepcopy(init), data)
     local = [(x[rank * batch : (rank + 1) * batch], y[rank * batch : (rank + 1) * batch]) for x, y in data]
     out = {}
@@ -162,7 +173,9 @@ def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -
         _train(model, local, nn.parallel.DistributedDataParallel(model))
         syncbn.revert(model)
         state, ref_state = model.state_dict(), reference.state_dict()
-        out[f"sync={sync}"] = max(rel_err(state[k], ref_state[k]) for k in ref_state if "num_batches" not in k)
+        out[f"sync={sync}"] = max(
+            rel_err(state[k], ref_state[k]) for k in ref_state if "num_batches" not in k
+        )
     return out
 
 
@@ -207,6 +220,7 @@ def test_empty_rank_under_bf16_autocast_no_host_sync_and_same_collectives():
 
 
 # ---------------------------------------------------------------- single process: convert / revert / policy
+
 
 class _TaggedBN(nn.BatchNorm2d):
     def __init__(self, n: int) -> None:
@@ -281,7 +295,9 @@ def test_per_device_batch_size_sources():
 
     def trainer(loaded=None, source=None, datamodule=None, module=None):
         fit_loop = SimpleNamespace(_data_source=SimpleNamespace(instance=source))
-        return SimpleNamespace(train_dataloader=loaded, fit_loop=fit_loop, datamodule=datamodule, lightning_module=module)
+        return SimpleNamespace(
+            train_dataloader=loaded, fit_loop=fit_loop, datamodule=datamodule, lightning_module=module
+        )
 
     assert batch_size.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
     assert batch_size.per_device_batch_size(trainer(source=loader)) == 5
@@ -319,7 +335,9 @@ class _Data(L.LightningDataModule):
     def train_dataloader(self):
         # Lightning always shuffles the training sampler it injects; an unshuffled one gives rank r the
         # samples r, r+2, ..., so each step's two rank batches together are the single-process batch.
-        return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False))
+        return DataLoader(
+            self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False)
+        )
 
 
 class _Record(L.Callback):
@@ -353,7 +371,9 @@ def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, call
 
 
 def _reference(net: nn.Module, images, labels) -> nn.Module:
-    batches = [(images[i : i + 2 * BATCH], labels[i : i + 2 * BATCH]) for i in range(0, STEPS * 2 * BATCH, 2 * BATCH)]
+    batches = [
+        (images[i : i + 2 * BATCH], labels[i : i + 2 * BATCH]) for i in range(0, STEPS * 2 * BATCH, 2 * BATCH)
+    ]
     return _train(copy.deepcopy(net), batches)
 
 

@@ -152,9 +152,15 @@ EXPECTED_ACCUMULATING = {"branch_off_in_window": (False, "excluding", ["head.wei
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_raw_ddp_auto_decides_never_crashes_and_trains_like_true(raw, name, accumulate):
     r0, r1 = (raw[rank][name, accumulate, "auto"] for rank in (0, 1))
-    final, phase, unused, varying, wrappers = (EXPECTED_ACCUMULATING if accumulate > 1 else {}).get(name, EXPECTED[name])
+    final, phase, unused, varying, wrappers = (EXPECTED_ACCUMULATING if accumulate > 1 else {}).get(
+        name, EXPECTED[name]
+    )
     assert (r0["find_unused"], r0["phase"], r0["unused"], r0["varying"], r0["wrappers"]) == (
-        final, phase, unused, varying, wrappers
+        final,
+        phase,
+        unused,
+        varying,
+        wrappers,
     )
     same = {k for k in r0 if k not in ("params", "advice")}  # the advice carries each rank's own timings
     assert {k: r0[k] for k in same} == {k: r1[k] for k in same}
@@ -250,9 +256,14 @@ def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case)
         assert records[0]["ddp"]["find_unused_parameters"] is True
         assert len(warnings) == 1 and "branch.weight, branch.bias" in warnings[0]
     else:
-        assert decision["value"] is True and "switched to find_unused_parameters=True from step 7" in decision["reason"]
+        assert (
+            decision["value"] is True
+            and "switched to find_unused_parameters=True from step 7" in decision["reason"]
+        )
         assert records[0]["ddp"]["find_unused_parameters"] is True
-        assert len(warnings) == 1 and "switching" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
+        assert (
+            len(warnings) == 1 and "switching" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
+        )
     assert records[1]["warnings"] == []  # rank zero only
 
 

@@ -108,8 +108,9 @@ def test_adamw_leaves_a_parameter_no_rank_used_alone(tmp_path):
     torch.manual_seed(0)
     off = {step: (0, 1) for step in range(8, STEPS)}  # unused on every rank from step 8 on
     runs = compare_with_true(tmp_path, Combo(make_data(STEPS, branch_off=off), adamw=True))
-    assert "switched to find_unused_parameters=True from step 9" in (
-        runs["auto"][0]["decisions"]["find_unused_parameters"]["reason"]
+    assert (
+        "switched to find_unused_parameters=True from step 9"
+        in (runs["auto"][0]["decisions"]["find_unused_parameters"]["reason"])
     )
 
 
@@ -155,7 +156,9 @@ def test_trainable_set_changes_mid_fit(tmp_path, case):
     data = make_data(EPOCH, branch_off={4: (1,)})
     net = Combo(data, frozen_backbone=case == "frozen_in_init")
     callbacks = {
-        "backbone_finetuning": [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)],
+        "backbone_finetuning": [
+            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+        ],
         "frozen_in_init": [_UnfreezeBackbone(epoch=1)],
         "frozen_mid_fit": [_FreezeAt(step=8)],
     }[case]

@@ -27,8 +27,13 @@ def _venv_seeing_this_interpreters_packages(env_dir: Path) -> str:
     """
     venv.create(env_dir, system_site_packages=False, with_pip=False)
     python = str(env_dir / "bin" / "python")
-    site_dir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True, env=_env()).stdout.strip()
+    site_dir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env(),
+    ).stdout.strip()
     paths = [p for p in sys.path if p and Path(p).is_dir() and not (Path(p) / "lightning_solo").exists()]
     Path(site_dir, "_parent_interpreter.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(paths)))
     return python
@@ -41,8 +46,22 @@ def _env() -> dict[str, str]:
 @pytest.mark.timeout(400)
 def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheels), str(REPO)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+    )
     wheel = next(wheels.glob("lightning_solo-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_solo/conf/config.yaml" in names
@@ -51,19 +70,42 @@ def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
 
     env_dir = tmp_path / "venv"
     python = _venv_seeing_this_interpreters_packages(env_dir)
-    for var in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):  # the venv's python imports the wheel, not a checkout
+    for var in (
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+    ):  # the venv's python imports the wheel, not a checkout
         monkeypatch.delenv(var, raising=False)
-    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", str(wheel)],
-                   check=True, timeout=300)
-    where = subprocess.run([python, "-c", "import lightning_solo.run as r; print(r.__file__); print(r.config_path())"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        timeout=300,
+    )
+    where = subprocess.run(
+        [python, "-c", "import lightning_solo.run as r; print(r.__file__); print(r.config_path())"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert where[0].startswith(str(env_dir)) and where[1] == "pkg://lightning_solo.conf"
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = run_cli(["+experiment=quick_cpu", "data.image_size=8", "data.train_size=64", "data.val_size=32",
-                    "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "hydra.run.dir=run"],
-                   cwd=elsewhere, timeout=240, python=python)
+    proc = run_cli(
+        [
+            "+experiment=quick_cpu",
+            "data.image_size=8",
+            "data.train_size=64",
+            "data.val_size=32",
+            "trainer.max_epochs=1",
+            "trainer.enable_progress_bar=false",
+            "hydra.run.dir=run",
+        ],
+        cwd=elsewhere,
+        timeout=240,
+        python=python,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = elsewhere / "run"
     assert (run / ".hydra" / "config.yaml").exists() and (run / "train_ddp_process_1.log").exists()

@@ -36,17 +36,32 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
 }
 # DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
 # SoloDDP turns into a property.
-STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout", "_model_averaging_period",
-                       "_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper", "_model_averager")
+STRATEGY_ATTRIBUTES = (
+    "_layer_sync",
+    "_ddp_kwargs",
+    "_start_method",
+    "_launcher",
+    "_timeout",
+    "_model_averaging_period",
+    "_ddp_comm_state",
+    "_ddp_comm_hook",
+    "_ddp_comm_wrapper",
+    "_model_averager",
+)
 # Logger attributes a notebook parent takes back from the worker (checked on lightning 2.6.6).
 LOGGER_ATTRIBUTES = ("_version",)
 
 
-def register_ddp_comm_hook(model: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None,
-                           ddp_comm_wrapper: Any = None) -> None:
+def register_ddp_comm_hook(
+    model: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None, ddp_comm_wrapper: Any = None
+) -> None:
     """``lightning.pytorch.overrides.distributed._register_ddp_comm_hook`` (checked on lightning 2.6.6)."""
-    _register_ddp_comm_hook(model=model, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
-                            ddp_comm_wrapper=ddp_comm_wrapper)
+    _register_ddp_comm_hook(
+        model=model,
+        ddp_comm_state=ddp_comm_state,
+        ddp_comm_hook=ddp_comm_hook,
+        ddp_comm_wrapper=ddp_comm_wrapper,
+    )
 
 
 def augment_message(error: BaseException, pattern: str, new_message: str) -> None:

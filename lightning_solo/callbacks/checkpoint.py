@@ -88,20 +88,34 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         if keep_last_k is not None:
             check_int("keep_last_k", keep_last_k)
             if monitor is not None:
-                raise ValueError(f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
-                                 f" monitor={monitor!r}; use save_top_k for the best k by a metric")
+                raise ValueError(
+                    f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
+                    f" monitor={monitor!r}; use save_top_k for the best k by a metric"
+                )
             if save_top_k != 1 or mode != "min":
-                raise ValueError("keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode")
+                raise ValueError(
+                    "keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode"
+                )
             monitor, mode, save_top_k = "step", "max", keep_last_k
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
         check_number("exception_save_timeout_s", exception_save_timeout_s)
         super().__init__(
-            dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose, save_last=save_last,
-            save_top_k=save_top_k, save_on_exception=save_on_exception, save_weights_only=save_weights_only,
-            mode=mode, auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
-            save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
         )
         self.keep_last_k = keep_last_k
         self.exception_save_timeout_s = float(exception_save_timeout_s)
@@ -113,16 +127,22 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         io = trainer.strategy.checkpoint_io
         if isinstance(io, SoloCheckpointIO):
-            self._decide(Decision("checkpoint_io", "SoloCheckpointIO", "atomic same-directory writes, fsync, manifest"))
+            self._decide(
+                Decision("checkpoint_io", "SoloCheckpointIO", "atomic same-directory writes, fsync, manifest")
+            )
         else:
             self._decide(Decision("checkpoint_io", type(io).__name__, "set by the user"))
-            rank_zero_warn(f"SoloCheckpoint with {type(io).__name__}: writes are not atomic and carry no manifest;"
-                           " use SoloDDP (or plugins=[SoloCheckpointIO()]) for crash-safe checkpoints")
+            rank_zero_warn(
+                f"SoloCheckpoint with {type(io).__name__}: writes are not atomic and carry no manifest;"
+                " use SoloDDP (or plugins=[SoloCheckpointIO()]) for crash-safe checkpoints"
+            )
         if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
             stale_after_s = io.stale_after_s if isinstance(io, SoloCheckpointIO) else 3600.0
             removed = clean_stale_temp_files(self.dirpath, stale_after_s)
             if removed:
-                self._decide(Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed"))
+                self._decide(
+                    Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed")
+                )
 
     # -- rank symmetry ------------------------------------------------------------------------------------
 
@@ -157,8 +177,13 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._last_saved_step = trainer.global_step
 
     def _refresh_last(self, trainer) -> None:
-        if (not self.save_last or trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit"
-                or getattr(self, "_last_saved_step", None) == trainer.global_step):
+        if (
+            not self.save_last
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+            or getattr(self, "_last_saved_step", None) == trainer.global_step
+        ):
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
@@ -185,7 +210,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 os.remove(tmp)
             os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
             os.replace(tmp, linkpath)
-            _fsync_dir(os.path.dirname(os.path.abspath(linkpath)))  # the swap itself must survive a power loss
+            _fsync_dir(
+                os.path.dirname(os.path.abspath(linkpath))
+            )  # the swap itself must survive a power loss
         trainer.strategy.barrier()
 
     # -- exceptions -----------------------------------------------------------------------------------------
@@ -204,11 +231,16 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         def save() -> None:
             try:
                 checkpoint = lightning_compat.dump_checkpoint(trainer, self.save_weights_only)
-                if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
+                if hasattr(
+                    trainer.strategy, "add_resume_state"
+                ):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
                 if isinstance(io, SoloCheckpointIO):
-                    note = {"trigger": "exception", "exception": f"{type(exception).__name__}: {exception}"[:500]}
+                    note = {
+                        "trigger": "exception",
+                        "exception": f"{type(exception).__name__}: {exception}"[:500],
+                    }
                     io.save_checkpoint(checkpoint, path, storage_options=note)
                 else:
                     io.save_checkpoint(checkpoint, path)
@@ -222,8 +254,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         worker.start()
         worker.join(self.exception_save_timeout_s)
         if "error" not in outcome:
-            log.warning("gave up saving %s after %.0f s (a hook waited on other ranks)", path,
-                        self.exception_save_timeout_s)
+            log.warning(
+                "gave up saving %s after %.0f s (a hook waited on other ranks)",
+                path,
+                self.exception_save_timeout_s,
+            )
         elif outcome["error"] is not None:
             log.warning("could not save %s: %r", path, outcome["error"])
         else:
@@ -232,7 +267,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
 
 def _intact(trainer, successor: str | None, filepath: str) -> bool:
-    if not successor or os.path.abspath(successor) == os.path.abspath(filepath) or not os.path.isfile(successor):
+    if (
+        not successor
+        or os.path.abspath(successor) == os.path.abspath(filepath)
+        or not os.path.isfile(successor)
+    ):
         return False
     if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):
         # The IO verified the file before renaming it into place; its manifest still being readable at the

@@ -77,12 +77,27 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        given = {k: v for k, v in (("warmup_epochs", warmup_epochs), ("warmup_steps", warmup_steps),
-                                    ("warmup_fraction", warmup_fraction)) if v is not None}
+        given = {
+            k: v
+            for k, v in (
+                ("warmup_epochs", warmup_epochs),
+                ("warmup_steps", warmup_steps),
+                ("warmup_fraction", warmup_fraction),
+            )
+            if v is not None
+        }
         milestones = list(decay_milestones or ())
         # Validated here so that a bad value fails at construction, not at the first step.
-        check_options(rule, reference_batch_size, given, decay, milestones, start_factor=start_factor,
-                      min_factor=min_lr_factor, gamma=decay_gamma)
+        check_options(
+            rule,
+            reference_batch_size,
+            given,
+            decay,
+            milestones,
+            start_factor=start_factor,
+            min_factor=min_lr_factor,
+            gamma=decay_gamma,
+        )
         check_int("per_device_batch_size", per_device_batch_size, optional=True)
         self.rule = rule
         self.reference_batch_size = reference_batch_size
@@ -134,7 +149,8 @@ class WarmupScaledLR(DecisionLog, Callback):
         devices = world // max(1, trainer.num_nodes)
         self._batch_parts = {"per_device_batch": per_device, "world_size": world, "accumulate": accumulate}
         return Decision(
-            "lr_global_batch", per_device * world * accumulate,
+            "lr_global_batch",
+            per_device * world * accumulate,
             f"{per_device} per device ({source}) × {devices} devices × {trainer.num_nodes} nodes "
             f"× {accumulate} accumulation steps",
         )
@@ -144,9 +160,11 @@ class WarmupScaledLR(DecisionLog, Callback):
     ) -> tuple[LRSchedule, list[Decision]]:
         """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
         scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
-        why = {"linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
-               "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
-               "none": "rule 'none'"}[self.rule]
+        why = {
+            "linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
+            "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
+            "none": "rule 'none'",
+        }[self.rule]
         decisions = [Decision("lr_scale", round(scale, 6), why)]
 
         kind, amount = self.warmup
@@ -154,7 +172,9 @@ class WarmupScaledLR(DecisionLog, Callback):
             warmup = int(amount)
         elif kind == "warmup_epochs":
             if steps_per_epoch is None:
-                raise ValueError("warmup_epochs needs a train dataloader with a length; use warmup_steps instead")
+                raise ValueError(
+                    "warmup_epochs needs a train dataloader with a length; use warmup_steps instead"
+                )
             warmup = round(amount * steps_per_epoch)
         else:
             warmup = round(amount * total_steps)
@@ -164,19 +184,30 @@ class WarmupScaledLR(DecisionLog, Callback):
                 f"({total_steps} optimizer steps); shorten the warmup or train longer"
             )
         schedule = LRSchedule(
-            scale=scale, warmup_steps=warmup, total_steps=total_steps, start_factor=self.start_factor,
-            decay=self.decay, min_factor=self.min_lr_factor, gamma=self.decay_gamma,
+            scale=scale,
+            warmup_steps=warmup,
+            total_steps=total_steps,
+            start_factor=self.start_factor,
+            decay=self.decay,
+            min_factor=self.min_lr_factor,
+            gamma=self.decay_gamma,
             milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
         )
         origin = "set by the user" if self.warmup_given else "default: 5% of the run"
-        decisions.append(Decision(
-            "lr_warmup_steps", warmup,
-            f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
-            f"{scale:g}× the configured lr",
-        ))
+        decisions.append(
+            Decision(
+                "lr_warmup_steps",
+                warmup,
+                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
+                f"{scale:g}× the configured lr",
+            )
+        )
         if self.decay != "none":
-            detail = (f"to {self.min_lr_factor:g}× at step {total_steps}" if self.decay == "cosine"
-                      else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}")
+            detail = (
+                f"to {self.min_lr_factor:g}× at step {total_steps}"
+                if self.decay == "cosine"
+                else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}"
+            )
             decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
         return schedule, decisions
 
@@ -195,8 +226,11 @@ class WarmupScaledLR(DecisionLog, Callback):
             # had other epoch lengths, and SoloDDP restarts the interrupted epoch on the new shards.
             per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
             done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            by_epochs = (trainer.global_step + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
-                         + (max_epochs - trainer.current_epoch - 1) * per_epoch)
+            by_epochs = (
+                trainer.global_step
+                + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
+                + (max_epochs - trainer.current_epoch - 1) * per_epoch
+            )
             total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
         return int(total)
 
@@ -221,8 +255,12 @@ class WarmupScaledLR(DecisionLog, Callback):
         self.global_batch = batch.value
         self._decide(batch)
         batches = trainer.num_training_batches
-        self.steps_per_epoch = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
-        self.schedule, decisions = self.build_schedule(batch.value, self._total_steps(trainer), self.steps_per_epoch)
+        self.steps_per_epoch = (
+            None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
+        )
+        self.schedule, decisions = self.build_schedule(
+            batch.value, self._total_steps(trainer), self.steps_per_epoch
+        )
         for decision in decisions:
             self._decide(decision)
 
@@ -259,14 +297,20 @@ class WarmupScaledLR(DecisionLog, Callback):
         old, new = saved["global_batch"], self.global_batch
         old_scale, new_scale = saved["scale"], self.schedule.scale
         if old != new or old_scale != new_scale:
-            why = (f"the checkpoint was trained at global batch {old} (world size {saved['world_size']}), this run "
-                   f"has {new} (world size {self._batch_parts['world_size']})" if old != new else
-                   f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
-                   f"{self.rule}/{self.reference_batch_size}")
-            self._decide(Decision(
-                "lr_rescaled_on_resume", {"global_batch": [old, new], "scale": [old_scale, new_scale]},
-                f"{why}: lr scale {old_scale:g} → {new_scale:g}",
-            ))
+            why = (
+                f"the checkpoint was trained at global batch {old} (world size {saved['world_size']}), this run "
+                f"has {new} (world size {self._batch_parts['world_size']})"
+                if old != new
+                else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
+                f"{self.rule}/{self.reference_batch_size}"
+            )
+            self._decide(
+                Decision(
+                    "lr_rescaled_on_resume",
+                    {"global_batch": [old, new], "scale": [old_scale, new_scale]},
+                    f"{why}: lr scale {old_scale:g} → {new_scale:g}",
+                )
+            )
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -274,7 +318,9 @@ class WarmupScaledLR(DecisionLog, Callback):
             self._apply_one(trainer, i)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         for i in range(len(trainer.optimizers)):
             self._apply_one(trainer, i)
         if self._log:
@@ -283,7 +329,9 @@ class WarmupScaledLR(DecisionLog, Callback):
                     pl_module.log(name, g["lr"], on_step=True, on_epoch=False, batch_size=1)
 
     @override
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         # Usually this runs inside optimizer.step (Lightning passes the closure to it), between our pre-hook
         # and the update: leave the lr alone. Outside a step it is AMP's GradScaler path (closure first,
         # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's
@@ -398,6 +446,11 @@ class WarmupScaledLR(DecisionLog, Callback):
             schedule, _ = self.build_schedule(global_batch, total_steps, steps_per_epoch)
         if base_lr is None:
             base_lr = self._base_lrs[0][0] if self._base_lrs else 1.0
-        return plot_schedule(path, schedule, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
-                             title=f"{self.rule} scaling ×{schedule.scale:g} for global batch "
-                                   f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps")
+        return plot_schedule(
+            path,
+            schedule,
+            base_lr=base_lr,
+            steps_per_epoch=steps_per_epoch,
+            title=f"{self.rule} scaling ×{schedule.scale:g} for global batch "
+            f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
+        )

@@ -39,7 +39,17 @@ from lightning_solo.checkpoint.select import (
 )
 
 __all__ = [
-    "MANIFEST_FORMAT", "MANIFEST_VERSION", "CheckpointVerificationError", "SoloCheckpointIO", "UnsafeCheckpointError",
-    "checkpoint_dir", "clean_stale_temp_files", "decide_resume", "find_latest_valid", "load_weights_only",
-    "read_manifest", "resolve_ckpt_path", "verify",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "CheckpointVerificationError",
+    "SoloCheckpointIO",
+    "UnsafeCheckpointError",
+    "checkpoint_dir",
+    "clean_stale_temp_files",
+    "decide_resume",
+    "find_latest_valid",
+    "load_weights_only",
+    "read_manifest",
+    "resolve_ckpt_path",
+    "verify",
 ]

@@ -78,8 +78,12 @@ class SoloCheckpointIO(TorchCheckpointIO):
         stale_after_s: float = 3600.0,
     ) -> None:
         super().__init__()
-        for name, value in (("weights_only", weights_only), ("verify_after_write", verify_after_write),
-                            ("require_manifest", require_manifest), ("fsync", fsync)):
+        for name, value in (
+            ("weights_only", weights_only),
+            ("verify_after_write", verify_after_write),
+            ("require_manifest", require_manifest),
+            ("fsync", fsync),
+        ):
             check_bool(name, value)
         self.weights_only = weights_only
         self.verify_after_write = verify_after_write
@@ -97,7 +101,9 @@ class SoloCheckpointIO(TorchCheckpointIO):
             rank_zero_warn(f"{path!r} is not a local path; falling back to Lightning's (non-atomic) writer")
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict of manifest fields or None, got {storage_options!r}")
+            raise TypeError(
+                f"storage_options must be a dict of manifest fields or None, got {storage_options!r}"
+            )
         path = os.path.abspath(os.fspath(path))
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
@@ -105,8 +111,13 @@ class SoloCheckpointIO(TorchCheckpointIO):
             self.removed_temp_files += clean_stale_temp_files(directory, self.stale_after_s)
             self._cleaned_dirs.add(directory)
         extra = {"trigger": "train", **(storage_options or {})}
-        _atomic_write(path, lambda f: torch.save(checkpoint, f), _manifest_fields(checkpoint, extra),
-                      fsync=self.fsync, verify_after_write=self.verify_after_write)
+        _atomic_write(
+            path,
+            lambda f: torch.save(checkpoint, f),
+            _manifest_fields(checkpoint, extra),
+            fsync=self.fsync,
+            verify_after_write=self.verify_after_write,
+        )
 
     @override
     def load_checkpoint(
@@ -176,8 +187,14 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def _atomic_write(path: str, dump: Callable[[Any], None], manifest: dict[str, Any], *, fsync: bool = True,
-                  verify_after_write: bool = True) -> None:
+def _atomic_write(
+    path: str,
+    dump: Callable[[Any], None],
+    manifest: dict[str, Any],
+    *,
+    fsync: bool = True,
+    verify_after_write: bool = True,
+) -> None:
     directory, base = os.path.split(path)
     prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)

@@ -84,8 +84,12 @@ def _manifest_fields(checkpoint: Any, extra: dict[str, Any]) -> dict[str, Any]:
         "epoch": _as_int(ckpt.get("epoch")),
         "world_size": world_size(),
         "created": time.time(),
-        "versions": {"torch": torch.__version__, "lightning": lightning.__version__,
-                     "lightning_solo": __version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "lightning_solo": __version__,
+            "python": platform.python_version(),
+        },
         **extra,
     }
 
@@ -112,9 +116,9 @@ def _locate_comment(size: int, tail: bytes) -> tuple[int, bytes] | None:
     pos = tail.rfind(_EOCD)
     while pos >= 0:
         if pos + _EOCD_SIZE <= len(tail):
-            (comment_len,) = struct.unpack("<H", tail[pos + 20:pos + 22])
+            (comment_len,) = struct.unpack("<H", tail[pos + 20 : pos + 22])
             if pos + _EOCD_SIZE + comment_len == len(tail):
-                return base + pos, tail[pos + _EOCD_SIZE:]
+                return base + pos, tail[pos + _EOCD_SIZE :]
         pos = tail.rfind(_EOCD, 0, pos)
     return None
 
@@ -147,7 +151,9 @@ def _unverifiable(path) -> str | None:
     if located is not None:
         return "has no lightning_solo manifest" if located[1] == b"" else None
     with open(path, "rb") as f:
-        return "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
+        return (
+            "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
+        )
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -174,7 +180,8 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     payload_size = eocd_offset + _EOCD_SIZE
     if manifest.get("size") != payload_size:
         raise CheckpointVerificationError(
-            path, f"payload is {payload_size} bytes, the manifest says {manifest.get('size')} (truncated?)")
+            path, f"payload is {payload_size} bytes, the manifest says {manifest.get('size')} (truncated?)"
+        )
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         remaining = payload_size - 2  # the comment-length field was 0 when the payload was hashed

@@ -23,7 +23,18 @@ from lightning_solo.comm.hooks import (
 from lightning_solo.comm.powersgd_state import resumable_powerSGD_hook, shard_dir
 
 __all__ = [
-    "CHECKPOINT_KEY", "COMM_HOOKS", "SIDE_GROUP_TIMEOUT", "CommHook", "InPlaceAverager", "average_in_place",
-    "backend_for", "barrier_group", "bf16_compress_any_build_hook", "check_bucket_cap_mb", "monitored_barrier",
-    "node_groups", "resumable_powerSGD_hook", "shard_dir",
+    "CHECKPOINT_KEY",
+    "COMM_HOOKS",
+    "SIDE_GROUP_TIMEOUT",
+    "CommHook",
+    "InPlaceAverager",
+    "average_in_place",
+    "backend_for",
+    "barrier_group",
+    "bf16_compress_any_build_hook",
+    "check_bucket_cap_mb",
+    "monitored_barrier",
+    "node_groups",
+    "resumable_powerSGD_hook",
+    "shard_dir",
 ]

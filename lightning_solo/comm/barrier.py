@@ -75,13 +75,19 @@ def barrier_group(
     world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
     backend = backend or dist.get_backend()
     if backend_for(backend, "cpu") == "gloo":
-        return world, Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
+        return world, Decision(
+            "barrier", "monitored", f"names the ranks that did not arrive within {seconds}"
+        )
     if not side_group:
         return None, Decision(
-            "barrier", "plain", "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world"
+            "barrier",
+            "plain",
+            "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world",
         )
     if not dist.is_gloo_available():
-        return None, Decision("barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks")
+        return None, Decision(
+            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
+        )
     group, error = None, None
     try:
         group = create(create_timeout)
@@ -100,7 +106,9 @@ def barrier_group(
             "SoloDDP(gloo_side_group=False) to skip it",
         )
     return group, Decision(
-        "barrier", "monitored (gloo side group)", f"NCCL has no monitored barrier; names missing ranks after {seconds}"
+        "barrier",
+        "monitored (gloo side group)",
+        f"NCCL has no monitored barrier; names missing ranks after {seconds}",
     )
 
 

@@ -246,7 +246,9 @@ class CommHook:
             saved["error"] = None
         elif "shards" in saved:
             saved["error"] = powersgd_state.read_shard(checkpoint_path, saved["shards"], rank)
-        elif isinstance(saved.get("error"), list):  # every rank's, gathered (a notebook's next fit, older files)
+        elif isinstance(
+            saved.get("error"), list
+        ):  # every rank's, gathered (a notebook's next fit, older files)
             saved["error"] = saved["error"][rank]
         return {**saved, "_resolved": True}
 

@@ -81,7 +81,9 @@ class SyntheticDataModule(ImageDataModule):
         super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
         self.num_classes = check_int("num_classes", num_classes)
         self.image_size = image_size
-        self._kwargs = dict(num_classes=num_classes, image_size=image_size, channels=channels, noise=noise, seed=seed)
+        self._kwargs = dict(
+            num_classes=num_classes, image_size=image_size, channels=channels, noise=noise, seed=seed
+        )
         self.train_size = check_int("train_size", train_size)
         self.val_size = check_int("val_size", val_size)
 

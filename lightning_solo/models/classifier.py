@@ -31,13 +31,16 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def build_backbone(arch: str, num_classes: int, stem: Literal["imagenet", "cifar"] = "imagenet",
-                   weights: str | None = None) -> nn.Module:
+def build_backbone(
+    arch: str, num_classes: int, stem: Literal["imagenet", "cifar"] = "imagenet", weights: str | None = None
+) -> nn.Module:
     """``torchvision.models.get_model(arch)``; ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and
     max-pool for a 3×3/stride-1 conv, which is what 32×32 images need."""
     available = torchvision.models.list_models(module=torchvision.models)
     if arch not in available:
-        raise ValueError(f"unknown torchvision model {arch!r}; classification models are: {', '.join(available)}")
+        raise ValueError(
+            f"unknown torchvision model {arch!r}; classification models are: {', '.join(available)}"
+        )
     if stem not in ("imagenet", "cifar"):
         raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
     if weights is not None:  # pretrained heads have 1000 classes; replace the head after loading
@@ -47,7 +50,9 @@ def build_backbone(arch: str, num_classes: int, stem: Literal["imagenet", "cifar
         net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     if stem == "cifar":
         if not (hasattr(net, "conv1") and hasattr(net, "maxpool")):
-            raise ValueError(f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none")
+            raise ValueError(
+                f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none"
+            )
         net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
     return net
@@ -125,4 +130,7 @@ class ImageClassifier(L.LightningModule):
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval},
+        }

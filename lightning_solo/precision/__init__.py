@@ -24,7 +24,20 @@ from lightning_solo.precision.rule import (
 )
 
 __all__ = [
-    "CAPABILITIES", "CHECKPOINT_KEY", "EXTRA_KEY", "PRECISIONS", "SCALER_DEFAULTS", "SoloMixedPrecision", "agreed_rule",
-    "auto_precision", "auto_rule", "decide_precision", "decide_precision_plugin", "device_capability",
-    "pending_plugin", "precision_options", "scaler_settings", "to_channels_last",
+    "CAPABILITIES",
+    "CHECKPOINT_KEY",
+    "EXTRA_KEY",
+    "PRECISIONS",
+    "SCALER_DEFAULTS",
+    "SoloMixedPrecision",
+    "agreed_rule",
+    "auto_precision",
+    "auto_rule",
+    "decide_precision",
+    "decide_precision_plugin",
+    "device_capability",
+    "pending_plugin",
+    "precision_options",
+    "scaler_settings",
+    "to_channels_last",
 ]

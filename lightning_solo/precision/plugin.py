@@ -105,7 +105,9 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
     def optimizer_step(self, optimizer, model, closure, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        scale = torch_compat.scaler_scale(self.scaler)  # created lazily by the first scale(); the saved scale after a resume
+        scale = torch_compat.scaler_scale(
+            self.scaler
+        )  # created lazily by the first scale(); the saved scale after a resume
         before = scale.clone() if scale is not None else torch_compat.scaler_init_scale(self.scaler)
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if torch_compat.scaler_scale(self.scaler) is None:  # no backward ran (training_step returned None)
@@ -118,7 +120,10 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
             self._last_step_skipped = bool(skipped)
         if getattr(model, "_current_fx_name", None) and not model.trainer.barebones:
             model.log_dict(
-                {"amp/skipped_steps": self._skipped, "amp/scale": torch_compat.scaler_scale(self.scaler).detach()},
+                {
+                    "amp/skipped_steps": self._skipped,
+                    "amp/scale": torch_compat.scaler_scale(self.scaler).detach(),
+                },
                 on_step=True,
                 on_epoch=False,
             )
@@ -176,13 +181,21 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         if state and self.scaler is not None:
             self.load_state_dict(state)
         elif state:
-            self._decide(Decision(
-                "grad_scaler_resume", None, f"checkpoint has GradScaler state, unused with {self.precision}"
-            ))
+            self._decide(
+                Decision(
+                    "grad_scaler_resume",
+                    None,
+                    f"checkpoint has GradScaler state, unused with {self.precision}",
+                )
+            )
         elif self.scaler is not None and "optimizer_states" in checkpoint:
-            self._decide(Decision(
-                "grad_scaler_resume", self.scaler_settings, "checkpoint has no GradScaler state; starting at init_scale"
-            ))
+            self._decide(
+                Decision(
+                    "grad_scaler_resume",
+                    self.scaler_settings,
+                    "checkpoint has no GradScaler state; starting at init_scale",
+                )
+            )
 
     @override
     def teardown(self) -> None:

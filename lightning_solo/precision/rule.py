@@ -84,7 +84,9 @@ def agreed_rule(levels: list[int]) -> Decision:
     if len(levels) == 1:
         return decision
     if len(set(levels)) == 1:
-        return Decision("precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks")
+        return Decision(
+            "precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks"
+        )
     lowest = [rank for rank, have in enumerate(levels) if have == level]
     shown = f"{lowest[:8]}{' ...' if len(lowest) > 8 else ''}"
     return Decision(

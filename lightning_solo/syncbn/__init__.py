@@ -31,5 +31,13 @@ and reverts at teardown; see :func:`decide_layer_sync`.
 from lightning_solo.syncbn.layer import SoloSyncBatchNorm, convert, has_batchnorm, revert
 from lightning_solo.syncbn.policy import SyncOption, decide, decide_layer_sync, validate
 
-__all__ = ["SoloSyncBatchNorm", "SyncOption", "convert", "decide", "decide_layer_sync", "has_batchnorm", "revert",
-           "validate"]
+__all__ = [
+    "SoloSyncBatchNorm",
+    "SyncOption",
+    "convert",
+    "decide",
+    "decide_layer_sync",
+    "has_batchnorm",
+    "revert",
+    "validate",
+]

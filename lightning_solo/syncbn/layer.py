@@ -66,11 +66,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             # Combined as float64 sums (n·mean, n·(var + mean²), n): exact enough, one all-reduce of a fixed
             # size and dtype whatever the world size, and uneven batches weighted by their counts.
             mean64, var64 = mean.double(), var.double()
-            stats = torch.cat([mean64 * count, (var64 + mean64.square()) * count, mean64.new_full((1,), count)])
+            stats = torch.cat(
+                [mean64 * count, (var64 + mean64.square()) * count, mean64.new_full((1,), count)]
+            )
             dist.all_reduce(stats, group=group)
             total = stats[-1:]
             # A device-side check: on CUDA it fails the step later rather than sync now.
-            torch_compat.assert_async(total > 1, "Expected more than 1 value per channel when training, in all ranks")
+            torch_compat.assert_async(
+                total > 1, "Expected more than 1 value per channel when training, in all ranks"
+            )
             g_mean = stats[:channels] / total
             g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
             if running_mean is not None:
@@ -98,7 +102,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 # The fused BN backward kernel's weight/bias gradients are exactly the per-channel sums
                 # Σ dy·x̂ and Σ dy; its input gradient (local-batch formula) is not asked for.
                 _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                    grad_out, x, torch.ones_like(mean), None, None, mean, invstd, True, 0.0, [False, True, True]
+                    grad_out,
+                    x,
+                    torch.ones_like(mean),
+                    None,
+                    None,
+                    mean,
+                    invstd,
+                    True,
+                    0.0,
+                    [False, True, True],
                 )
             else:
                 sum_dy_xhat = sum_dy = mean.new_zeros(channels)

@@ -23,7 +23,9 @@ _OPTIONS = (True, False, "auto")
 
 def validate(option: Any, threshold: Any) -> None:
     """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
-    if not any(option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS):
+    if not any(
+        option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS
+    ):
         raise ValueError(f"sync_batchnorm={option!r} is not one of {_OPTIONS}")
     check_int("sync_batchnorm_threshold", threshold)  # a per-device batch size
 
@@ -73,7 +75,9 @@ def decide(
             f"statistics over the global batch of {per_device_batch * world_size}",
         )
     return Decision(
-        "sync_batchnorm", False, f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice"
+        "sync_batchnorm",
+        False,
+        f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice",
     )
 
 
@@ -101,7 +105,9 @@ def decide_layer_sync(
     zeros from an empty rank while the others send fp32 (NCCL then hangs or corrupts memory).
     """
     if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
-        return Decision("sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"), requested
+        return Decision(
+            "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
+        ), requested
     decision = decide(
         option,
         has_batchnorm=has_batchnorm(trainer.lightning_module),

@@ -24,21 +24,31 @@ def composed(overrides: list[str], output_dir: Path):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-            cfg = compose("config", overrides=[*overrides, f"hydra.runtime.output_dir={output_dir}"],
-                          return_hydra_config=True)
+            cfg = compose(
+                "config",
+                overrides=[*overrides, f"hydra.runtime.output_dir={output_dir}"],
+                return_hydra_config=True,
+            )
             HydraConfig().set_config(cfg)
             yield cfg
     finally:
         GlobalHydra.instance().clear()
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float, module: str = "lightning_solo.run",
-            python: str = sys.executable, full_error: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: float,
+    module: str = "lightning_solo.run",
+    python: str = sys.executable,
+    full_error: bool = True,
+) -> subprocess.CompletedProcess:
     """``python -m module *args``; ``full_error=False`` runs it as a user would, without ``HYDRA_FULL_ERROR``."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1"}
     if not full_error:
         del env["HYDRA_FULL_ERROR"]
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(var, None)
-    return subprocess.run([python, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [python, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -120,7 +120,10 @@ class Record(L.Callback):
         strategy = trainer.strategy
         record = {
             "params": {n: p.detach().flatten().tolist() for n, p in pl_module.named_parameters()},
-            "decisions": {k: {"value": d.value, "reason": d.reason} for k, d in getattr(strategy, "decisions", {}).items()},
+            "decisions": {
+                k: {"value": d.value, "reason": d.reason}
+                for k, d in getattr(strategy, "decisions", {}).items()
+            },
             "advice": getattr(strategy, "advice", []),
             "wrappers": len(self.wrappers),
             "ddp": self.ddp,
@@ -129,7 +132,9 @@ class Record(L.Callback):
         write_rank_record(self.path, trainer.global_rank, record)
 
 
-def fit(tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS, callbacks=()) -> list[dict]:
+def fit(
+    tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS, callbacks=()
+) -> list[dict]:
     """Fit a copy of ``net`` on 2 CPU ranks; return both ranks' records."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
@@ -150,7 +155,9 @@ def reference(net: Net, accumulate: int = 1, steps: int = STEPS) -> dict[str, to
     for step in range(steps):
         for micro in range(accumulate):
             start = 2 * BATCH * (step * accumulate + micro)
-            (F.mse_loss(net(x[start : start + 2 * BATCH]), y[start : start + 2 * BATCH]) / accumulate).backward()
+            (
+                F.mse_loss(net(x[start : start + 2 * BATCH]), y[start : start + 2 * BATCH]) / accumulate
+            ).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach().flatten() for n, p in net.named_parameters()}

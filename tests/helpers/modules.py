@@ -13,8 +13,15 @@ class TinyModule(L.LightningModule):
     """``nn.Linear(in_features, out_features)`` trained on ``samples`` random inputs in batches of
     ``batch_size`` (drawn from the global RNG when the loader is built), SGD at ``lr``."""
 
-    def __init__(self, in_features: int = 4, out_features: int = 1, *, lr: float = 0.01, samples: int = 16,
-                 batch_size: int = 2) -> None:
+    def __init__(
+        self,
+        in_features: int = 4,
+        out_features: int = 1,
+        *,
+        lr: float = 0.01,
+        samples: int = 16,
+        batch_size: int = 2,
+    ) -> None:
         super().__init__()
         self.layer = nn.Linear(in_features, out_features)
         self.lr, self.samples, self.batch_size = lr, samples, batch_size
@@ -26,4 +33,6 @@ class TinyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(self.samples, self.layer.in_features)), batch_size=self.batch_size)
+        return DataLoader(
+            TensorDataset(torch.randn(self.samples, self.layer.in_features)), batch_size=self.batch_size
+        )

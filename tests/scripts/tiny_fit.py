@@ -33,8 +33,16 @@ def main(mode: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
     strategy = "solo_ddp" if mode == "string" else SoloDDP()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = Tiny()
     trainer.fit(model, DataLoader(data, batch_size=8))
     rank = trainer.global_rank
