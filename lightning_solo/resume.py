@@ -225,6 +225,29 @@ def capture(
     }
 
 
+def step_buffers(trainer: Any) -> dict[str, torch.Tensor] | None:
+    """The module's buffers right after an optimizer step, when accumulation can put a save between steps
+    (a copy per step of buffers only: BatchNorm statistics, small)."""
+    if trainer.accumulate_grad_batches <= 1:
+        return None
+    return {name: b.detach().clone() for name, b in trainer.lightning_module.named_buffers()}
+
+
+def rewind_buffers(
+    checkpoint: dict[str, Any],
+    trainer: Any,
+    last_step: tuple[dict[str, Any], int] | None,
+    buffers: dict[str, torch.Tensor] | None,
+) -> None:
+    """In a checkpoint written inside an accumulation cycle, put back the buffers of the last optimizer step
+    (the resume replays the cycle's forwards, which would move them a second time)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    state = checkpoint.get("state_dict")
+    if buffers is None or last_step is None or state is None or int(progress.ready) <= last_step[1]:
+        return
+    state.update({name: value for name, value in buffers.items() if name in state})
+
+
 def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
     """This rank's RNG state in ``record``, if the record holds one for every rank."""
     rng = (record or {}).get("rng") or []

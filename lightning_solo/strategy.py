@@ -291,6 +291,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # a replayed accumulation cycle, must leave the RNG there too).
         ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
         self._last_step = (resume.saved_rng(record) or resume.rng_state(), ready)
+        self._step_buffers = resume.step_buffers(trainer)
         return dataloader
 
     @override
@@ -299,6 +300,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # The point a checkpoint's record describes, whenever the save happens before the next step.
         trainer = self.lightning_module.trainer
         self._last_step = (resume.rng_state(), int(trainer.fit_loop.epoch_loop.batch_progress.current.ready))
+        self._step_buffers = resume.step_buffers(trainer)
         return output
 
     @override
@@ -321,9 +323,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
         on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            last_step = getattr(self, "_last_step", None)
             checkpoint[resume.RESUME_KEY] = resume.capture(
-                trainer, getattr(self, "_train_loader", None), getattr(self, "_last_step", None), collective
+                trainer, getattr(self, "_train_loader", None), last_step, collective
             )
+            # Inside an accumulation cycle the forwards since the step moved buffers (BatchNorm's running
+            # statistics) that the resume replays: save them as of the step, like everything else.
+            resume.rewind_buffers(checkpoint, trainer, last_step, getattr(self, "_step_buffers", None))
         # A full checkpoint. PowerSGD's state is a collective (rank 0 records every rank's shard): only with all.
         if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
             if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it

@@ -281,3 +281,72 @@ def test_resume_with_workers_augmentation_validation_and_accumulation_is_exact(t
     assert consumed == (3 if accumulate == 1 else 2) and "RNG states restored" in reason
     assert ("accumulation cycle" in reason) == (accumulate == 2)
     assert decisions["resume"][0].endswith("last.ckpt")
+
+
+class DefaultsNet(RealNet):
+    """RealNet with what a real model brings to the defaults: BatchNorm (``sync_batchnorm="auto"`` turns
+    SyncBN on for a per-device batch of 4), and a branch that rank 1 skips at one step after the evidence
+    window (``find_unused_parameters="auto"`` completes it exactly, then switches to True)."""
+
+    def __init__(self, log_dir: str, crash_at_batch: int | None = None, bn: bool = True) -> None:
+        super().__init__(log_dir, crash_at_batch)
+        norm = nn.BatchNorm1d(16) if bn else nn.Identity()
+        self.net = nn.Sequential(nn.Linear(8, 16), norm, nn.Dropout(0.3), nn.Linear(16, 1))
+        self.branch = nn.Linear(16, 16)
+        self.batch_size = BATCH  # declared, as real modules do: what the auto rules read before loaders exist
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        h = self.net[2](self.net[1](self.net[0](x)))
+        if not (self.global_rank == 1 and self.trainer.fit_loop.epoch_loop.total_batch_idx == 7):
+            h = h + self.branch(h)
+        return self.net[3](h).pow(2).mean()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("bn", [True, False], ids=["syncbn", "fast_path"])
+def test_resume_with_every_default_on_is_exact(tmp_path, bn):
+    """The defaults together, as a real run meets them: auto unused parameters (a late one-rank skip), auto
+    SyncBN, bf16 autocast, WarmupScaledLR, SoloCheckpoint, loader workers with augmentation, validation inside
+    the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical."""
+    from lightning_solo.callbacks import WarmupScaledLR
+
+    def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> tuple[dict, dict]:
+        os.makedirs(run_dir, exist_ok=True)
+        L.seed_everything(1234, verbose=False)
+        model = DefaultsNet(run_dir, crash_at_batch, bn=bn)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=SoloDDP(start_method="fork", precision="bf16-mixed"),
+            max_epochs=2,
+            val_check_interval=0.5,
+            accumulate_grad_batches=2,
+            callbacks=[
+                SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1),
+                WarmupScaledLR(reference_batch_size=8, warmup_steps=2),
+            ],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        if crash_at_batch is None:
+            trainer.fit(model, ckpt_path="auto" if resume else None)
+        else:
+            with pytest.raises(Exception, match="simulated crash"):
+                trainer.fit(model)
+        with open(os.path.join(run_dir, "decisions.json")) as f:
+            decisions = json.load(f)
+        return {k: v.clone() for k, v in model.state_dict().items()}, decisions
+
+    reference, decided = fit(str(tmp_path / "reference"))
+    assert decided["sync_batchnorm"][0] is bn
+    run = str(tmp_path / "crash")
+    fit(run, crash_at_batch=10)
+    resumed, _ = fit(run, resume=True)
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), (
+            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
+        )
