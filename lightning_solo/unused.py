@@ -172,7 +172,6 @@ class UnusedParameters:
         self._ignored: list[int] = []  # ours, excluded from synchronisation
         self._user_ignore: list[str] | None = None
         self._group: Any = None
-        self._ddp: DistributedDataParallel | None = None
         self._arrivals: _Arrivals | None = None  # fast path: which gradients arrived in this backward
         self._sentinel: Parameter | None = None  # fast path without a comm hook: rides in DDP's last bucket
         self._never: torch.Tensor | None = None  # window: unused on every rank at every step so far
@@ -191,7 +190,7 @@ class UnusedParameters:
         """Call on every new DDP wrapper (:meth:`rewrap` does). ``group``: a gloo group apart from DDP's
         (``None``: there is none, so "auto" stays on ``True``)."""
         self._remove_hooks()
-        self._ddp, self._group, self._sentinel = ddp, group, sentinel
+        self._group, self._sentinel = group, sentinel
         self._named = _trainable(ddp.module)
         self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
