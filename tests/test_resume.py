@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import lightning as L
 import pytest
@@ -232,18 +233,24 @@ class RealNet(Net):
 
 
 def _fit_real(
-    run_dir: str, crash_at_batch: int | None = None, resume: bool = False, **trainer_kwargs
+    run_dir: str,
+    crash_at_batch: int | None = None,
+    resume: bool = False,
+    make_model: Any = RealNet,
+    strategy: dict[str, Any] | None = None,
+    callbacks: tuple[Any, ...] = (),
+    **trainer_kwargs,
 ) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     L.seed_everything(1234, verbose=False)
-    model = RealNet(run_dir, crash_at_batch)
+    model = make_model(run_dir, crash_at_batch)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SoloDDP(start_method="fork"),
+        strategy=SoloDDP(start_method="fork", **(strategy or {})),
         max_epochs=2,
         val_check_interval=0.5,
-        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1)],
+        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1), *callbacks],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -312,40 +319,23 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn):
     the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical."""
     from lightning_solo.callbacks import WarmupScaledLR
 
-    def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> tuple[dict, dict]:
-        os.makedirs(run_dir, exist_ok=True)
-        L.seed_everything(1234, verbose=False)
-        model = DefaultsNet(run_dir, crash_at_batch, bn=bn)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=SoloDDP(start_method="fork", precision="bf16-mixed"),
-            max_epochs=2,
-            val_check_interval=0.5,
+    def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> dict:
+        return _fit_real(
+            run_dir,
+            crash_at_batch,
+            resume,
+            make_model=lambda log_dir, crash: DefaultsNet(log_dir, crash, bn=bn),
+            strategy={"precision": "bf16-mixed"},
+            callbacks=(WarmupScaledLR(reference_batch_size=8, warmup_steps=2),),
             accumulate_grad_batches=2,
-            callbacks=[
-                SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1),
-                WarmupScaledLR(reference_batch_size=8, warmup_steps=2),
-            ],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
         )
-        if crash_at_batch is None:
-            trainer.fit(model, ckpt_path="auto" if resume else None)
-        else:
-            with pytest.raises(Exception, match="simulated crash"):
-                trainer.fit(model)
-        with open(os.path.join(run_dir, "decisions.json")) as f:
-            decisions = json.load(f)
-        return {k: v.clone() for k, v in model.state_dict().items()}, decisions
 
-    reference, decided = fit(str(tmp_path / "reference"))
-    assert decided["sync_batchnorm"][0] is bn
+    reference = fit(str(tmp_path / "reference"))
+    with open(tmp_path / "reference" / "decisions.json") as f:
+        assert json.load(f)["sync_batchnorm"][0] is bn
     run = str(tmp_path / "crash")
     fit(run, crash_at_batch=10)
-    resumed, _ = fit(run, resume=True)
+    resumed = fit(run, resume=True)
     for name, value in reference.items():
         assert torch.equal(resumed[name], value), (
             f"{name}: {(resumed[name] - value).abs().max()} after resuming"
