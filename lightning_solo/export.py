@@ -138,27 +138,22 @@ def export_checkpoint(
 
 def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[str]) -> dict[str, str]:
     dynamo = importlib.util.find_spec("onnxscript") is not None
+    # The dynamo exporter (needs onnxscript) takes the batch dimension as a shape; the legacy one by axis name.
+    batch = (
+        {"dynamic_shapes": ({0: torch.export.Dim("batch", min=1, max=65536)},)}
+        if dynamo
+        else {"dynamic_axes": {"images": {0: "batch"}, "logits": {0: "batch"}}}
+    )
     try:
-        if dynamo:
-            torch.onnx.export(
-                net,
-                (example,),
-                str(path),
-                input_names=["images"],
-                output_names=["logits"],
-                dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
-                dynamo=True,
-            )
-        else:
-            torch.onnx.export(
-                net,
-                (example,),
-                str(path),
-                input_names=["images"],
-                output_names=["logits"],
-                dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
-                dynamo=False,
-            )
+        torch.onnx.export(
+            net,
+            (example,),
+            str(path),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamo=dynamo,
+            **batch,
+        )
     except Exception as err:  # noqa: BLE001 - the other artefacts are still good; say why this one is missing
         notes.append(f"ONNX export failed: {type(err).__name__}: {err}")
         return {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, TINY_RUN, run_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc]
 
@@ -120,11 +120,7 @@ def test_ranks_that_compose_different_configs_are_stopped(tmp_path):
     # Every rank composes the config itself; one that resolves differently per process must not train.
     proc = run_cli(
         [
-            "+experiment=quick_cpu",
-            "data.image_size=8",
-            "data.train_size=64",
-            "data.val_size=32",
-            "trainer.max_epochs=1",
+            *TINY_RUN,
             "hydra.run.dir=run",
             "+probe=${oc.env:LOCAL_RANK,0}",
         ],

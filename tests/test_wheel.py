@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, TINY_RUN, run_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc]
 
@@ -94,11 +94,7 @@ def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
     elsewhere.mkdir()
     proc = run_cli(
         [
-            "+experiment=quick_cpu",
-            "data.image_size=8",
-            "data.train_size=64",
-            "data.val_size=32",
-            "trainer.max_epochs=1",
+            *TINY_RUN,
             "trainer.enable_progress_bar=false",
             "hydra.run.dir=run",
         ],

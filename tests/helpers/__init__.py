@@ -16,6 +16,14 @@ from hydra.core.hydra_config import HydraConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
+# The smallest real run of the runner: one epoch of 8x8 synthetic images.
+TINY_RUN = [
+    "+experiment=quick_cpu",
+    "data.image_size=8",
+    "data.train_size=64",
+    "data.val_size=32",
+    "trainer.max_epochs=1",
+]
 
 
 @contextmanager
