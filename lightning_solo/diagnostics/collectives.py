@@ -33,6 +33,7 @@ def gather_rows(mine: torch.Tensor) -> torch.Tensor:
     mine = mine.reshape(-1)
     if world_size() == 1:
         return mine[None]
-    out = torch.empty(world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)  # flat: gloo wants it so
+    # Flat: gloo's all_gather_into_tensor wants the output 1-D.
+    out = torch.empty(world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
     dist.all_gather_into_tensor(out, mine)
     return out.reshape(world_size(), -1)

@@ -78,7 +78,8 @@ class LossTrend:
                 self.lowest, self._climbing = (self.mean, step), False
             elif 0 < self.lowest[0] * (1 + self.rise) < self.mean and not self._climbing:
                 self._climbing, event = True, event or "climb"
-            if self.mean > 0 and self.var > 0 and self.lag_cov / self.var < self.seesaw and "seesaw" not in self.events:
+            seesaw = self.var > 0 and self.lag_cov / self.var < self.seesaw
+            if seesaw and self.mean > 0 and "seesaw" not in self.events:
                 event = event or "seesaw"
         if event is not None:
             self.events.setdefault(event, []).append((step, loss, self.mean))
