@@ -1,9 +1,10 @@
 """LossWatch: a non-finite loss or gradient on any rank stops every rank before the optimizer step; spikes,
 a climbing trend and a loss that differs between ranks become advice.
 
-Per optimizer step, one all-reduce of three numbers (this rank's loss, whether it had one, whether it or the
-gradient norm is non-finite): every rank learns the mean loss and whether any rank failed, so all stop
-together, before ``optimizer.step()``, naming the step and the rank(s) (a gather, only then, says which).
+Per optimizer step, one SUM all-reduce of three numbers (this rank's loss, whether it had one, whether it or the
+gradient norm is non-finite; torchtitan's MIN of a finite flag, with the mean loss in the same message): every
+rank learns whether any rank failed, so all stop together, before ``optimizer.step()``, naming the step and the
+rank(s) (a gather, only then, says which).
 Every ``spread_every_n_steps`` steps one all-gather of each rank's mean and variance of its own losses flags
 ranks that see differently distributed data. The step counts agree on every rank, so every rank runs the same
 collectives.
@@ -105,7 +106,8 @@ class LossWatch(DecisionLog, L.Callback):
         total = mine.clone()
         if world_size() > 1:
             dist.all_reduce(total)  # SUM: the loss over the ranks that had one, and how many ranks failed
-        loss_sum, with_loss, failed = total.tolist()
+        # One device-to-host copy for this rank's values and the sums.
+        local, _, _, loss_sum, with_loss, failed = torch.cat([mine, total]).tolist()
         if failed:
             self._stop(trainer, float(loss), float(grad_norm))
         step = trainer.global_step
@@ -113,7 +115,7 @@ class LossWatch(DecisionLog, L.Callback):
             for kind, line in self.trend.advice().items():
                 self._advise(kind, line)
         if has_loss:
-            self._losses.append(float(loss))
+            self._losses.append(local)
         if self.spread_every_n_steps and (step + 1 - self._spread_start) >= self.spread_every_n_steps:
             self._check_spread(trainer, step)
 

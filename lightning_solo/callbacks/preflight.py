@@ -51,7 +51,7 @@ class Preflight(DecisionLog, L.Callback):
         self.decisions: dict[str, Decision] = {}
         self.findings: list[Finding] = []
         self.advice: list[str] = []
-        self._facts: list[RankFacts] = []
+        self.facts: list[RankFacts] = []
         self._checked = ""
 
     @override
@@ -72,16 +72,16 @@ class Preflight(DecisionLog, L.Callback):
         }
         gpus = torch.cuda.device_count() if device.type == "cuda" else None
         local = check_launch_env(os.environ, placement=placement, gpus_visible=gpus)
-        self._facts = gather_objects(local_facts(device, [*local, *([mismatch] if mismatch else [])]))
-        self._settle(agreement.check(self._facts, self.ignore))
-        shared = self._facts[0].shared
+        self.facts = gather_objects(local_facts(device, [*local, *([mismatch] if mismatch else [])]))
+        self._settle(agreement.check(self.facts, self.ignore))
+        shared = self.facts[0].shared
         gpu = (
             f", CUDA {shared['cuda']}, NCCL {shared['nccl']}, driver {shared['driver']}"
             if shared["driver"]
             else ""
         )
         self._checked = (
-            f"{len(self._facts)} rank(s) agree on torch {shared['torch']}, lightning {shared['lightning']}, "
+            f"{len(self.facts)} rank(s) agree on torch {shared['torch']}, lightning {shared['lightning']}, "
             f"device {shared['device']}{gpu}; launch variables and backend {backend or '-'} checked"
         )
         self._record()

@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 from typing_extensions import override
 
@@ -92,6 +91,4 @@ class ProfilerWindow(L.Callback):
     def _stop(self) -> None:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
-            profiler.stop()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            profiler.stop()  # writes the trace if the window was recording
