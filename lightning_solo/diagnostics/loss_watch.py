@@ -31,7 +31,8 @@ class LossTrend:
 
     - spike: a loss above ``spike_factor`` × the trend and ``spike_sigmas`` deviations above it;
     - climb: the trend back up by ``rise`` (a fraction) above the lowest it reached;
-    - see-saw: consecutive deviations from the trend anti-correlated below ``seesaw`` (the step overshoots).
+    - see-saw: consecutive deviations from the trend anti-correlated below ``seesaw`` and 4 standard errors
+      (~1/sqrt(window) each) below zero (the step overshoots).
 
     Nothing is judged in the first ``window`` steps, while the averages settle; spikes and climbs only for a
     positive trend (a loss that can go negative has no meaningful ratio).
@@ -78,7 +79,8 @@ class LossTrend:
                 self.lowest, self._climbing = (self.mean, step), False
             elif 0 < self.lowest[0] * (1 + self.rise) < self.mean and not self._climbing:
                 self._climbing, event = True, event or "climb"
-            seesaw = self.var > 0 and self.lag_cov / self.var < self.seesaw
+            # The estimate's standard error is ~1/sqrt(window): demand 4 of them, so a short window never cries wolf.
+            seesaw = self.var > 0 and self.lag_cov / self.var < min(self.seesaw, -4 / math.sqrt(self.window))
             if seesaw and self.mean > 0 and "seesaw" not in self.events:
                 event = event or "seesaw"
         if event is not None:
