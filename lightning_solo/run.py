@@ -17,7 +17,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_solo.checkpoint_io import checkpoint_dir, resolve_ckpt_path
+from lightning_solo.checkpoint import checkpoint_dir, resolve_ckpt_path
 from lightning_solo.config_check import ConfigError, check_config
 from lightning_solo.preflight import (
     PreflightError,

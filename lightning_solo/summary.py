@@ -12,14 +12,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_solo.batch_size import per_device_batch_size
-
-
-def global_batch_size(trainer: L.Trainer) -> int | None:
-    per_device = per_device_batch_size(trainer)
-    if per_device is None:
-        return None
-    return per_device * trainer.world_size * trainer.accumulate_grad_batches
+from lightning_solo.batch_size import global_batch
 
 
 def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
@@ -38,6 +31,7 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
         k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
     }
     ckpt = trainer.checkpoint_callback
+    batch = global_batch(trainer)
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -47,9 +41,9 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
         "strategy_settings": settings,
         "decisions": collect_decisions(trainer),
         "advice": list(getattr(strategy, "advice", []) or []),
-        "per_device_batch": per_device_batch_size(trainer),
+        "per_device_batch": batch.per_device if batch else None,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "global_batch": global_batch_size(trainer),
+        "global_batch": batch.size if batch else None,
         "lr": lr,
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lightning.pytorch as pl
+
 from lightning_solo.validate import check_int, check_number
 
 RULES = ("linear", "sqrt", "none")
@@ -151,6 +153,50 @@ class LRSchedule:
         if self.decay == "step":
             return self.gamma ** sum(step >= m for m in self.milestones)
         return 1.0
+
+
+def warmup_length(kind: str, amount: float, total_steps: int, steps_per_epoch: int | None) -> int:
+    """Optimizer steps of warmup for ``kind`` (``warmup_steps``/``warmup_epochs``/``warmup_fraction``) ``amount``."""
+    if kind == "warmup_steps":
+        warmup = int(amount)
+    elif kind == "warmup_epochs":
+        if steps_per_epoch is None:
+            raise ValueError("warmup_epochs needs a train dataloader with a length; use warmup_steps instead")
+        warmup = round(amount * steps_per_epoch)
+    else:
+        warmup = round(amount * total_steps)
+    if warmup > total_steps:
+        raise ValueError(
+            f"warmup ({kind}={amount} → {warmup} optimizer steps) is longer than the run "
+            f"({total_steps} optimizer steps); shorten the warmup or train longer"
+        )
+    return warmup
+
+
+def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
+    """The optimizer steps of the whole fit, counted from where the loop stands. ``open_ended_ok``: a run with
+    no fixed length is fine (warmup in steps, no decay) and counts as endless."""
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        if not open_ended_ok:
+            raise ValueError(
+                "the run has no fixed length (max_epochs=-1, max_steps=-1): set max_steps, or use "
+                "warmup_steps with decay='none'"
+            )
+        return 2**62
+    batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
+        # After a resume at another world size the steps already done had other epoch lengths, and SoloDDP
+        # restarts the interrupted epoch on the new shards.
+        per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        by_epochs = (
+            trainer.global_step
+            + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
+            + (max_epochs - trainer.current_epoch - 1) * per_epoch
+        )
+        total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
+    return int(total)
 
 
 def plot_schedule(
