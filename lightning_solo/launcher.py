@@ -165,8 +165,10 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         "loggers": [
             packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers
         ],
-        "logged_metrics": pack(dict(connector._logged_metrics)),
-        "progress_bar_metrics": pack(dict(connector._progress_bar_metrics)),
+        **{
+            name.lstrip("_"): pack(dict(getattr(connector, name)))
+            for name in lightning_compat.LOGGER_CONNECTOR_METRICS
+        },
     }
 
 

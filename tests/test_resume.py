@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.checkpoint import resolve_ckpt_path, verify
-from lightning_solo.resume import ResumableSampler
+from lightning_solo.resumable_loader import ResumableSampler
 
 SAMPLES, BATCH = 44, 4  # 22 samples per rank: 6 batches per epoch, the last one partial
 STEPS_PER_EPOCH = 6

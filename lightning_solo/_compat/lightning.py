@@ -7,6 +7,7 @@ notices when one disappears upstream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -17,6 +18,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
 
 CHECKED_ON = "lightning 2.6.6"
@@ -106,3 +108,17 @@ def logger_connector(trainer: Any) -> Any:
 
 
 LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
+
+
+def reinstantiate_dataloader(
+    dataloader: Any, sampler: Any, replace: Callable[[tuple, dict], tuple[tuple, dict]]
+) -> Any:
+    """The training ``dataloader`` built again around ``sampler``, its constructor arguments passed through
+    ``replace`` first, as Lightning re-instantiates loaders to inject its ``DistributedSampler``:
+    ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs`` and ``_reinstantiate_wrapped_cls``
+    (checked on lightning 2.6.6)."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
+    args, kwargs = replace(args, kwargs)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

@@ -36,18 +36,14 @@ from typing_extensions import override
 
 from lightning_solo.batch_size import global_batch
 from lightning_solo.callbacks.lr_groups import ScaledParamGroups, lr_names
+from lightning_solo.callbacks.lr_plot import plot_schedule
 from lightning_solo.callbacks.lr_schedule import (
     LRSchedule,
-    check_options,
-    plot_schedule,
-    scale_factor,
+    ScheduleOptions,
     total_optimizer_steps,
-    warmup_length,
 )
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.validate import check_int
-
-_DEFAULT_WARMUP_FRACTION = 0.05
 
 
 class WarmupScaledLR(DecisionLog, Callback):
@@ -85,37 +81,23 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        given = {
-            k: v
-            for k, v in (
-                ("warmup_epochs", warmup_epochs),
-                ("warmup_steps", warmup_steps),
-                ("warmup_fraction", warmup_fraction),
-            )
-            if v is not None
+        warmup = {
+            "warmup_epochs": warmup_epochs,
+            "warmup_steps": warmup_steps,
+            "warmup_fraction": warmup_fraction,
         }
-        milestones = list(decay_milestones or ())
         # Validated here so that a bad value fails at construction, not at the first step.
-        check_options(
-            rule,
-            reference_batch_size,
-            given,
-            decay,
-            milestones,
+        self.options = ScheduleOptions(
+            rule=rule,
+            reference_batch_size=reference_batch_size,
+            warmup={k: v for k, v in warmup.items() if v is not None},
             start_factor=start_factor,
-            min_factor=min_lr_factor,
-            gamma=decay_gamma,
+            decay=decay,
+            decay_milestones=tuple(decay_milestones or ()),
+            decay_gamma=decay_gamma,
+            min_lr_factor=min_lr_factor,
         )
         check_int("per_device_batch_size", per_device_batch_size, optional=True)
-        self.rule = rule
-        self.reference_batch_size = reference_batch_size
-        self.warmup = next(iter(given.items()), ("warmup_fraction", _DEFAULT_WARMUP_FRACTION))
-        self.warmup_given = bool(given)
-        self.start_factor = start_factor
-        self.decay = decay
-        self.decay_milestones = milestones
-        self.decay_gamma = decay_gamma
-        self.min_lr_factor = min_lr_factor
         self.per_device_batch_size = per_device_batch_size
         self.log_lr = log_lr
 
@@ -153,43 +135,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         self, global_batch: int, total_steps: int, steps_per_epoch: int | None
     ) -> tuple[LRSchedule, list[Decision]]:
         """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
-        scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
-        why = {
-            "linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
-            "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
-            "none": "rule 'none'",
-        }[self.rule]
-        decisions = [Decision("lr_scale", round(scale, 6), why)]
-
-        kind, amount = self.warmup
-        warmup = warmup_length(kind, amount, total_steps, steps_per_epoch)
-        schedule = LRSchedule(
-            scale=scale,
-            warmup_steps=warmup,
-            total_steps=total_steps,
-            start_factor=self.start_factor,
-            decay=self.decay,
-            min_factor=self.min_lr_factor,
-            gamma=self.decay_gamma,
-            milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
-        )
-        origin = "set by the user" if self.warmup_given else "default: 5% of the run"
-        decisions.append(
-            Decision(
-                "lr_warmup_steps",
-                warmup,
-                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
-                f"{scale:g}× the configured lr",
-            )
-        )
-        if self.decay != "none":
-            detail = (
-                f"to {self.min_lr_factor:g}× at step {total_steps}"
-                if self.decay == "cosine"
-                else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}"
-            )
-            decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
-        return schedule, decisions
+        return self.options.build(global_batch, total_steps, steps_per_epoch)
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -217,9 +163,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         )
         self.schedule, decisions = self.build_schedule(
             batch.value,
-            total_optimizer_steps(
-                trainer, open_ended_ok=self.warmup[0] == "warmup_steps" and self.decay == "none"
-            ),
+            total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
             self.steps_per_epoch,
         )
         for decision in decisions:
@@ -258,7 +202,7 @@ class WarmupScaledLR(DecisionLog, Callback):
                 f"has {new} (world size {self._batch_parts['world_size']})"
                 if old != new
                 else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
-                f"{self.rule}/{self.reference_batch_size}"
+                f"{self.options.rule}/{self.options.reference_batch_size}"
             )
             self._decide(
                 Decision(
@@ -318,8 +262,8 @@ class WarmupScaledLR(DecisionLog, Callback):
             "global_batch": self.global_batch,
             "scale": self.schedule.scale,
             **self._batch_parts,
-            "rule": self.rule,
-            "reference_batch_size": self.reference_batch_size,
+            "rule": self.options.rule,
+            "reference_batch_size": self.options.reference_batch_size,
         }
 
     @override
@@ -352,6 +296,6 @@ class WarmupScaledLR(DecisionLog, Callback):
             schedule,
             base_lr=base_lr,
             steps_per_epoch=steps_per_epoch,
-            title=f"{self.rule} scaling ×{schedule.scale:g} for global batch "
+            title=f"{self.options.rule} scaling ×{schedule.scale:g} for global batch "
             f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
         )

@@ -21,6 +21,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
+from lightning_solo.resumable_loader import make_resumable
 from lightning_solo.strategy.base import SoloStrategyBase
 
 
@@ -45,7 +46,7 @@ class ExactResumeHooks(SoloStrategyBase):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.training:
             return dataloader
-        dataloader, decision = resume.make_resumable(dataloader, seed=torch.initial_seed())
+        dataloader, decision = make_resumable(dataloader, seed=torch.initial_seed())
         self._decide(decision)
         self._train_loader = dataloader
         record, self._resume_record = getattr(self, "_resume_record", None), None
