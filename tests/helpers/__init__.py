@@ -1,6 +1,7 @@
-"""What the tests share: the Hydra config as the runner composes it and the CLI in a subprocess (here); the
-equivalence harness, one small LightningModule fitted on 2 ranks against 1 process
-(:mod:`tests.helpers.equivalence`); starting N raw ranks is :mod:`tests.distributed`."""
+"""What the tests share: the Hydra config as the runner composes it and the CLI in a subprocess (here); the one
+LightningModule, :class:`~tests.helpers.modules.TinyModule`, that tests configure or subclass; the per-rank
+recorder, :class:`~tests.helpers.records.RankRecorder`; the equivalence harness, a TinyModule fitted on 2 ranks
+against 1 process (:mod:`tests.helpers.equivalence`); starting N raw ranks is :mod:`tests.distributed`."""
 
 from __future__ import annotations
 
