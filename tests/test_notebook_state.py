@@ -230,3 +230,31 @@ def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
     trainer.fit(model, loader())
     second_start = read_rank_records(tmp_path)[0]["start"]
     assert second_start == first_end  # not init_scale and PowerSGD's exact warm-up again
+
+
+class _KeepsALot(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.kept = torch.arange(200_000, dtype=torch.float32)  # 800 KB: far over a pipe's 64 KiB buffer
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_a_result_larger_than_a_pipe_comes_back_without_hanging(tmp_path, private_tmpdir):
+    # Lightning's parent joins the workers before reading their results: through the queue, rank 0 would block.
+    keeps = _KeepsALot()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=SoloDDP(start_method="fork"),
+        max_steps=2,
+        callbacks=[keeps],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(TinyClassifier(), loader())
+    assert torch.equal(keeps.kept, torch.arange(200_000, dtype=torch.float32))
+    assert trainer.global_step == 2
+    assert not [p for p in private_tmpdir.rglob("*") if p.is_file()]  # the state file is gone
