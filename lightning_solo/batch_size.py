@@ -1,4 +1,5 @@
-"""The per-device batch size, read one way for everyone: SyncBN's auto rule, WarmupScaledLR and the run summary."""
+"""The per-device batch size, read one way for everyone: SyncBN's auto rule, WarmupScaledLR and the run summary;
+written back in the same places by ``auto_batch_size`` (:func:`set_per_device_batch_size`)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,19 @@ def per_device_batch_size(trainer: pl.Trainer) -> int | None:
         if size is not None:
             return size
     return None
+
+
+def set_per_device_batch_size(trainer: pl.Trainer, value: int) -> None:
+    """Make ``value`` the per-device batch that the train loader will be built with and
+    :func:`per_device_batch_size` reads: ``batch_size`` on the datamodule and the LightningModule (attribute or
+    hparam, wherever it is: Lightning's ``lightning_setattr``). Raises ``ValueError`` where there is none, or
+    when loaders were passed to ``fit`` directly (they are built already)."""
+    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+    source = lightning_compat.fit_data_source(trainer)
+    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
+        raise ValueError("the train loader was passed to fit() ready-made: its batch size cannot be changed")
+    model = trainer.lightning_module
+    if not lightning_hasattr(model, "batch_size"):
+        raise ValueError("neither the datamodule nor the LightningModule has a `batch_size` to set")
+    lightning_setattr(model, "batch_size", value)

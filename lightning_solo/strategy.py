@@ -40,6 +40,7 @@ from lightning_solo.checkpoint.io import SoloCheckpointIO, load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
 from lightning_solo.decision import Decision, DecisionLog
+from lightning_solo.evaluation import mean_operand, quiet_padding_warning, shard_eval_loader
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.unused import Phase, UnusedParameters
@@ -101,6 +102,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: steps between parameter averages.
         local_sgd_warmup: post-local-SGD: synchronous steps before local steps start.
+        exact_eval: validate/test/predict loaders evaluate every sample exactly once, every rank the same number
+            of batches (padded rows only for sets too small to split, flagged by ``eval_rows``); see
+            :mod:`lightning_solo.evaluation`. ``False``: Lightning's ``DistributedSampler`` (repeats samples).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -131,6 +135,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         local_sgd_period: int = 4,
         local_sgd_warmup: int = 100,
         gloo_side_group: bool = True,
+        exact_eval: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -182,6 +187,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._precision_options = precision_options
         self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
+        self._exact_eval = bool(exact_eval)
+        if self._exact_eval:
+            quiet_padding_warning()
         self._barrier_group = (
             None  # the monitored barrier's and unused-parameter evidence's group; None: world
         )
@@ -279,6 +287,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and not trainer.training and self._exact_eval:  # lightning_solo.evaluation
+            dataloader, decision = shard_eval_loader(
+                dataloader, self.world_size, self.global_rank, trainer.state.stage
+            )
+            self._decide(decision)
         if trainer is None or not trainer.training:
             return dataloader
         dataloader, decision = resume.make_resumable(dataloader, seed=torch.initial_seed())
@@ -494,6 +507,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         else:
             self._unused.explain(exception)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
+        return super().reduce(mean_operand(tensor, reduce_op), group, reduce_op)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -75,6 +75,27 @@ def test_lightning_reads_exist():
     assert "explained" in str(err)
 
 
+def test_eval_loader_accessors_work():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    class Loader(DataLoader):  # a subclass: re-made the way Lightning injects its sampler
+        pass
+
+    batches = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    wrapped = lightning_compat.index_batch_sampler(batches)
+    assert lightning_compat.inner_batch_sampler(wrapped) is batches
+    assert lightning_compat.inner_batch_sampler(batches) is batches
+    assert [list(b) for b in wrapped] == [[0, 1], [2, 3], [4]] and wrapped.seen_batch_indices == [
+        [0, 1],
+        [2, 3],
+        [4],
+    ]
+    args, kwargs = lightning_compat.dataloader_init_args(Loader(list(range(5)), batch_size=2, num_workers=0))
+    kwargs.update(sampler=None, batch_sampler=batches, batch_size=1, shuffle=False, drop_last=False)
+    remade = lightning_compat.reinstantiate(Loader(list(range(5))), args, kwargs)
+    assert type(remade) is Loader and [b.tolist() for b in remade] == [[0, 1], [2, 3], [4]]
+
+
 def test_torch_names_exist():
     for name in (
         "_get_ddp_logging_data",
