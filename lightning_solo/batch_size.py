@@ -1,5 +1,6 @@
 """The per-device and global batch size, read one way for everyone: SyncBN's auto rule, WarmupScaledLR and the
-run summary."""
+run summary; the per-device batch is written back in the same places by ``auto_batch_size``
+(:func:`set_per_device_batch_size`)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,19 @@ def global_batch(trainer: pl.Trainer, given_per_device: int | None = None) -> Gl
     if per_device is None:
         return None
     return GlobalBatch(per_device, trainer.world_size, trainer.num_nodes, trainer.accumulate_grad_batches)
+
+
+def set_per_device_batch_size(trainer: pl.Trainer, value: int) -> None:
+    """Make ``value`` the per-device batch that the train loader will be built with and
+    :func:`per_device_batch_size` reads: ``batch_size`` on the datamodule and the LightningModule (attribute or
+    hparam, wherever it is: Lightning's ``lightning_setattr``). Raises ``ValueError`` where there is none, or
+    when loaders were passed to ``fit`` directly (they are built already)."""
+    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+    source = lightning_compat.fit_data_source(trainer)
+    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
+        raise ValueError("the train loader was passed to fit() ready-made: its batch size cannot be changed")
+    model = trainer.lightning_module
+    if not lightning_hasattr(model, "batch_size"):
+        raise ValueError("neither the datamodule nor the LightningModule has a `batch_size` to set")
+    lightning_setattr(model, "batch_size", value)

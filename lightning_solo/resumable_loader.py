@@ -148,7 +148,8 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
 
     try:
         sampler = ResumableSampler(inner, dataloader.batch_size, tag_epoch=True)
-        wrapped = lightning_compat.reinstantiate_dataloader(dataloader, sampler, with_seeded_dataset)
+        args, kwargs = with_seeded_dataset(*lightning_compat.dataloader_init_args(dataloader, sampler))
+        wrapped = lightning_compat.reinstantiate(dataloader, args, kwargs)
     except Exception as err:  # noqa: BLE001 - any re-instantiation failure just means "not resumable"
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
     if hasattr(inner, "set_epoch") or isinstance(inner, SequentialSampler):

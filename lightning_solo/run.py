@@ -51,12 +51,10 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     ]
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
+def check_run_config(cfg: DictConfig) -> None:
+    """The config's keys and types, the devices it asks for and ``WORLD_SIZE``; then the seed. Raises
+    :class:`ConfigError` / :class:`PreflightError` before any worker starts."""
     import lightning as L
-
-    from lightning_solo.callbacks.config_fingerprint import ConfigFingerprint
-    from lightning_solo.callbacks.run_summary import RunSummary
 
     check_config(cfg)
     par = cfg.parallelism
@@ -65,23 +63,40 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = hydra.utils.instantiate(cfg.data)
-    model = hydra.utils.instantiate(cfg.model)
-    summary = RunSummary()
+
+def make_trainer(cfg: DictConfig, callbacks: list[Any]) -> Any:
+    """The Trainer of ``cfg.trainer`` on ``cfg.parallelism`` (SoloDDP), with ``callbacks`` and the configured loggers."""
+    par = cfg.parallelism
     # When the strategy takes the precision (SoloDDP does: parallelism.strategy.precision), it alone
     # decides; the Trainer gets none, so "auto" and real fp16 on CPU reach SoloDDP unchanged.
     trainer_precision = None if "precision" in par.strategy else par.precision
-    trainer: L.Trainer = hydra.utils.instantiate(
+    trainer = hydra.utils.instantiate(
         cfg.trainer,
         accelerator=par.accelerator,
         devices=par.devices,
         num_nodes=par.num_nodes,
         precision=trainer_precision,
         strategy=hydra.utils.instantiate(par.strategy),
-        callbacks=[*instantiate_group(cfg.get("callbacks")), ConfigFingerprint(_resolved_yaml(cfg)), summary],
+        callbacks=callbacks,
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     refuse_multirun_relaunch(trainer)
+    return trainer
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
+    from lightning_solo.callbacks.config_fingerprint import ConfigFingerprint
+    from lightning_solo.callbacks.run_summary import RunSummary
+
+    check_run_config(cfg)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    summary = RunSummary()
+    callbacks = [*instantiate_group(cfg.get("callbacks")), ConfigFingerprint(_resolved_yaml(cfg)), summary]
+    if cfg.get("auto_batch_size") is not None:  # before WarmupScaledLR and SyncBN read the batch size
+        callbacks.insert(0, hydra.utils.instantiate(cfg.auto_batch_size))
+    trainer = make_trainer(cfg, callbacks)
     # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start);
     # SoloDDP chooses it on rank 0 once the process group exists, so the ranks cannot pick different files.
     resume = cfg.get("resume")
@@ -91,7 +106,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         else resolve_ckpt_path(resume, checkpoint_dir(trainer))
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-    _close_process_group()
+    close_process_group()
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if summary.summary is not None:
         metrics["summary"] = summary.summary
@@ -102,7 +117,7 @@ def _resolved_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml({k: cfg[k] for k in cfg if k != "hydra"}, resolve=True)
 
 
-def _close_process_group() -> None:
+def close_process_group() -> None:
     """Destroy the process group while every rank is still alive: a gloo group left to the interpreter's
     exit can abort the process ("terminate called without an active exception") after a good run."""
     import torch.distributed as dist

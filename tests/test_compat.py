@@ -75,6 +75,27 @@ def test_lightning_reads_exist():
     assert "explained" in str(err)
 
 
+def test_eval_loader_accessors_work():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    class Loader(DataLoader):  # a subclass: re-made the way Lightning injects its sampler
+        pass
+
+    batches = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    wrapped = lightning_compat.index_batch_sampler(batches)
+    assert lightning_compat.inner_batch_sampler(wrapped) is batches
+    assert lightning_compat.inner_batch_sampler(batches) is batches
+    assert [list(b) for b in wrapped] == [[0, 1], [2, 3], [4]] and wrapped.seen_batch_indices == [
+        [0, 1],
+        [2, 3],
+        [4],
+    ]
+    args, kwargs = lightning_compat.dataloader_init_args(Loader(list(range(5)), batch_size=2, num_workers=0))
+    kwargs.update(sampler=None, batch_sampler=batches, batch_size=1, shuffle=False, drop_last=False)
+    remade = lightning_compat.reinstantiate(Loader(list(range(5))), args, kwargs)
+    assert type(remade) is Loader and [b.tolist() for b in remade] == [[0, 1], [2, 3], [4]]
+
+
 def test_torch_names_exist():
     for name in (
         "_get_ddp_logging_data",
@@ -101,9 +122,8 @@ def test_torch_names_exist():
 def test_dataloader_reinstantiation_and_batchnorm_input_check():
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, shuffle=False)
     sampler = torch.utils.data.SequentialSampler(range(6))
-    rebuilt = lightning_compat.reinstantiate_dataloader(
-        loader, sampler, lambda args, kwargs: (args, {**kwargs, "dataset": list(range(6))})
-    )
+    args, kwargs = lightning_compat.dataloader_init_args(loader, sampler)
+    rebuilt = lightning_compat.reinstantiate(loader, args, {**kwargs, "dataset": list(range(6))})
     assert rebuilt.sampler is sampler and [b.tolist() for b in rebuilt] == [[0, 1, 2, 3], [4, 5]]
     bn = torch.nn.BatchNorm2d(3)
     torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3, 4, 4))

@@ -7,19 +7,19 @@ notices when one disappears upstream.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
+from torch.utils.data import SequentialSampler
 
 CHECKED_ON = "lightning 2.6.6"
 
@@ -110,15 +110,29 @@ def logger_connector(trainer: Any) -> Any:
 LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
 
 
-def reinstantiate_dataloader(
-    dataloader: Any, sampler: Any, replace: Callable[[tuple, dict], tuple[tuple, dict]]
-) -> Any:
-    """The training ``dataloader`` built again around ``sampler``, its constructor arguments passed through
-    ``replace`` first, as Lightning re-instantiates loaders to inject its ``DistributedSampler``:
-    ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs`` and ``_reinstantiate_wrapped_cls``
-    (checked on lightning 2.6.6)."""
-    from lightning.pytorch.trainer.states import RunningStage
+def inner_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's predict-time ``_IndexBatchSamplerWrapper`` (its ``_batch_sampler``),
+    or ``batch_sampler`` itself (checked on lightning 2.6.6)."""
+    if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+        return batch_sampler._batch_sampler
+    return batch_sampler
 
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
-    args, kwargs = replace(args, kwargs)
+
+def index_batch_sampler(batch_sampler: Any) -> Any:
+    """``batch_sampler`` wrapped in ``_IndexBatchSamplerWrapper``, from which Lightning's predict loop reads the
+    batch indices it gives prediction writers (checked on lightning 2.6.6)."""
+    return _IndexBatchSamplerWrapper(batch_sampler)
+
+
+def dataloader_init_args(dataloader: Any, sampler: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments that re-create ``dataloader`` (a DataLoader subclass too) around ``sampler``, as Lightning
+    takes them to inject its own: ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs``
+    (checked on lightning 2.6.6). Without ``sampler`` the sampler arguments are placeholders to replace."""
+    return _get_dataloader_init_args_and_kwargs(
+        dataloader, sampler if sampler is not None else SequentialSampler(range(0))
+    )
+
+
+def reinstantiate(dataloader: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``lightning.pytorch.utilities.data._reinstantiate_wrapped_cls`` (checked on lightning 2.6.6)."""
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

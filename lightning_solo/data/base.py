@@ -10,6 +10,7 @@ from lightning_solo.validate import check_int
 
 class ImageDataModule(L.LightningDataModule):
     """Base: subclasses fill ``self.train_set``/``self.val_set`` in ``setup`` and set ``num_classes``.
+    ``test_set`` (test and predict loaders) is the validation set unless a subclass sets it.
 
     ``batch_size`` is per device: the global batch is ``batch_size × devices × nodes × accumulation``.
     Lightning adds the ``DistributedSampler`` under DDP, so the loaders here stay plain.
@@ -24,6 +25,7 @@ class ImageDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() has not run"
@@ -41,3 +43,9 @@ class ImageDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set if self.test_set is not None else self.val_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.test_dataloader()

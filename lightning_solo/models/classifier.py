@@ -8,6 +8,8 @@ Example::
                             optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
 
 The optimizer and scheduler are factories (Hydra ``_partial_: true``) so the module owns no config.
+Validation and test are exact under DDP: padded rows (:func:`lightning_solo.evaluation.eval_rows`) are dropped
+before the loss, the accuracy and the sample count.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torchvision
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
+
+from lightning_solo.evaluation import eval_rows
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -73,7 +77,9 @@ def _replace_head(net: nn.Module, num_classes: int) -> None:
 class ImageClassifier(L.LightningModule):
     """Cross-entropy classifier over ``build_backbone(arch, ...)`` with torchmetrics accuracy.
 
-    Logs ``train/loss``, ``val/loss`` and ``val/acc`` (accuracy over the whole validation set, all ranks).
+    Logs ``train/loss``, ``val/loss``, ``val/acc`` and ``val/samples`` (over the whole validation set, all ranks,
+    each sample once), the same under ``test/`` for ``trainer.test``. Validation, test and predict steps return
+    the predicted class of every batch row (what :class:`~lightning_solo.callbacks.OrderedPredictions` writes).
     ``channels_last`` stores activations NHWC, which speeds up AMP convolutions on GPUs.
     """
 
@@ -102,6 +108,7 @@ class ImageClassifier(L.LightningModule):
         self.channels_last = channels_last
         self.label_smoothing = label_smoothing
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +123,36 @@ class ImageClassifier(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    @override
-    def validation_step(self, batch, batch_idx: int) -> None:
+    def _evaluate(self, stage: str, metric: MulticlassAccuracy, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val/acc", self.val_acc, prog_bar=True)
+        predictions = logits.argmax(dim=-1)
+        rows = eval_rows(self.trainer, batch_idx)
+        if rows is not None and rows.padded:  # the mask is on the CPU: no device sync unless there is padding
+            keep = rows.valid.to(logits.device)
+            logits, y = logits[keep], y[keep]
+        count = len(y)
+        # A mean over the real rows, weighted by their number: Lightning's epoch mean (sync_dist) is then exact.
+        loss = F.cross_entropy(logits, y, reduction="sum") / max(count, 1)
+        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=count)
+        self.log(f"{stage}/samples", float(count), reduce_fx="sum", sync_dist=True, batch_size=1)
+        if count:  # a batch of padding only (fewer samples than ranks): nothing to count
+            metric.update(logits, y)
+        self.log(f"{stage}/acc", metric, prog_bar=stage == "val")
+        return predictions
+
+    @override
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate("val", self.val_acc, batch, batch_idx)
+
+    @override
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate("test", self.test_acc, batch, batch_idx)
+
+    @override
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x).argmax(dim=-1)
 
     @override
     def configure_optimizers(self):

@@ -36,6 +36,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.decision import Decision
+from lightning_solo.evaluation import mean_operand, quiet_padding_warning, shard_eval_loader
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.strategy.resume_hooks import ExactResumeHooks
@@ -89,6 +90,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: steps between parameter averages.
         local_sgd_warmup: post-local-SGD: synchronous steps before local steps start.
+        exact_eval: validate/test/predict loaders evaluate every sample exactly once, every rank the same number
+            of batches (padded rows only for sets too small to split, flagged by ``eval_rows``); see
+            :mod:`lightning_solo.evaluation`. ``False``: Lightning's ``DistributedSampler`` (repeats samples).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -119,6 +123,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         local_sgd_period: int = 4,
         local_sgd_warmup: int = 100,
         gloo_side_group: bool = True,
+        exact_eval: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -170,6 +175,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         self._precision_options = precision_options
         self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
+        self._exact_eval = bool(exact_eval)
+        if self._exact_eval:
+            quiet_padding_warning()
         self._barrier_group = None  # the monitored barrier's and the side channel's group; None: world
         self._barrier_made = False
         self._unused = unused
@@ -257,6 +265,19 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
             self._decide(decision)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(
+            dataloader
+        )  # a training loader is made resumable (resume_hooks)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and not trainer.training and self._exact_eval:  # lightning_solo.evaluation
+            dataloader, decision = shard_eval_loader(
+                dataloader, self.world_size, self.global_rank, trainer.state.stage
+            )
+            self._decide(decision)
+        return dataloader
+
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
         if self._comm.name is None and self._ddp_comm_hook is not None:
@@ -292,6 +313,11 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         if self._model_averager is not None:
             # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
             self._comm.average_parameters(self.module)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
+        return super().reduce(mean_operand(tensor, reduce_op), group, reduce_op)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -28,13 +28,14 @@ TINY_RUN = [
 
 
 @contextmanager
-def composed(overrides: list[str], output_dir: Path):
-    """The runner's config as Hydra would compose it, with ``${hydra:...}`` resolvable."""
+def composed(overrides: list[str], output_dir: Path, config_name: str = "config"):
+    """The runner's config (``config_name="evaluate"``: the evaluation runner's) as Hydra would compose it, with
+    ``${hydra:...}`` resolvable."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
             cfg = compose(
-                "config",
+                config_name,
                 overrides=[*overrides, f"hydra.runtime.output_dir={output_dir}"],
                 return_hydra_config=True,
             )
