@@ -11,7 +11,8 @@ Example::
 
 This module is wiring only: each decision is made by a function in its own module and recorded as a
 :class:`~lightning_solo.decision.Decision` in ``self.decisions`` for the run summary. The exact-resume hooks
-are in :mod:`.resume_hooks`, the unused-parameter hooks in :mod:`.unused_hooks`.
+are in :mod:`.resume_hooks`, the unused-parameter hooks in :mod:`.unused_hooks`, the exact-evaluation hooks in
+:mod:`.eval_hooks`.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.decision import Decision
-from lightning_solo.evaluation import mean_operand, quiet_padding_warning, shard_eval_loader
+from lightning_solo.evaluation import quiet_padding_warning
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
+from lightning_solo.strategy.eval_hooks import ExactEvalHooks
 from lightning_solo.strategy.resume_hooks import ExactResumeHooks
 from lightning_solo.strategy.unused_hooks import UnusedParameterHooks
 from lightning_solo.unused import Phase, UnusedParameters
 from lightning_solo.validate import check_number
 
 
-class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
+class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
     nccl on CUDA and gloo on CPU.
 
@@ -177,7 +179,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
         if self._exact_eval:
-            quiet_padding_warning()
+            quiet_padding_warning()  # Lightning's warning that eval repeats samples: not true here
         self._barrier_group = None  # the monitored barrier's and the side channel's group; None: world
         self._barrier_made = False
         self._unused = unused
@@ -265,19 +267,6 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
             self._decide(decision)
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(
-            dataloader
-        )  # a training loader is made resumable (resume_hooks)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and not trainer.training and self._exact_eval:  # lightning_solo.evaluation
-            dataloader, decision = shard_eval_loader(
-                dataloader, self.world_size, self.global_rank, trainer.state.stage
-            )
-            self._decide(decision)
-        return dataloader
-
-    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
         if self._comm.name is None and self._ddp_comm_hook is not None:
@@ -313,11 +302,6 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks):
         if self._model_averager is not None:
             # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
             self._comm.average_parameters(self.module)
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
-        return super().reduce(mean_operand(tensor, reduce_op), group, reduce_op)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
