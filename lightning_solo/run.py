@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo import cluster
-from lightning_solo.checkpoint import checkpoint_dir, resolve_ckpt_path
+from lightning_solo.checkpoint import checkpoint_dir, hpc_checkpoints, resolve_ckpt_path
 from lightning_solo.config_check import ConfigError, check_config
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.preflight import (
@@ -104,7 +104,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = (
         "auto"
         if resume == "auto" and isinstance(trainer.strategy, SoloDDP)
-        else resolve_ckpt_path(resume, checkpoint_dir(trainer))
+        else resolve_ckpt_path(resume, checkpoint_dir(trainer), hpc_checkpoints(trainer))
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     _close_process_group()

@@ -2,5 +2,6 @@
 
 from lightning_solo.callbacks.checkpoint import SoloCheckpoint
 from lightning_solo.callbacks.lr import WarmupScaledLR
+from lightning_solo.callbacks.requeue import SlurmRequeue
 
-__all__ = ["SoloCheckpoint", "WarmupScaledLR"]
+__all__ = ["SlurmRequeue", "SoloCheckpoint", "WarmupScaledLR"]
