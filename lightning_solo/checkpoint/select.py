@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_solo.checkpoint.io import _TMP_MARK
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
+from lightning_solo.checkpoint.sharded import is_sharded, read_sharded_manifest, verify_sharded
 from lightning_solo.decision import Decision
 
 
@@ -18,7 +19,19 @@ def _candidates(dirpath: str | os.PathLike) -> list[Path]:
     directory = Path(dirpath)
     if not directory.is_dir():
         return []
-    return [p for p in directory.iterdir() if p.suffix == ".ckpt" and p.is_file() and _TMP_MARK not in p.name]
+    return [
+        p
+        for p in directory.iterdir()
+        if p.suffix == ".ckpt" and (p.is_file() or is_sharded(p)) and _TMP_MARK not in p.name
+    ]
+
+
+def _read(path: Path) -> dict | None:
+    return read_sharded_manifest(path) if path.is_dir() else read_manifest(path)
+
+
+def _verify(path: Path) -> dict:
+    return verify_sharded(path) if path.is_dir() else verify(path)
 
 
 def decide_resume(
@@ -37,10 +50,10 @@ def decide_resume(
     ranked = []
     found = [*(_candidates(dirpath) if dirpath is not None else []), *extra]
     for path in dict.fromkeys(p.resolve() for p in found):  # an hpc_ckpt may sit in the directory too
-        manifest = read_manifest(path)
+        manifest = _read(path)
         if manifest is None:
             try:
-                verify(path)  # fails; it says why
+                _verify(path)  # fails; it says why
             except CheckpointVerificationError as err:
                 skipped.append(f"{path.name}: {err.reason}")
         elif manifest.get("trigger") == "exception" and not include_exception:
@@ -50,7 +63,7 @@ def decide_resume(
             ranked.append(((step if isinstance(step, int) else -1, manifest.get("created", 0.0)), path))
     for _, path in sorted(ranked, key=lambda item: item[0], reverse=True):
         try:
-            manifest = verify(path)
+            manifest = _verify(path)
         except CheckpointVerificationError as err:
             skipped.append(f"{path.name}: {err.reason}")
             continue
