@@ -118,8 +118,11 @@ def _run_dir(cwd: Path) -> Path:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_runner_on_two_torchrun_nodes(tmp_path):
-    nodes = torchrun_nodes([*TORCHRUN, *RUN], tmp_path, timeout=280)
+    # docs/multi-node.md's way to set NCCL/gloo variables on every rank: here gloo's interface, for real.
+    env_set = "+hydra.job.env_set.GLOO_SOCKET_IFNAME=lo"
+    nodes = torchrun_nodes([*TORCHRUN, *RUN, env_set], tmp_path, timeout=280)
     _assert_ok(nodes)
+    assert not any("gloo picks its interface" in node.output for node in nodes)
     run = _run_dir(tmp_path)
     assert len(list(tmp_path.rglob(".hydra"))) == 1, "only global rank 0 writes .hydra/"
     assert (run / "train_ddp_process_1.log").exists(), (
