@@ -166,3 +166,21 @@ def test_submitit_launcher_config_composes():
     assert launcher.cpus_per_task == 8 and launcher.timeout_min == 1440
     assert launcher.partition == "gpu" and launcher.signal_delay_s == 120 and launcher.max_num_timeout == 3
     assert launcher.gpus_per_task is None  # hydra#2231: gpus_per_node, never per task
+
+
+def test_requeue_signal_choice(monkeypatch):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_solo.callbacks import SlurmRequeue
+    from lightning_solo.callbacks.requeue import requeue_signal
+
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    environment = SLURMEnvironment(requeue_signal=signal.SIGUSR2)
+    assert requeue_signal(environment) == signal.SIGUSR2  # the SLURM environment's
+    assert requeue_signal(None) == signal.SIGUSR1 and requeue_signal(None, "USR2") == signal.SIGUSR2
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # inside a submitit job: submitit's signal
+    assert requeue_signal(environment) == signal.SIGUSR2
+    monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
+    assert requeue_signal(environment) == signal.SIGUSR1
+    with pytest.raises(ValueError, match="check_every_n_steps"):
+        SlurmRequeue(check_every_n_steps=0)

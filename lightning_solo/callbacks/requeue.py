@@ -83,8 +83,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
         # After Lightning registered its own handlers (Trainer._run), so we see who owns the signal.
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if not isinstance(environment, SLURMEnvironment):
-            self._decide(Decision("requeue", None, "not a SLURM job"))
-            return
+            return  # not a SLURM job: nothing to watch
         signum = requeue_signal(environment, self.signal)
         if lightning_compat.lightning_owns_requeue_signal(trainer, signum):
             self._decide(
