@@ -25,11 +25,10 @@ from lightning_solo.preflight import PreflightError
 #: How long a rank waits for global rank 0 to publish the run directory (rank 0 may still be importing).
 AGREE_TIMEOUT = timedelta(minutes=10)
 STAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"  # as conf/hydra/default.yaml's run.dir
-RESTART_COUNTS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm": "SLURM_RESTART_COUNT"}
 
 
 def launcher(env: Mapping[str, str] = os.environ) -> str | None:
-    """``"torchrun"``, ``"slurm"`` or ``None`` (the processes are Lightning's own, or there is one).
+    """``"torchrun"``, ``"slurm"`` or ``None`` (Lightning starts the processes, or there is only one).
 
     torchrun first: under ``srun torchrun ...`` the processes are torchrun's, with its ranks. SLURM as
     Lightning detects it: ``SLURM_NTASKS`` set and not an interactive ``bash`` / ``interactive`` job.
