@@ -12,6 +12,8 @@ Checks (each in its own subprocess, so a CUDA context never leaks into a fork):
 * ``fork``: after CUDA is initialised, ``SoloDDP(start_method="fork")`` must refuse with a clear error, not
   let every worker die with "Cannot re-initialize CUDA in forked subprocess".
 * ``precision``: ``bench_precision.py`` at 224² × 128, channels_last: strict fp32, TF32, bf16-mixed, 16-mixed.
+* ``fsdp``: ``SoloFSDP`` on the one GPU (nccl, a one-rank mesh): ``precision="auto"`` must pick bf16 parameters
+  with fp32 reduction, the sharded checkpoint must verify and consolidate into a plain model (weights_only).
 
 Usage::
 
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("rewrap", "syncbn", "rng", "fork", "precision")
+CHECKS = ("rewrap", "syncbn", "rng", "fork", "precision", "fsdp")
 RESULT = "RESULT "
 
 
@@ -291,6 +293,53 @@ def check_precision(device: str) -> tuple[bool, str]:
     )
     table = [line for line in proc.stdout.splitlines() if line.startswith("|") or line.startswith("ResNet")]
     return proc.returncode == 0 and len(table) > 3, "\n".join(table) if table else proc.stderr[-600:]
+
+
+def check_fsdp(device: str) -> tuple[bool, str]:
+    import tempfile
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_solo.consolidate import consolidate
+    from lightning_solo.strategy import SoloFSDP
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+            self.dtype_seen = None
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            self.dtype_seen = str(out.dtype)
+            return torch.nn.functional.cross_entropy(out.float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    out = Path(tempfile.mkdtemp())
+    data = TensorDataset(torch.randn(256, 64), torch.randint(0, 4, (256,)))
+    accelerator = "gpu" if device == "cuda" else "cpu"
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, strategy=SoloFSDP(min_num_params=1000), max_steps=4,
+        default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = Net()
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    precision = trainer.strategy.decisions["fsdp_precision"].value
+    manifest = consolidate(trainer.checkpoint_callback.best_model_path, out / "full.ckpt")
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    state = torch.load(out / "full.ckpt", weights_only=True)["state_dict"]
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    want = "bf16-mixed" if device == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+    ok = precision == want and manifest["global_step"] == 4
+    return (
+        ok,
+        f"precision {precision} (compute {model.dtype_seen}); consolidated step {manifest['global_step']}",
+    )
 
 
 # ------------------------------------------------------------------ driver

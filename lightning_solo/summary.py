@@ -35,6 +35,8 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.world_size // max(1, trainer.num_nodes),
+        "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
         "accelerator": type(trainer.accelerator).__name__,
         "precision": trainer.precision,
         "strategy": type(strategy).__name__,
@@ -64,7 +66,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         return str(value)
 
     rows = [
-        ("world size", f"{summary['world_size']} ({summary['num_nodes']} node(s), {summary['accelerator']})"),
+        (
+            "world size",
+            f"{summary['world_size']} = {summary['num_nodes']} node(s) × {summary['devices_per_node']} device(s)"
+            f" ({summary['accelerator']}, {summary['cluster_environment']})",
+        ),
         ("strategy", summary["strategy"]),
         *((f"  {k}", fmt(v)) for k, v in summary["strategy_settings"].items()),
         ("precision", summary["precision"]),

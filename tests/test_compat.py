@@ -4,11 +4,13 @@ checked on lightning 2.6.6 and torch 2.14.1). An upstream release that moves one
 from __future__ import annotations
 
 import inspect
+import signal
 
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -70,6 +72,14 @@ def test_lightning_reads_exist():
     assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path(
         "s3://b/x.ckpt"
     )
+    assert lightning_compat.hpc_save_path(trainer).endswith("hpc_ckpt_1.ckpt")
+    assert lightning_compat.lightning_owns_requeue_signal(trainer, signal.SIGUSR1) is False
+    handler = trainer._signal_connector._slurm_sigusr_handler_fn
+    previous = signal.signal(signal.SIGUSR1, _HandlersCompose([handler]))
+    try:
+        assert lightning_compat.lightning_owns_requeue_signal(trainer, signal.SIGUSR1) is True
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     err = RuntimeError("Expected to have finished reduction")
     lightning_compat.augment_message(err, ".*finished reduction.*", "explained")
     assert "explained" in str(err)

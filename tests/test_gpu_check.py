@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 def test_help_lists_every_check():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for check in ("rewrap", "syncbn", "rng", "fork", "precision"):
+    for check in ("rewrap", "syncbn", "rng", "fork", "precision", "fsdp"):
         assert f"``{check}``" in out.stdout
 
 

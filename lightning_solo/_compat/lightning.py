@@ -136,3 +136,20 @@ def dataloader_init_args(dataloader: Any, sampler: Any = None) -> tuple[tuple[An
 def reinstantiate(dataloader: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``lightning.pytorch.utilities.data._reinstantiate_wrapped_cls`` (checked on lightning 2.6.6)."""
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def lightning_owns_requeue_signal(trainer: Any, signum: int) -> bool:
+    """Whether ``signum``'s handler is the one Lightning's ``_SignalConnector.register_signal_handlers`` installs
+    for SLURM auto-requeue: a ``_HandlersCompose`` whose ``signal_handlers`` hold the trainer's
+    ``_signal_connector._slurm_sigusr_handler_fn`` (checked on lightning 2.6.6)."""
+    import signal
+
+    ours = getattr(getattr(trainer, "_signal_connector", None), "_slurm_sigusr_handler_fn", None)
+    return ours is not None and ours in getattr(signal.getsignal(signum), "signal_handlers", ())
+
+
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning's SLURM handler saves, and where ``fit(ckpt_path=None)`` on SLURM resumes from:
+    ``trainer._checkpoint_connector.hpc_save_path(default_root_dir)``, the next ``hpc_ckpt_<n>.ckpt``
+    (checked on lightning 2.6.6)."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

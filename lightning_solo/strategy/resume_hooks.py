@@ -20,7 +20,7 @@ from lightning_solo import comm, resume
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
-from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume
+from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume, hpc_checkpoints
 from lightning_solo.resumable_loader import make_resumable
 from lightning_solo.strategy.base import SoloStrategyBase
 
@@ -126,7 +126,7 @@ class ExactResumeHooks(SoloStrategyBase):
         trainer = self.module.trainer
         chosen: tuple[Any, Any] | None = None
         if self.global_rank == 0:
-            decision = decide_resume(checkpoint_dir(trainer))
+            decision = decide_resume(checkpoint_dir(trainer), extra=hpc_checkpoints(trainer))
             chosen = (decision, decision.value and read_manifest(decision.value))
         decision, manifest = self.broadcast(chosen, src=0)  # type: ignore[misc]  # rank 0 always sends a pair
         self._decide(decision)

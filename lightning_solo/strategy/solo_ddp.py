@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_solo import comm, syncbn
+from lightning_solo import cluster, comm, syncbn
 from lightning_solo import precision as amp
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
@@ -231,6 +231,10 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the device, then the process group
+        if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
+            self._decide(
+                launched
+            )  # torchrun / SLURM started the processes, not the start method chosen above
         # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
         # ranks, a collective). Nothing uses the plugin before this.
         self.precision_plugin, decisions = amp.decide_precision_plugin(
