@@ -24,6 +24,14 @@ def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
     return list(found.values())
 
 
+def collect_advice(trainer: L.Trainer) -> list[str]:
+    """The strategy's advice, then each callback's (Preflight's warnings, LossWatch's findings, ...)."""
+    lines: list[str] = []
+    for owner in (trainer.strategy, *trainer.callbacks):
+        lines += [line for line in getattr(owner, "advice", None) or [] if line not in lines]
+    return lines
+
+
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
     strategy = trainer.strategy
     settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
@@ -42,7 +50,7 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
         "strategy": type(strategy).__name__,
         "strategy_settings": settings,
         "decisions": collect_decisions(trainer),
-        "advice": list(getattr(strategy, "advice", []) or []),
+        "advice": collect_advice(trainer),
         "per_device_batch": batch.per_device if batch else None,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "global_batch": batch.size if batch else None,

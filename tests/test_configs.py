@@ -37,7 +37,7 @@ def test_resnet_4gpu_is_what_it_says(tmp_path):
         assert cfg.data._target_.endswith("CIFAR10DataModule")
 
 
-@pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger"])
+@pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger", "profile"])
 def test_every_group_option_composes(group, tmp_path):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         overrides = [f"{group}={option}"]
@@ -58,6 +58,9 @@ def test_every_group_option_composes(group, tmp_path):
         ("parallelism.precision=17", "parallelism.precision"),
         ("+parallelism.devics=3", "parallelism.devics"),
         ("parallelism.strategy.timeout=soon", "parallelism.strategy.timeout"),
+        ("+callbacks.loss_watch.windw=10", "callbacks.loss_watch.windw"),
+        ("callbacks.preflight.strict=maybe", "callbacks.preflight.strict"),
+        ("callbacks.resource_monitor.every_n_steps=often", "callbacks.resource_monitor.every_n_steps"),
     ],
 )
 def test_bad_values_name_the_key(override, named, tmp_path):

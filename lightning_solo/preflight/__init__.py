@@ -1,6 +1,11 @@
 """Checks that must pass before any worker starts: devices that exist, a world size that agrees with
 the launcher's environment, no Hydra multirun on top of a launcher that re-runs the command, and (a
-warning) gloo's network interface on a multi-node job."""
+warning) gloo's network interface on a multi-node job.
+
+``python -m lightning_solo.preflight`` (``__main__.py``, :mod:`.machine`) checks a machine or every rank of an
+allocation before a long job, without training; the checks during a fit are the
+:class:`~lightning_solo.callbacks.Preflight` callback's.
+"""
 
 from __future__ import annotations
 

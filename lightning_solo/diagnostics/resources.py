@@ -1,0 +1,73 @@
+"""What one process uses right now: CPU (machine and process), resident memory, and on GPU the device's
+utilisation and memory through NVML (``nvidia-ml-py``, optional: ``pip install "lightning_solo[gpu]"``).
+
+Example::
+
+    decision = decide_sources(torch.device("cuda", 0))   # psutil, plus NVML when it answers
+    sampler = ResourceSampler(torch.device("cuda", 0), nvml=decision.value == ["psutil", "nvml"])
+    dict(zip(sampler.keys, sampler.sample()))            # {"cpu/system_percent": 31.0, ...}
+
+The keys depend only on the device type, so every rank of a job has the same ones; a value a rank cannot
+read is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import psutil
+import torch
+
+from lightning_solo.decision import Decision
+
+CPU_KEYS = ("cpu/system_percent", "cpu/process_percent", "memory/rss_gib")
+GPU_KEYS = ("gpu/util_percent", "gpu/memory_used_gib")
+_GIB = 2**30
+
+
+def decide_sources(device: torch.device) -> Decision:
+    """psutil always; NVML for a CUDA device when it can be read (torch maps the device through it)."""
+    if device.type != "cuda":
+        return Decision(
+            "resource_monitor.sources", ["psutil"], f"{device.type} device: CPU and RSS via psutil"
+        )
+    try:
+        torch.cuda.utilization(device)
+    except Exception as err:  # noqa: BLE001 - nvidia-ml-py missing, no driver access: GPU values stay NaN
+        return Decision(
+            "resource_monitor.sources",
+            ["psutil"],
+            f"NVML unavailable ({type(err).__name__}: {err}); install lightning_solo[gpu] (nvidia-ml-py) for GPU "
+            "utilisation and memory",
+        )
+    return Decision("resource_monitor.sources", ["psutil", "nvml"], "GPU utilisation and memory via NVML")
+
+
+class ResourceSampler:
+    """Samples :attr:`keys` in order. CPU percentages are averages since the previous sample (psutil's)."""
+
+    def __init__(self, device: torch.device, nvml: bool) -> None:
+        self.device, self.nvml = device, nvml
+        self.keys = CPU_KEYS + (GPU_KEYS if device.type == "cuda" else ())
+        self._process = psutil.Process()
+        psutil.cpu_percent(None)  # the first call only starts the interval
+        self._process.cpu_percent(None)
+
+    def sample(self) -> list[float]:
+        values = [
+            psutil.cpu_percent(None),
+            self._process.cpu_percent(None),
+            self._process.memory_info().rss / _GIB,
+        ]
+        if self.device.type == "cuda":
+            values += self._gpu() if self.nvml else [math.nan, math.nan]
+        return values
+
+    def _gpu(self) -> list[float]:
+        try:
+            return [
+                float(torch.cuda.utilization(self.device)),
+                torch.cuda.device_memory_used(self.device) / _GIB,
+            ]
+        except Exception:  # noqa: BLE001 - a driver hiccup must not stop training: report unknown
+            return [math.nan, math.nan]
