@@ -95,8 +95,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             ``None`` (exact all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` (its state is checkpointed and
             restored), or ``"post_local_sgd"`` (local steps, parameters averaged every ``local_sgd_period``
             steps after ``local_sgd_warmup`` synchronous ones; the model is averaged once more at the end of
-            fit). See :class:`lightning_solo.comm.CommHook`. Lightning's ``ddp_comm_hook=`` callables are
-            also registered on every device.
+            fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
+            :mod:`lightning_solo.comm.auto`). See :class:`lightning_solo.comm.CommHook`. Lightning's
+            ``ddp_comm_hook=`` callables are also registered on every device.
         powersgd_rank: PowerSGD's matrix approximation rank.
         powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: steps between parameter averages.
@@ -143,7 +144,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
                 "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
             )
-        comm_hooks = comm.CommHook(
+        comm_hooks = comm.make_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter,
@@ -297,6 +298,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
+        self._comm.after_step(self.root_device)
         # The point a checkpoint's record describes, whenever the save happens before the next step.
         trainer = self.lightning_module.trainer
         self._last_step = (resume.rng_state(), int(trainer.fit_loop.epoch_loop.batch_progress.current.ready))
@@ -462,7 +464,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         # A batch boundary: the policy's decision is the same on every rank (it is made from all-reduced
         # evidence and the trainable set, which every rank changes alike), so every rank re-wraps together.
-        if self._unused.at_boundary(self.model):
+        rewrap = self._unused.at_boundary(self.model)
+        if self._comm.at_boundary(self.root_device) or rewrap:  # comm_hook="auto" between its trials
             self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)

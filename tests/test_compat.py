@@ -78,6 +78,7 @@ def test_lightning_reads_exist():
 def test_torch_names_exist():
     for name in (
         "_get_ddp_logging_data",
+        "_set_ddp_runtime_logging_sample_rate",
         "_remove_autograd_hooks",
         "_set_params_and_buffers_to_ignore_for_model",
     ):
@@ -96,3 +97,18 @@ def test_torch_names_exist():
     assert "extra" not in dict(module.named_parameters())
     torch_compat.set_params_to_ignore(module, ["weight"])
     assert getattr(module, torch_compat.DDP_IGNORE_LIST) == ["weight"]
+
+
+def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
+    import torch.distributed as dist
+
+    from lightning_solo.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
+    torch_compat.set_ddp_runtime_logging_sample_rate(ddp, 1)
+    for _ in range(3):
+        ddp(torch.ones(1, 2)).sum().backward()
+    data = torch_compat.ddp_logging_data(ddp)
+    assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
+    assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)
