@@ -12,7 +12,8 @@ fed precomputed batches (no loader work, so the doctor's per-step cost is as lar
 * ``ddp``: what that sample rate costs inside DDP: raw DDP, two identical wrappers stepping in alternating
   blocks, one timed every iteration and one at DDP's default (every 100th), the roles swapped each round.
 
-The overhead is 1 - the median of the paired on/off ratios.
+The overhead is 1 - the median of the paired on/off ratios. The fits also time the doctor's per-step hooks
+directly (rank 0): their share of the step is the cost on the host, insensitive to the machine's load.
 
 Usage::
 
@@ -96,6 +97,7 @@ def fit(args: argparse.Namespace, workload: str, doctor: bool | str, out: Path) 
         def __init__(self) -> None:
             self.doctor = TrainingDoctor() if doctor else None
             self.on, self.marks, self.blocks = bool(doctor), {}, []
+            self.inside = 0.0  # seconds spent in the doctor's per-step hooks during the timed steps
 
         def setup(self, trainer, pl_module, stage):
             self.callbacks = [self.doctor] if self.doctor else []
@@ -104,17 +106,21 @@ def fit(args: argparse.Namespace, workload: str, doctor: bool | str, out: Path) 
             for cb in self.callbacks:
                 cb.on_train_start(trainer, pl_module)
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        def _call(self, trainer, hook, *hook_args):
             if self.on:
-                self.doctor.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+                started = time.perf_counter()
+                getattr(self.doctor, hook)(trainer, *hook_args)
+                if 0 <= trainer.global_step - args.warmup < steps:
+                    self.inside += time.perf_counter() - started
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._call(trainer, "on_train_batch_start", pl_module, batch, batch_idx)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if self.on:
-                self.doctor.on_before_optimizer_step(trainer, pl_module, optimizer)
+            self._call(trainer, "on_before_optimizer_step", pl_module, optimizer)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.on:
-                self.doctor.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self._call(trainer, "on_train_batch_end", pl_module, outputs, batch, batch_idx)
             step = trainer.global_step - args.warmup
             if step == 0:
                 self.marks["start"] = self.marks["block"] = time.perf_counter()
@@ -138,6 +144,7 @@ def fit(args: argparse.Namespace, workload: str, doctor: bool | str, out: Path) 
                 record = {
                     "samples_per_s": steps * batch_size * trainer.world_size / seconds,
                     "report_seconds": time.perf_counter() - started,
+                    "inside": self.inside / seconds,
                     "blocks": self.blocks,
                 }
                 (out / "record.json").write_text(json.dumps(record))
@@ -221,7 +228,7 @@ def main() -> None:
         for workload in args.workloads.split(","):
             args.block = block or (25 if workload == "mlp" else 4)
             if "fits" in modes:
-                ratios, on, off, reports = [], [], [], []
+                ratios, on, off, reports, inside = [], [], [], [], []
                 for r in range(args.rounds):
                     got = {}
                     for doctor in (True, False) if r % 2 == 0 else (False, True):
@@ -229,11 +236,13 @@ def main() -> None:
                         got[doctor] = record["samples_per_s"]
                         if doctor:
                             reports.append(record["report_seconds"])
+                            inside.append(record["inside"])
                     on.append(got[True])
                     off.append(got[False])
                     ratios.append(got[True] / got[False])
                     print(f"{workload} fits, round {r + 1}: on {got[True]:.1f}, off {got[False]:.1f} samples/s", flush=True)  # fmt: skip
                 rows.append((workload, "fits", ratios, f"{statistics.median(on):.1f} / {statistics.median(off):.1f}", f"{statistics.median(reports):.2f} s"))  # fmt: skip
+                rows.append((workload, "time inside the doctor's hooks / step time (fits on)", [1 - x for x in inside], "", ""))  # fmt: skip
             if "blocks" in modes:
                 ratios = []
                 for r in range(args.rounds):

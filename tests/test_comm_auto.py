@@ -1,5 +1,7 @@
 """comm_hook="auto": every candidate hook really runs for its trial, the times are reduced over the ranks, the
-same hook is kept on every rank, and on CPU (gloo, where the hooks measure slower) it is exact all-reduce."""
+same hook is kept on every rank, and on CPU (gloo, where the hooks measure slower) it is exact all-reduce.
+The fit accumulates gradients over 2 batches (trials switch at step boundaries; DDP records nothing under
+``no_sync``), with TrainingDoctor on: one value per optimizer step, every micro-batch's samples counted."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
+from lightning_solo.callbacks import TrainingDoctor
 from lightning_solo.comm import AUTO_CANDIDATES, AutoCommHook, decide_comm_hook, make_comm_hook
 from lightning_solo.comm.auto import label
 from tests.helpers.records import read_rank_records, write_rank_record
@@ -67,11 +70,14 @@ class Tiny(L.LightningModule):
 
 
 class HooksSeen(L.Callback):
-    def __init__(self, path):
-        self.path, self.seen = path, []
+    """The hook DDP ran each optimizer step, the comm-hook decision, the doctor's report."""
+
+    def __init__(self, path, doctor):
+        self.path, self.seen, self.doctor = path, [], doctor
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append(trainer.strategy.model._get_ddp_logging_data().get("comm_hook"))
+        if len(self.seen) < trainer.global_step:  # this micro-batch ended a step
+            self.seen.append(trainer.strategy.model._get_ddp_logging_data().get("comm_hook"))
 
     def on_fit_end(self, trainer, pl_module):
         strategy = trainer.strategy
@@ -80,7 +86,7 @@ class HooksSeen(L.Callback):
             self.path,
             trainer.global_rank,
             {"seen": self.seen, "value": decision.value, "reason": decision.reason,
-             "measured": strategy._comm.measured_ms},
+             "measured": strategy._comm.measured_ms, "doctor": self.doctor.report},
         )  # fmt: skip
 
 
@@ -88,10 +94,12 @@ class HooksSeen(L.Callback):
 @pytest.mark.timeout(120)
 def test_auto_tries_every_hook_and_keeps_exact_allreduce_on_cpu(tmp_path):
     steps = TRIAL * len(AUTO_CANDIDATES) + 3
+    doctor = TrainingDoctor(chart=None)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-        strategy=SoloDDP(start_method="fork", comm_hook="auto"), callbacks=[HooksSeen(tmp_path)],
+        accelerator="cpu", devices=2, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path, strategy=SoloDDP(start_method="fork", comm_hook="auto"),
+        callbacks=[doctor, HooksSeen(tmp_path, doctor)],
     )  # fmt: skip
     trainer.fit(Tiny())
     r0, r1 = read_rank_records(tmp_path)
@@ -104,4 +112,11 @@ def test_auto_tries_every_hook_and_keeps_exact_allreduce_on_cpu(tmp_path):
     assert r0["value"] is None and "kept exact all-reduce" in r0["reason"], r0["reason"]
     assert list(r0["measured"]) == [label(name) for name in AUTO_CANDIDATES]
     assert r0["measured"] == r1["measured"] and r0["reason"] == r1["reason"]  # MAX-reduced: one choice
-    assert all(ms >= 100.0 for ms in r0["measured"].values())  # the 100 ms step, timed
+    assert all(ms >= 100.0 for ms in r0["measured"].values())  # the synchronising batch's 100 ms, timed
+
+    report = r0["doctor"]
+    assert report["steps"] == steps - 3  # the doctor's warm-up
+    rank = report["ranks"][0]
+    assert rank["samples_per_s"] * rank["step_ms"] / 1e3 == pytest.approx(2 * 4, rel=0.01)  # 2 batches of 4
+    assert rank["compute_ms"] >= 200  # both micro-batches' forward+backward
+    assert not {r["value"] for r in report["verdict"]["remedies"]} & {"fp16", "bf16", "powersgd", "auto"}

@@ -221,3 +221,22 @@ def test_cuda_intervals_are_read_back_a_bin_late_and_all_at_a_report():
     assert rank_times(window.values()).compute_ms >= 1.0  # every interval read back, none lost in a merge
     assert sum(b.v[STEPS] for b in timer.bins) == 11 and len(timer.bins) <= 4
     assert sum(b.v[FWD_BWD] for b in timer.bins) == pytest.approx(window.v[FWD_BWD])  # bins and window agree
+
+
+def test_the_runner_turns_the_doctor_on_and_checks_its_keys(tmp_path):
+    import hydra
+
+    from lightning_solo.callbacks import TrainingDoctor
+    from lightning_solo.config_check import ConfigError, check_config
+    from tests.helpers import composed
+
+    with composed(["callbacks.doctor.every_n_steps=100", "data.prefetch_factor=4"], tmp_path) as cfg:
+        check_config(cfg)
+        doctor = hydra.utils.instantiate(cfg.callbacks.doctor)
+        assert isinstance(doctor, TrainingDoctor) and doctor.every_n_steps == 100
+        assert hydra.utils.instantiate(cfg.data).prefetch_factor == 4
+    with composed(["+callbacks.doctor.every_n_step=100"], tmp_path) as cfg:
+        with pytest.raises(
+            ConfigError, match="callbacks.doctor.every_n_step: .*Did you mean 'every_n_steps'"
+        ):
+            check_config(cfg)

@@ -96,7 +96,10 @@ class TrainingDoctor(DecisionLog, L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
         self._timer = StepTimer(pl_module.device, ExposedComm(rate))
-        expected = trainer.estimated_stepping_batches
+        try:
+            expected = float(trainer.estimated_stepping_batches)
+        except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
+            expected = math.inf
         self._warmup = min(
             self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps
         )

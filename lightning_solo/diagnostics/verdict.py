@@ -10,9 +10,11 @@ fractions of the measured step, per rank, from the :class:`~lightning_solo.diagn
 * **data**: the other ranks' data wait; **compute**: their forward+backward and optimizer step.
 
 The bound is the largest share. Each remedy names the config key that applies it and the fraction
-of the step it is expected to save; they come ranked by that gain. Remedies are only offered where they were
-measured to pay: compression hooks never on CPU (measured slower than exact all-reduce over gloo, see
-benchmarks/RESULTS.md), nor where ``comm_hook="auto"`` already measured them slower.
+of the step it is expected to save (the measured share it acts on × the part of it that lever removes, a
+stated estimate: 0.9 for the first loader workers, 1/2 of the all-reduce for twice the batch, ...); they
+come ranked by that gain. Remedies are only offered where they were measured to pay: compression hooks
+never on CPU (measured slower than exact all-reduce over gloo, see benchmarks/RESULTS.md), nor where
+``comm_hook="auto"`` already measured them slower.
 
 Example::
 
