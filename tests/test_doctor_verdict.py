@@ -240,3 +240,21 @@ def test_the_runner_turns_the_doctor_on_and_checks_its_keys(tmp_path):
             ConfigError, match="callbacks.doctor.every_n_step: .*Did you mean 'every_n_steps'"
         ):
             check_config(cfg)
+
+
+def test_one_process_without_ddp_is_measured_too(tmp_path):
+    import lightning as L
+
+    from lightning_solo.callbacks import TrainingDoctor
+    from tests.helpers.modules import TinyModule
+
+    doctor = TrainingDoctor(warmup_steps=1, every_n_steps=4, chart=None)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=8, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[doctor],
+    )  # fmt: skip
+    trainer.fit(TinyModule(samples=16, batch_size=2))
+    assert [r["steps"] for r in doctor.reports] == [3, 4] and doctor.report["steps"] == 7
+    assert doctor.report["straggler"]["rank"] is None and doctor.report["ranks"][0]["comm_ms"] == 0.0
+    assert doctor.report["throughput"]["global_samples_per_s"] > 0
+    assert doctor.files == {"json": str(tmp_path / "doctor.json"), "chart": None}

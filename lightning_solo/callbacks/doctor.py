@@ -94,12 +94,14 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
-        self._timer = StepTimer(pl_module.device, ExposedComm(rate))
         try:
             expected = float(trainer.estimated_stepping_batches)
         except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
             expected = math.inf
+        rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
+        # Chart bins of 8 steps (DDP's data read once per bin), narrower for short runs: 64+ points.
+        bin_steps = max(1, min(8, int(expected) // 64)) if math.isfinite(expected) else 8
+        self._timer = StepTimer(pl_module.device, ExposedComm(rate), bin_steps=bin_steps)
         self._warmup = min(
             self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps
         )
