@@ -32,6 +32,16 @@ def collect_advice(trainer: L.Trainer) -> list[str]:
     return lines
 
 
+def doctor_summary(trainer: L.Trainer) -> dict[str, Any] | None:
+    """Where TrainingDoctor wrote its report and chart, and its verdict (None without a doctor)."""
+    for callback in trainer.callbacks:
+        files = getattr(callback, "files", None)
+        if files and "json" in files:
+            verdict = (getattr(callback, "report", None) or {}).get("verdict") or {}
+            return {**files, "bound": verdict.get("bound")}
+    return None
+
+
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
     strategy = trainer.strategy
     settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
@@ -51,6 +61,7 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
         "strategy_settings": settings,
         "decisions": collect_decisions(trainer),
         "advice": collect_advice(trainer),
+        "doctor": doctor_summary(trainer),
         "per_device_batch": batch.per_device if batch else None,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "global_batch": batch.size if batch else None,
@@ -94,6 +105,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     rows += [("decision", f"{d['setting']} = {d['value']!r}: {d['reason']}") for d in summary["decisions"]]
     rows += [("advice", line) for line in summary["advice"]]
+    if doctor := summary.get("doctor"):
+        bound = f"{doctor['bound']}-bound: " if doctor.get("bound") else ""
+        rows.append(("doctor", bound + ", ".join(p for p in (doctor["json"], doctor.get("chart")) if p)))
     width = max(len(k) for k, _ in rows)
     lines = ["", "=" * 30 + " lightning_solo run summary " + "=" * 30]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,13 @@ def test_default_run_end_to_end(tmp_path):
         f"{summary['samples_per_second']:.1f} samples/s"
     )
     assert summary["world_size"] == 2 and summary["global_batch"] == 64
+    doctor = json.loads((run / "doctor.json").read_text())  # TrainingDoctor is on by default
+    assert Path(summary["doctor"]["json"]).resolve() == (run / "doctor.json").resolve()
+    assert (run / "doctor.png").exists()
+    assert (
+        doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"]
+        and len(doctor["series"]["ranks"]) == 2
+    )
     assert summary["val_acc"] >= 0.90
     ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
     net = torchvision.models.get_model("resnet18", num_classes=10)

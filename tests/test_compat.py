@@ -109,6 +109,7 @@ def test_eval_loader_accessors_work():
 def test_torch_names_exist():
     for name in (
         "_get_ddp_logging_data",
+        "_set_ddp_runtime_logging_sample_rate",
         "_remove_autograd_hooks",
         "_set_params_and_buffers_to_ignore_for_model",
     ):
@@ -139,3 +140,18 @@ def test_dataloader_reinstantiation_and_batchnorm_input_check():
     torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3, 4, 4))
     with pytest.raises(ValueError, match="4D"):
         torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3))
+
+
+def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
+    import torch.distributed as dist
+
+    from lightning_solo.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
+    torch_compat.set_ddp_runtime_logging_sample_rate(ddp, 1)
+    for _ in range(3):
+        ddp(torch.ones(1, 2)).sum().backward()
+    data = torch_compat.ddp_logging_data(ddp)
+    assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
+    assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)

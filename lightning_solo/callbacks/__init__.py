@@ -2,6 +2,7 @@
 
 from lightning_solo.callbacks.auto_batch_size import AutoBatchSize
 from lightning_solo.callbacks.checkpoint import SoloCheckpoint
+from lightning_solo.callbacks.doctor import TrainingDoctor
 from lightning_solo.callbacks.loss_watch import LossWatch
 from lightning_solo.callbacks.lr import WarmupScaledLR
 from lightning_solo.callbacks.predictions import OrderedPredictions
@@ -19,5 +20,6 @@ __all__ = [
     "ResourceMonitor",
     "SlurmRequeue",
     "SoloCheckpoint",
+    "TrainingDoctor",
     "WarmupScaledLR",
 ]

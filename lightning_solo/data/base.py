@@ -18,11 +18,18 @@ class ImageDataModule(L.LightningDataModule):
 
     num_classes: int
 
-    def __init__(self, batch_size: int = 32, num_workers: int = 0, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
         super().__init__()
         self.batch_size = check_int("batch_size", batch_size)
         self.num_workers = check_int("num_workers", num_workers, minimum=0)
         self.pin_memory = pin_memory
+        self.prefetch_factor = check_int("prefetch_factor", prefetch_factor, optional=True)  # per worker
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -36,6 +43,7 @@ class ImageDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,  # torch's default: 2
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -86,8 +86,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
             ``None`` (exact all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` (its state is checkpointed and
             restored), or ``"post_local_sgd"`` (local steps, parameters averaged every ``local_sgd_period``
             steps after ``local_sgd_warmup`` synchronous ones; the model is averaged once more at the end of
-            fit). See :class:`lightning_solo.comm.CommHook`. Lightning's ``ddp_comm_hook=`` callables are
-            also registered on every device.
+            fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
+            :mod:`lightning_solo.comm.auto`). See :class:`lightning_solo.comm.CommHook`. Lightning's
+            ``ddp_comm_hook=`` callables are also registered on every device.
         powersgd_rank: PowerSGD's matrix approximation rank.
         powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: steps between parameter averages.
@@ -138,7 +139,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
                 "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
                 "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
             )
-        comm_hooks = comm.CommHook(
+        comm_hooks = comm.make_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter,
@@ -269,6 +270,12 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
         # Made after setup, while restoring a checkpoint (e.g. the GradScaler kept across a resume).
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)  # the resume point is taken there (resume_hooks)
+        self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
+        return output
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -89,7 +89,8 @@ class UnusedParameterHooks(SoloStrategyBase):
         super().on_train_batch_start(batch, batch_idx)
         # A batch boundary: the policy's decision is the same on every rank (it is made from all-reduced
         # evidence and the trainable set, which every rank changes alike), so every rank re-wraps together.
-        if self._unused.at_boundary(self.wrapped):
+        rewrap = self._unused.at_boundary(self.wrapped)
+        if self._comm.at_boundary(self.root_device) or rewrap:  # comm_hook="auto" between its trials too
             self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)
