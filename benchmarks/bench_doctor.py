@@ -7,7 +7,8 @@ fed precomputed batches (no loader work, so the doctor's per-step cost is as lar
   0 from the end of the warm-up to the last step. The doctor's one-time end-of-training report (gather,
   table, doctor.json, doctor.png) is timed apart. Between fits the machine's load moves too, so:
 * ``blocks``: one fit per round whose doctor is switched on and off every ``--block`` steps (same processes,
-  same data, adjacent in time); each on block is compared with the mean of its two off neighbours.
+  same data, adjacent in time); each on block is compared with the mean of its two off neighbours, per wall
+  second and per CPU second of rank 0's process (which other jobs' load does not inflate).
   DDP's timer runs at the doctor's sample rate throughout, so this is what the doctor's own hooks cost;
 * ``ddp``: what that sample rate costs inside DDP: raw DDP, two identical wrappers stepping in alternating
   blocks, one timed every iteration and one at DDP's default (every 100th), the roles swapped each round.
@@ -124,15 +125,16 @@ def fit(args: argparse.Namespace, workload: str, doctor: bool | str, out: Path) 
             step = trainer.global_step - args.warmup
             if step == 0:
                 self.marks["start"] = self.marks["block"] = time.perf_counter()
+                self.marks["cpu"] = time.process_time()
             elif step == steps:
                 self.marks["stop"] = time.perf_counter()
             if doctor == "toggle" and step >= 0 and step % args.block == 0:
                 if step:
-                    now = time.perf_counter()
-                    self.blocks.append(
-                        (self.on, args.block * batch_size * trainer.world_size / (now - self.marks["block"]))
-                    )
-                    self.marks["block"] = now
+                    now, cpu = time.perf_counter(), time.process_time()
+                    samples = args.block * batch_size * trainer.world_size
+                    wall, busy = now - self.marks["block"], cpu - self.marks["cpu"]
+                    self.blocks.append((self.on, samples / wall, samples / busy))
+                    self.marks["block"], self.marks["cpu"] = now, cpu
                 self.on = not self.on if step else False  # off, on, off, ... from the warm-up's end
 
         def on_train_end(self, trainer, pl_module):
@@ -197,12 +199,13 @@ def _ddp_timer_rank(rank: int, world: int, args: argparse.Namespace, workload: s
     return ratios
 
 
-def _neighbour_ratios(blocks: list[tuple[bool, float]]) -> list[float]:
-    """Each on block's throughput over the mean of the off blocks on either side."""
+def _neighbour_ratios(blocks: list[tuple[bool, float, float]], which: int = 1) -> list[float]:
+    """Each on block's throughput over the mean of the off blocks on either side (``which``: 1 per wall
+    second, 2 per CPU second of rank 0's process)."""
     return [
-        speed / ((blocks[i - 1][1] + blocks[i + 1][1]) / 2)
-        for i, (on, speed) in enumerate(blocks)
-        if on and 0 < i < len(blocks) - 1
+        block[which] / ((blocks[i - 1][which] + blocks[i + 1][which]) / 2)
+        for i, block in enumerate(blocks)
+        if block[0] and 0 < i < len(blocks) - 1
     ]
 
 
@@ -244,11 +247,14 @@ def main() -> None:
                 rows.append((workload, "fits", ratios, f"{statistics.median(on):.1f} / {statistics.median(off):.1f}", f"{statistics.median(reports):.2f} s"))  # fmt: skip
                 rows.append((workload, "time inside the doctor's hooks / step time (fits on)", [1 - x for x in inside], "", ""))  # fmt: skip
             if "blocks" in modes:
-                ratios = []
+                ratios, cpu = [], []
                 for r in range(args.rounds):
-                    ratios += _neighbour_ratios(fit(args, workload, "toggle", Path(tmp))["blocks"])
-                    print(f"{workload} blocks, round {r + 1}: ratios so far {[round(x, 3) for x in ratios]}", flush=True)  # fmt: skip
-                rows.append((workload, f"blocks of {args.block} steps", ratios, "", ""))
+                    blocks = fit(args, workload, "toggle", Path(tmp))["blocks"]
+                    ratios += _neighbour_ratios(blocks)
+                    cpu += _neighbour_ratios(blocks, which=2)
+                    print(f"{workload} blocks, round {r + 1}: wall {[round(x, 3) for x in ratios]}, cpu {[round(x, 3) for x in cpu]}", flush=True)  # fmt: skip
+                rows.append((workload, f"blocks of {args.block} steps, per wall second", ratios, "", ""))
+                rows.append((workload, f"blocks of {args.block} steps, per CPU second (rank 0)", cpu, "", ""))
             if "ddp" in modes:
                 ratios = ddp_timer(args, workload)
                 print(f"{workload} ddp timer: {[round(x, 3) for x in ratios]}", flush=True)

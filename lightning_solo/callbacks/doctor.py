@@ -99,8 +99,8 @@ class TrainingDoctor(DecisionLog, L.Callback):
         except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
             expected = math.inf
         rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
-        # Chart bins of 8 steps (DDP's data read once per bin), narrower for short runs: 64+ points.
-        bin_steps = max(1, min(8, int(expected) // 64)) if math.isfinite(expected) else 8
+        # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
+        bin_steps = max(1, min(16, int(expected) // 64)) if math.isfinite(expected) else 16
         self._timer = StepTimer(pl_module.device, ExposedComm(rate), bin_steps=bin_steps)
         self._warmup = min(
             self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps

@@ -146,7 +146,7 @@ class StepTimer:
     """
 
     def __init__(
-        self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 8, max_bins: int = 256
+        self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 16, max_bins: int = 256
     ) -> None:
         self.cuda = device.type == "cuda"
         self.loss_scale = 1.0  # automatic optimization divides the loss by the accumulation steps: undo it
