@@ -1,4 +1,4 @@
-"""ImageClassifier: any torchvision classification model as a LightningModule.
+"""ImageClassifier: any torchvision classification model (or this package's ``small_cnn``) as a LightningModule.
 
 Example::
 
@@ -26,6 +26,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_solo.evaluation import eval_rows
+from lightning_solo.models.small_cnn import SmallCNN
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -35,15 +36,33 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+#: Networks of this package, built by name like torchvision's (no stem, no pretrained weights).
+LOCAL_ARCHS = {"small_cnn": SmallCNN}
+
+
 def build_backbone(
-    arch: str, num_classes: int, stem: Literal["imagenet", "cifar"] = "imagenet", weights: str | None = None
+    arch: str,
+    num_classes: int,
+    stem: Literal["imagenet", "cifar"] = "imagenet",
+    weights: str | None = None,
+    in_channels: int = 3,
 ) -> nn.Module:
-    """``torchvision.models.get_model(arch)``; ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and
-    max-pool for a 3×3/stride-1 conv, which is what 32×32 images need."""
+    """``torchvision.models.get_model(arch)``, or a network of :data:`LOCAL_ARCHS` (``small_cnn``);
+    ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and max-pool for a 3×3/stride-1 conv, which is what
+    32×32 images need. ``in_channels`` other than 3 needs a local arch or ``stem="cifar"``."""
+    if arch in LOCAL_ARCHS:
+        if weights is not None:
+            raise ValueError(f"{arch!r} has no pretrained weights; use weights=null")
+        return LOCAL_ARCHS[arch](num_classes=num_classes, in_channels=in_channels)
     available = torchvision.models.list_models(module=torchvision.models)
     if arch not in available:
         raise ValueError(
-            f"unknown torchvision model {arch!r}; classification models are: {', '.join(available)}"
+            f"unknown model {arch!r}; {', '.join(LOCAL_ARCHS)} or a torchvision classification model: "
+            f"{', '.join(available)}"
+        )
+    if in_channels != 3 and stem != "cifar":
+        raise ValueError(
+            f"in_channels={in_channels} needs stem='cifar' for {arch!r} (torchvision's stem is RGB)"
         )
     if stem not in ("imagenet", "cifar"):
         raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
@@ -57,7 +76,9 @@ def build_backbone(
             raise ValueError(
                 f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none"
             )
-        net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        net.conv1 = nn.Conv2d(
+            in_channels, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+        )
         net.maxpool = nn.Identity()
     return net
 
@@ -94,10 +115,11 @@ class ImageClassifier(L.LightningModule):
         scheduler_interval: Literal["step", "epoch"] = "epoch",
         channels_last: bool = False,
         label_smoothing: float = 0.0,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.model = build_backbone(arch, num_classes, stem, weights)
+        self.model = build_backbone(arch, num_classes, stem, weights, in_channels)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer_factory = optimizer or default_optimizer
