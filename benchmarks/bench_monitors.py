@@ -1,7 +1,9 @@
 """Per-step cost of LossWatch and ResourceMonitor: the runner's quick_cpu workload (ResNet-18, 16x16 synthetic
 images, 32 per device, 2 gloo processes x 1 thread), the callbacks switched on and off in blocks of steps
-inside ONE fit, in a rotating order, so every setting sees the same machine load; the figure per setting is the
-median over rotations of (its block's median step time / the median of the 'off' block of that rotation).
+inside ONE fit, in a rotating order, so every setting sees the same machine load. Two figures per setting: the
+median over rotations of (its block's median step time / the 'off' block's of that rotation), and the time
+spent inside the callbacks' hooks per step (median; wall and this thread's CPU) as a share of the 'off' step time,
+which stays readable on a loaded machine where step times swing by tens of percent.
 
 Settings: off · LossWatch() (the default: loss + gradient-norm check, one 3-float all-reduce per step, a rank
 spread check every 50 steps) · LossWatch(check_grad_norm=False) · ResourceMonitor(every_n_steps=1) (the worst case:
@@ -44,13 +46,18 @@ class Gated(L.Callback):
 
     def __init__(self, inner: L.Callback, active) -> None:
         self.inner, self.active, self.step = inner, active, 0
+        self.spent: dict[int, list[float]] = {}  # step -> [wall s, CPU s] inside the inner hooks
         for hook in _GATED:
             setattr(self, hook, self._gate(hook))
 
     def _gate(self, hook):
         def call(trainer, *args, **kwargs):
             if self.active(self.step):  # the step this batch started as (batch end sees the next one)
+                wall, cpu = time.perf_counter(), time.thread_time()
                 getattr(self.inner, hook)(trainer, *args, **kwargs)
+                spent = self.spent.setdefault(self.step, [0.0, 0.0])
+                spent[0] += time.perf_counter() - wall
+                spent[1] += time.thread_time() - cpu
 
         return call
 
@@ -65,8 +72,8 @@ class Gated(L.Callback):
 
 
 class StepTimer(L.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out, self.starts = out, []
+    def __init__(self, out: Path, gated: list[Gated]) -> None:
+        self.out, self.starts, self.gated = out, [], gated
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.starts.append((trainer.global_step, time.perf_counter()))
@@ -74,7 +81,12 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             times = [(s, b - a) for (s, a), (_, b) in zip(self.starts, self.starts[1:])]
-            self.out.write_text(json.dumps(times))
+            spent: dict[int, list[float]] = {}
+            for g in self.gated:
+                for step, (wall, cpu) in g.spent.items():
+                    total = spent.setdefault(step, [0.0, 0.0])
+                    total[0], total[1] = total[0] + wall, total[1] + cpu
+            self.out.write_text(json.dumps({"times": times, "spent": spent}))
 
 
 def main() -> None:
@@ -108,25 +120,33 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-        callbacks=[*callbacks, StepTimer(out)],
+        callbacks=[*callbacks, StepTimer(out, callbacks)],
     )  # fmt: skip
     trainer.fit(model, datamodule=dm)
-    times = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    spent = {int(step): v for step, v in result["spent"].items()}
     by_block: dict[tuple[int, str], list[float]] = {}
-    for step, seconds in times:
+    inside: dict[str, list[tuple[float, float]]] = {}
+    for step, seconds in result["times"]:
         if step >= args.warmup:
             rotation = (step - args.warmup) // (args.block * len(names))
             by_block.setdefault((rotation, setting_at(step)), []).append(seconds)
+            inside.setdefault(setting_at(step), []).append(tuple(spent.get(step, (0.0, 0.0))))
     off = {rot: statistics.median(v) for (rot, name), v in by_block.items() if name == "off"}
     print(
         f"load average {os.getloadavg()[0]:.1f}; {args.rotations} rotations x {args.block} steps; image {args.image_size}"
     )
-    print(f"{'setting':30s} {'ms/step':>8s} {'ratio vs off':>13s} {'per-rotation range':>20s}")
-    for name in names:
+    off_step = statistics.median(off.values())
+    print(f"{'setting':28s} {'ms/step':>8s} {'step ratio':>10s} {'rotations':>12s} {'in hooks ms':>11s} "
+          f"{'(CPU ms)':>8s} {'in-hook share':>13s}")  # fmt: skip
+    for name in (n for n in names if n in inside):
         meds = {rot: statistics.median(v) for (rot, n), v in by_block.items() if n == name}
         ratios = [meds[rot] / off[rot] for rot in meds]
-        print(f"{name:30s} {1000 * statistics.median(meds.values()):8.1f} {statistics.median(ratios):13.3f} "
-              f"{min(ratios):9.3f}-{max(ratios):.3f}")  # fmt: skip
+        wall = statistics.median(w for w, _ in inside[name])
+        cpu = statistics.median(c for _, c in inside[name])
+        print(f"{name:28s} {1000 * statistics.median(meds.values()):8.1f} {statistics.median(ratios):10.3f} "
+              f"{min(ratios):5.2f}-{max(ratios):.2f} {1000 * wall:11.2f} {1000 * cpu:8.2f} "
+              f"{wall / off_step:12.2%}")  # fmt: skip
 
 
 if __name__ == "__main__":

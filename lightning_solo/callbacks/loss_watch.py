@@ -160,7 +160,8 @@ class LossWatch(DecisionLog, L.Callback):
             self._advise("rank_spread", found.message)
 
     def _reset_spread(self, start: int) -> None:
-        self._spread_start, self._losses = start, []
+        self._spread_start = start
+        self._losses: list[float] = []
 
     def _advise(self, kind: str, line: str) -> None:
         if kind not in self._advice:  # said once; the line itself keeps its counts current

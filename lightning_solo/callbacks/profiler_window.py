@@ -40,11 +40,9 @@ class ProfilerWindow(L.Callback):
         self.wait = check_int("wait", wait, minimum=0)
         self.warmup = check_int("warmup", warmup, minimum=0)
         self.active = check_int("active", active)
-        self.options = {
-            "record_shapes": check_bool("record_shapes", record_shapes),
-            "profile_memory": check_bool("profile_memory", profile_memory),
-            "with_stack": check_bool("with_stack", with_stack),
-        }
+        self.record_shapes = check_bool("record_shapes", record_shapes)
+        self.profile_memory = check_bool("profile_memory", profile_memory)
+        self.with_stack = check_bool("with_stack", with_stack)
         self.trace_path: Path | None = None
         self._profiler: profile | None = None
         self._batches = 0
@@ -62,7 +60,9 @@ class ProfilerWindow(L.Callback):
             activities=activities,
             schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(self.trace_path)),
-            **self.options,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
         )
         self._profiler.start()
         self._batches = 0

@@ -35,5 +35,6 @@ def gather_rows(mine: torch.Tensor) -> torch.Tensor:
         return mine[None]
     # Flat: gloo's all_gather_into_tensor wants the output 1-D.
     out = torch.empty(world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
-    dist.all_gather_into_tensor(out, mine)
+    # torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)
     return out.reshape(world_size(), -1)
