@@ -409,6 +409,26 @@ def section_allreduce(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _barrier_rank(rank: int, world: int, iters: int) -> dict:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_solo import comm
+
+    kinds = {
+        "dist.barrier": lambda: dist.barrier(),
+        "monitored barrier (SoloDDP)": lambda: comm.monitored_barrier("bench", timedelta(seconds=60)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(iters):
+        for name, fn in kinds.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def section_costs(args: argparse.Namespace) -> str:
     spec = {
         **base_spec(args, workload=args.costs_workload, batch=args.costs_batch, batches=args.costs_batches),
@@ -455,6 +475,16 @@ def section_costs(args: argparse.Namespace) -> str:
     ]
     for name, values in sorted(pieces.items(), key=lambda kv: -statistics.median(kv[1])):
         lines.append(f"| {name} | {spread(values)} | {statistics.median(values) / (step_s * 1e6):.2%} |")
+    from lightning_solo.testing import run_ranks
+
+    barriers = run_ranks(_barrier_rank, w, 20 * args.rounds, timeout=args.timeout)[0]
+    lines += [
+        "",
+        "Barriers (not in the step loop: Lightning calls them at setup, teardown and checkpoints), "
+        f"{20 * args.rounds} calls each, alternating: "
+        + "; ".join(f"{name} {spread([t * 1e3 for t in ts], '{:.2f}')} ms" for name, ts in barriers.items())
+        + ".",
+    ]
     return "\n".join(lines)
 
 
@@ -510,7 +540,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="smallest sizes: checks the harness, measures nothing")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     args = p.parse_args(argv)
-    args.rounds = args.rounds or 5
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
         p.error(f"unknown section(s) {unknown}; accepted: {SECTIONS}")
@@ -526,6 +555,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         args.allreduce_numel, args.allreduce_iters, args.scaling = 10_000, 2, "1,2"
         args.costs_workload, args.costs_batch, args.costs_batches = "mlp", 4, 8
+    args.rounds = args.rounds or 5
     return args
 
 

@@ -155,20 +155,32 @@ class Module(L.LightningModule):
         self.window.batch_end(batch_idx)
 
 
+def replace_everywhere(original: Any, replacement: Any) -> None:
+    """Point every ``lightning_solo`` module's name for ``original`` at ``replacement`` (wherever a refactor
+    moved the caller, it finds the replacement)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lightning_solo") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attr, replacement)
+
+
 def ablate(what: str) -> None:
     """Switch one of SoloDDP's per-step pieces off, for this benchmark process only."""
     from lightning_solo import comm, resume
     from lightning_solo.decision import Decision
 
     if what == "no_resumable_loader":  # no ResumableSampler / SeededDataset around the training loader
-        resume.make_resumable = lambda loader, seed: (loader, Decision("resumable_data", False, "ablated"))
+        replace_everywhere(
+            resume.make_resumable, lambda loader, seed: (loader, Decision("resumable_data", False, "ablated"))
+        )
     elif what == "no_sample_seeding":  # ResumableSampler kept; samples loaded without per-sample RNG seeding
         resume.SeededDataset.__getitem__ = lambda self, key: self.dataset[key[1]]
     elif what == "no_rng_capture":  # no RNG state / buffer snapshot after every optimizer step
-        resume.rng_state = lambda: None
-        resume.step_buffers = lambda trainer: None
+        replace_everywhere(resume.rng_state, lambda: None)
+        replace_everywhere(resume.step_buffers, lambda trainer: None)
     elif what == "plain_barrier":
-        comm.monitored_barrier = lambda name, timeout, group: dist.barrier()
+        replace_everywhere(comm.monitored_barrier, lambda name, timeout, group: dist.barrier())
     else:
         raise ValueError(f"unknown ablation {what!r}")
 
@@ -193,8 +205,8 @@ def profile_pieces() -> dict[str, list[float]]:
 
     for method in ("before_backward", "after_backward", "at_boundary"):
         setattr(UnusedParameters, method, timed(f"unused.{method}", getattr(UnusedParameters, method)))
-    resume.rng_state = timed("resume.rng_state", resume.rng_state)
-    resume.step_buffers = timed("resume.step_buffers", resume.step_buffers)
+    replace_everywhere(resume.rng_state, timed("resume.rng_state", resume.rng_state))
+    replace_everywhere(resume.step_buffers, timed("resume.step_buffers", resume.step_buffers))
     resume.SeededDataset.__getitem__ = timed("SeededDataset.__getitem__", resume.SeededDataset.__getitem__)
     resume.ResumableSampler._tag = timed("ResumableSampler._tag", resume.ResumableSampler._tag)
     return spent
@@ -209,7 +221,7 @@ def run_lightning(spec: dict, net: nn.Module, data: TensorDataset, window: Windo
     if spec["kind"] == "stock":
         strategy: Any = "ddp"
     else:
-        from lightning_solo import SoloDDP
+        from lightning_solo import SoloDDP  # noqa: F401 - every module loaded before ablate/profile patch them
 
         for what in spec.get("ablate", []):
             ablate(what)
@@ -243,6 +255,8 @@ def main(spec: dict) -> dict:
     baseline = peak_rss_mb()
     net, data, held_out = build_workload(spec)
     window = Window(spec["warmup"], spec["batches"])
+    from lightning_solo import SoloDDP  # noqa: F401 - every module loaded before profile_pieces patches them
+
     spent = profile_pieces() if spec.get("profile") else None
     if spec["kind"] in ("raw", "ceiling"):
         net = run_raw(spec, net, data, window)

@@ -69,12 +69,16 @@ def test_every_section_builds_its_table(monkeypatch):
     import lightning_solo.testing
 
     monkeypatch.setattr(compare, "launch", _fake_launch)
+    collectives = {
+        "_allreduce_rank": {
+            "fp32 all-reduce": [0.035],
+            "bf16 all-reduce (collective alone)": [0.021],
+            "bf16 hook": [0.03],
+        },
+        "_barrier_rank": {"dist.barrier": [0.001], "monitored barrier (SoloDDP)": [0.002]},
+    }
     monkeypatch.setattr(
-        lightning_solo.testing,
-        "run_ranks",
-        lambda fn, world, *a, timeout: [
-            {"fp32 all-reduce": [0.035], "bf16 all-reduce (collective alone)": [0.021], "bf16 hook": [0.03]}
-        ],
+        lightning_solo.testing, "run_ranks", lambda fn, world, *a, timeout: [collectives[fn.__name__]]
     )
     args = compare.parse_args(["--tiny", "--rounds", "2"])
     main = compare.section_main(args)
@@ -89,3 +93,4 @@ def test_every_section_builds_its_table(monkeypatch):
     assert "| bf16 all-reduce (collective alone) | 21.0 | 0.60× | 40 % |" in compare.section_allreduce(args)
     costs = compare.section_costs(args)
     assert "| SeededDataset.__getitem__ |" in costs and "no per-step RNG capture" in costs
+    assert "monitored barrier (SoloDDP) 2.00 ms" in costs
