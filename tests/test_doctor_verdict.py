@@ -258,3 +258,35 @@ def test_one_process_without_ddp_is_measured_too(tmp_path):
     assert doctor.report["straggler"]["rank"] is None and doctor.report["ranks"][0]["comm_ms"] == 0.0
     assert doctor.report["throughput"]["global_samples_per_s"] > 0
     assert doctor.files == {"json": str(tmp_path / "doctor.json"), "chart": None}
+
+
+def test_the_doctor_watches_the_loss_unless_a_loss_watch_of_its_own_runs(tmp_path):
+    import lightning as L
+
+    from lightning_solo.callbacks import LossWatch, TrainingDoctor
+    from lightning_solo.callbacks.loss_watch import NonFiniteLossError
+    from tests.helpers.modules import TinyModule
+
+    class NaNAtStep3(TinyModule):
+        def training_step(self, batch, batch_idx):
+            loss = self.batch_loss(batch)
+            return loss * float("nan") if self.trainer.global_step == 3 else loss
+
+    def fit(*callbacks):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, callbacks=list(callbacks),
+        )  # fmt: skip
+        trainer.fit(NaNAtStep3(samples=16, batch_size=2))
+        return trainer
+
+    doctor = TrainingDoctor(chart=None)
+    with pytest.raises(NonFiniteLossError, match="optimizer step 3"):
+        fit(doctor)
+    assert doctor._watch is doctor.loss_watch and "loss_watch.grad_norm" in doctor.decisions
+    doctor, watch = TrainingDoctor(chart=None), LossWatch()
+    with pytest.raises(NonFiniteLossError, match="optimizer step 3"):
+        fit(doctor, watch)
+    assert doctor._watch is None  # the trainer's own LossWatch stopped it; the doctor's stayed idle
+    doctor = TrainingDoctor(chart=None, loss_watch=False)
+    assert fit(doctor).global_step == 6 and doctor.loss_watch is None

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_solo.batch_size import per_device_batch_size
+from lightning_solo.callbacks.loss_watch import LossWatch
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.diagnostics.chart import plot_doctor
 from lightning_solo.diagnostics.report import format_table, gather_ranks, series, summarize, write_json
@@ -71,6 +72,9 @@ class TrainingDoctor(DecisionLog, L.Callback):
         reference_throughput: samples/s of the same training on one process, for the scaling efficiency.
         ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, every 10th on CUDA.
         filename, chart: the report and chart file names in ``trainer.default_root_dir`` (the run directory).
+        loss_watch: the loss watch (NaN/Inf stop on every rank, spike and rank-spread advice): ``True`` (default)
+            a :class:`~lightning_solo.callbacks.LossWatch` with its defaults, or your own, or ``False``. Left to a
+            ``LossWatch`` among the trainer's callbacks when there is one (the runner has one), so it runs once.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         ddp_sample_rate: int | None = None,
         filename: str = "doctor.json",
         chart: str | None = "doctor.png",
+        loss_watch: bool | LossWatch = True,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, optional=True)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
@@ -91,9 +96,16 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self.report: dict[str, Any] | None = None  # the end-of-training report (every rank)
         self.reports: list[dict[str, Any]] = []  # the periodic ones
         self.files: dict[str, str | None] = {}  # what rank 0 wrote
+        self.loss_watch = LossWatch() if loss_watch is True else (loss_watch or None)
+        self._watch: LossWatch | None = None  # the loss watch this fit drives (None: another callback does)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        standalone = any(isinstance(cb, LossWatch) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        self._watch = None if standalone else self.loss_watch
+        if self._watch is not None:
+            self._watch.on_train_start(trainer, pl_module)
+            self.decisions.update(self._watch.decisions)
         try:
             expected = float(trainer.estimated_stepping_batches)
         except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
@@ -119,7 +131,14 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self._timer.batch_start()
 
     @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._watch is not None:
+            self._watch.on_before_backward(trainer, pl_module, loss)
+
+    @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._watch is not None:  # a non-finite loss stops every rank here, before the step
+            self._watch.on_before_optimizer_step(trainer, pl_module, optimizer)
         self._timer.before_optimizer()
 
     @override
@@ -145,6 +164,11 @@ class TrainingDoctor(DecisionLog, L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if trainer.training:
             self._timer.skip_gap()
+
+    @property
+    def advice(self) -> list[str]:
+        """The loss watch's advice, when this doctor drives it (the run summary prints it)."""
+        return self._watch.advice if self._watch is not None else []
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

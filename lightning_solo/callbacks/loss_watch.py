@@ -98,7 +98,7 @@ class LossWatch(DecisionLog, L.Callback):
         device = trainer.strategy.root_device
         grad_norm = self._grad_norm(optimizer, device) if self._grad_check else torch.zeros((), device=device)
         has_loss = loss is not None
-        loss = loss.to(device) if has_loss else torch.zeros((), device=device)
+        loss = loss.to(device) if loss is not None else torch.zeros((), device=device)
         bad = (~torch.isfinite(loss)) | (~torch.isfinite(grad_norm))
         mine = torch.stack(
             [torch.where(bad, 0.0, loss), torch.tensor(float(has_loss), device=device), bad.float()]
