@@ -120,7 +120,14 @@ class LossWatch(DecisionLog, L.Callback):
             self._check_spread(trainer, step)
 
     def _grad_norm(self, optimizer, device: torch.device) -> torch.Tensor:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Sharded gradients (FSDP's DTensors): this rank's shard; a non-finite value shows on its own rank and the
+        # all-reduced flag stops every rank.
+        grads = [
+            getattr(p.grad, "to_local", lambda g=p.grad: g)()
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if not grads:
             return torch.zeros((), device=device)
         return torch.nn.utils.get_total_norm(grads).to(device)

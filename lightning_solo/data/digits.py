@@ -37,8 +37,14 @@ class DigitsDataModule(ImageDataModule):
         batch_size: int = 32,
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
         if num_classes != 10:
             raise ValueError(f"the digits data has 10 classes, got num_classes={num_classes!r}")
         if not 0.0 < val_fraction < 1.0:
