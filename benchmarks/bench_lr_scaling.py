@@ -16,6 +16,10 @@ the callback reads the global batch from the dataloader either way.
 
     python benchmarks/bench_lr_scaling.py --sweep 0.003125 0.00625 0.0125 0.025 --seeds 0   # base lr at B
     python benchmarks/bench_lr_scaling.py                    # B=16, lr 0.00625, 15 epochs, seeds 0 1 2
+    python benchmarks/bench_lr_scaling.py --data digits --multiples 4 --epochs 10 --lr 0.025   # real images
+
+``--data digits`` trains on scikit-learn's digits (1×8×8, the runner's default data, its fixed held-out split)
+instead of the synthetic images.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo.callbacks import WarmupScaledLR
-from lightning_solo.data import SyntheticImages
+from lightning_solo.data import DigitsDataModule, SyntheticImages
 
 
 def materialize(n: int, seed: int, offset: int, noise: float, size: int, classes: int) -> TensorDataset:
@@ -43,12 +47,18 @@ def materialize(n: int, seed: int, offset: int, noise: float, size: int, classes
     return TensorDataset(torch.stack(xs), torch.tensor(ys))
 
 
-def small_cnn(classes: int, width: int = 16) -> nn.Module:
+def digits() -> tuple[TensorDataset, TensorDataset]:
+    dm = DigitsDataModule()
+    dm.setup("fit")
+    return dm.train_set, dm.val_set
+
+
+def small_cnn(classes: int, width: int = 16, in_channels: int = 3) -> nn.Module:
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(8, cout), nn.ReLU()]
 
     return nn.Sequential(
-        *block(3, width),
+        *block(in_channels, width),
         *block(width, width),
         nn.MaxPool2d(2),  # GroupNorm(8, ·): batch-independent
         *block(width, 2 * width),
@@ -64,7 +74,13 @@ def small_cnn(classes: int, width: int = 16) -> nn.Module:
 class Classifier(L.LightningModule):
     def __init__(self, classes: int, lr: float, train: TensorDataset, batch: int) -> None:
         super().__init__()
-        self.net, self.lr, self.train_set, self.batch = small_cnn(classes), lr, train, batch
+        in_channels = train.tensors[0].shape[1]
+        self.net, self.lr, self.train_set, self.batch = (
+            small_cnn(classes, in_channels=in_channels),
+            lr,
+            train,
+            batch,
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -110,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--data", choices=("synthetic", "digits"), default="synthetic")
     parser.add_argument("--base-batch", type=int, default=16)
     parser.add_argument("--multiples", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--epochs", type=int, default=15)
@@ -137,11 +154,15 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the per-run decision lines
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    train = materialize(args.train_size, 0, 0, args.noise, args.image_size, args.classes)
-    val = materialize(args.val_size, 0, args.train_size, args.noise, args.image_size, args.classes)
+    if args.data == "digits":
+        train, val = digits()
+        what = "scikit-learn digits, 1×8×8, 10 classes"
+    else:
+        train = materialize(args.train_size, 0, 0, args.noise, args.image_size, args.classes)
+        val = materialize(args.val_size, 0, args.train_size, args.noise, args.image_size, args.classes)
+        what = f"{args.classes} classes, 3×{args.image_size}×{args.image_size}, noise {args.noise}"
     print(
-        f"data: {args.train_size} train / {args.val_size} val, {args.classes} classes, "
-        f"3×{args.image_size}×{args.image_size}, noise {args.noise}; {args.epochs} epochs; "
+        f"data: {len(train)} train / {len(val)} val, {what}; {args.epochs} epochs; "
         f"base global batch {args.base_batch}; seeds {args.seeds}",
         flush=True,
     )

@@ -1,4 +1,4 @@
-"""Peak memory and throughput of fp32 vs TF32 vs bf16-mixed vs 16-mixed for torchvision ResNet-18.
+"""Peak memory and throughput of fp32 vs TF32 vs bf16-mixed vs 16-mixed for a torchvision ResNet (``--arch``).
 
 Each (round, precision) runs in a fresh subprocess, through a Lightning Trainer with the plugin SoloDDP
 would install (``Precision()`` for 32-true/32-tf32, :class:`SoloMixedPrecision` otherwise). Precisions are
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> dict:
     class Net(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = torchvision.models.resnet18(num_classes=10)
+            self.model = torchvision.models.get_model(args.arch, num_classes=10)
             if args.channels_last:
                 to_channels_last(self.model)
 
@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--arch", default="resnet18", help="a torchvision classification model")
+    p.add_argument("--json", help="also write the medians here, one entry per precision")
     p.add_argument("--threads", type=int, default=None, help="OMP threads per worker (default: all cores)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
@@ -164,6 +166,7 @@ def main() -> None:
         f"--steps={args.steps}",
         f"--batch-size={args.batch_size}",
         f"--image-size={args.image_size}",
+        f"--arch={args.arch}",
         *(["--channels-last"] if args.channels_last else []),
     ]
     results: dict[str, list[dict]] = {x: [] for x in precisions}
@@ -185,20 +188,24 @@ def main() -> None:
 
     base = {k: statistics.median(x[k] for x in results[precisions[0]]) for k in ("imgs_per_s", "train_mb")}
     print(
-        f"\nResNet-18, {args.device}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+        f"\n{args.arch}, {args.device}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
         f"channels_last={args.channels_last}, medians of {args.rounds} interleaved rounds "
         f"(ratios vs {precisions[0]}):"
     )
     print("| precision | img/s | speed vs fp32 | peak MB | train MB | train memory vs fp32 |")
     print("|---|---|---|---|---|---|")
+    medians = {}
     for prec in precisions:
-        med = {
+        med = medians[prec] = {
             k: statistics.median(x[k] for x in results[prec]) for k in ("imgs_per_s", "peak_mb", "train_mb")
         }
         print(
             f"| {prec} | {med['imgs_per_s']:.1f} | {med['imgs_per_s'] / base['imgs_per_s']:.2f}x | "
             f"{med['peak_mb']:.0f} | {med['train_mb']:.0f} | {med['train_mb'] / base['train_mb']:.2f}x |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(medians, f)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
 from lightning_solo.comm.hooks import CommHook
 from lightning_solo.decision import Decision
 from lightning_solo.precision.plugin import SoloMixedPrecision
-from lightning_solo.strategy import SoloDDP
+from lightning_solo.strategy import SoloDDP, SoloFSDP
 from lightning_solo.syncbn.layer import SoloSyncBatchNorm
 
 SoloDDP.register_strategies(StrategyRegistry)
@@ -21,6 +21,7 @@ __all__ = [
     "Decision",
     "SoloCheckpointIO",
     "SoloDDP",
+    "SoloFSDP",
     "SoloMixedPrecision",
     "SoloSyncBatchNorm",
     "__version__",

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +23,9 @@ from lightning_solo._compat import torch as torch_compat
 from lightning_solo.unused import Phase, UnusedParameters
 
 _MIB = 2**20
+_REDUCER_ERRORS = ("Expected to mark a variable ready only once", "Expected to have finished reduction")
+# Where DDP's reducer errors list parameter indices (presentation only).
+_INDICES = re.compile(r"(?:did not receive grad for rank \d+|Parameter at index)[: ]+([\d ,]+)")
 
 
 def _names(names: list[str], limit: int = 6) -> str:
@@ -85,11 +89,17 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     timing = timing if comm or compute else ""
     if hook:
         lines.append(f"comm hook in use: {hook}{timing}")
-    elif int(data.get("world_size") or 1) > 1 and comm > compute > 0 and total > _MIB:
-        # Below ~1 MiB an all-reduce costs its latency, which compression does not shorten.
+    elif (
+        int(data.get("world_size") or 1) > 1
+        and comm > compute > 0
+        and total > _MIB
+        and getattr(ddp, "device_type", None) == "cuda"
+    ):
+        # Below ~1 MiB an all-reduce costs its latency, which compression does not shorten; over gloo on CPU the
+        # hooks measured slower than exact all-reduce (benchmarks/RESULTS.md): advised on GPUs only.
         lines.append(
-            f"no comm hook and communication exceeds backward compute{timing}: comm_hook='bf16' halves the traffic, "
-            "'powersgd' cuts it further"
+            f"no comm hook and communication exceeds backward compute{timing}: comm_hook='auto' measures bf16 "
+            "(half the traffic), fp16 and PowerSGD against exact all-reduce and keeps the fastest"
         )
     else:
         lines.append(f"no comm hook: exact all-reduce{timing}")
@@ -108,3 +118,23 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
             "gradient_as_bucket_view=False: True saves one copy of the gradients (SoloDDP's default)"
         )
     return lines
+
+
+def explain_reducer_error(exception: BaseException, unused: UnusedParameters) -> None:
+    """Add to a DDP reducer error what "auto" was doing, the parameters its indices stand for, and what to do.
+    Only words are added; nothing is decided from the error's text."""
+    text = str(exception)
+    if not isinstance(exception, RuntimeError) or not any(m in text for m in _REDUCER_ERRORS):
+        return
+    indices = [int(i) for found in _INDICES.findall(text) for i in re.findall(r"\d+", found)]
+    names = [name for i in indices if (name := unused.reducer_name(i)) is not None]
+    named = f" DDP's parameter indices there are: {', '.join(names)}." if names else ""
+    exception.args = (
+        f"{text}\n\nSoloDDP (find_unused_parameters='auto', {unused.phase.value} phase, DDP built with "
+        f"find_unused_parameters={unused.find_unused}) at synchronised step {unused.steps}.{named} Usual causes: "
+        "a parameter used twice in one backward under reentrant activation checkpointing (pass "
+        "use_reentrant=False), requires_grad changed inside training_step (change it at a batch boundary, "
+        "in a callback), or an output of forward left out of the loss. Otherwise set "
+        "find_unused_parameters=True.",
+        *exception.args[1:],
+    )

@@ -18,6 +18,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_solo.validate import is_int, is_number
+
 
 class ConfigError(ValueError):
     """A config key or value that the run cannot use."""
@@ -139,9 +141,9 @@ def _matches(value: Any, hint: Any) -> bool:
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return is_number(value)
     if hint is str:
         return isinstance(value, str)
     base = origin or hint

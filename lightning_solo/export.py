@@ -73,7 +73,11 @@ def build_network(hparams: dict[str, Any]) -> nn.Module | None:
     from lightning_solo.models.classifier import build_backbone
 
     return build_backbone(
-        hparams["arch"], int(hparams["num_classes"]), hparams.get("stem", "imagenet"), weights=None
+        hparams["arch"],
+        int(hparams["num_classes"]),
+        hparams.get("stem", "imagenet"),
+        weights=None,
+        in_channels=int(hparams.get("in_channels", 3)),
     )
 
 
@@ -111,14 +115,18 @@ def export_checkpoint(
         net.load_state_dict(weights)  # strict: a mismatch here means the export is wrong, so fail loudly
         net.eval()
         stem = hparams.get("stem", "imagenet")
-        shape = tuple(input_shape) if input_shape else ((3, 32, 32) if stem == "cifar" else (3, 224, 224))
+        default_shape = (3, 32, 32) if stem == "cifar" else (3, 224, 224)
+        shape = tuple(input_shape or getattr(net, "input_shape", None) or default_shape)
         info.update(
             arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape)
         )
-        if stem != "imagenet":
+        from lightning_solo.models.classifier import LOCAL_ARCHS
+
+        in_channels = int(hparams.get("in_channels", 3))
+        if stem != "imagenet" or in_channels != 3 or hparams["arch"] in LOCAL_ARCHS:
             info["notes"].append(
-                f"stem={stem!r}: build the network with lightning_solo.models.classifier."
-                f"build_backbone({hparams['arch']!r}, {int(hparams['num_classes'])}, {stem!r})"
+                "build the network with lightning_solo.models.classifier.build_backbone("
+                f"{hparams['arch']!r}, {int(hparams['num_classes'])}, {stem!r}, in_channels={in_channels})"
             )
         example = torch.randn(2, *shape)
         program = torch.export.export(

@@ -45,6 +45,7 @@ import os
 import pickle
 import shutil
 import sys
+import tempfile
 from typing import Any, Literal
 
 import lightning as L
@@ -119,10 +120,14 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
-        # Bytes: the queue's pickler would share tensors through memory that dies with this process.
-        extra[_STATE_KEY] = pickle.dumps(
-            {**capture(trainer), "training_state": _training_state(trainer, self)}
-        )
+        # Bytes (the queue's pickler would share tensors through memory that dies with this process), in a file:
+        # Lightning's parent joins the workers before it reads the queue, so a result larger than the pipe's
+        # buffer (64 KiB) would block rank 0 forever. Only the path goes through the queue, as for the weights.
+        state = pickle.dumps({**capture(trainer), "training_state": _training_state(trainer, self)})
+        fd, path = tempfile.mkstemp(prefix="lightning_solo_state_", suffix=".pkl")
+        with os.fdopen(fd, "wb") as file:
+            file.write(state)
+        extra[_STATE_KEY] = path
         return extra
 
     @override
@@ -147,7 +152,15 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if _STATE_KEY in extra:
-            restore(trainer, pickle.loads(extra[_STATE_KEY]))  # a structure of bytes: see capture()
+            path = extra[_STATE_KEY]
+            try:
+                with open(path, "rb") as file:
+                    state = pickle.load(
+                        file
+                    )  # our own file, written by rank 0 just now: a structure of bytes
+            finally:
+                os.remove(path)
+            restore(trainer, state)
 
 
 def capture(trainer: L.Trainer) -> dict[str, Any]:
@@ -165,8 +178,10 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         "loggers": [
             packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers
         ],
-        "logged_metrics": pack(dict(connector._logged_metrics)),
-        "progress_bar_metrics": pack(dict(connector._progress_bar_metrics)),
+        **{
+            name.lstrip("_"): pack(dict(getattr(connector, name)))
+            for name in lightning_compat.LOGGER_CONNECTOR_METRICS
+        },
     }
 
 

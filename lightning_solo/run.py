@@ -4,21 +4,26 @@
 of a run: check the config and the machine → build datamodule, model, strategy, callbacks, loggers and
 Trainer from the config → fit → summary. Lightning's popen launcher re-runs this command for ranks
 1..N-1 with ``hydra.run.dir`` set to rank 0's, so every rank composes the same config and writes into
-one run directory.
+one run directory; under torchrun or SLURM, where every process starts the command itself, ``main`` agrees
+on that directory before Hydra runs (:mod:`lightning_solo.cluster`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_solo.checkpoint_io import checkpoint_dir, resolve_ckpt_path
+from lightning_solo import cluster
+from lightning_solo.checkpoint import checkpoint_dir, hpc_checkpoints, resolve_ckpt_path
 from lightning_solo.config_check import ConfigError, check_config
+from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.preflight import (
     PreflightError,
     check_devices,
@@ -26,6 +31,8 @@ from lightning_solo.preflight import (
     refuse_multirun_relaunch,
 )
 from lightning_solo.strategy import SoloDDP
+
+log = logging.getLogger(__name__)
 
 
 def config_path() -> str:
@@ -51,47 +58,71 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     ]
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
+def check_run_config(cfg: DictConfig) -> None:
+    """The config's keys and types, the devices it asks for and ``WORLD_SIZE``; then the seed. Raises
+    :class:`ConfigError` / :class:`PreflightError` before any worker starts."""
     import lightning as L
-
-    from lightning_solo.callbacks.config_fingerprint import ConfigFingerprint
-    from lightning_solo.callbacks.run_summary import RunSummary
 
     check_config(cfg)
     par = cfg.parallelism
     check_devices(par.accelerator, par.devices, par.num_nodes, dry_run_hint=_dry_run_hint(cfg))
     check_world_size_env(par.devices, par.num_nodes)
+    cluster.check_cluster_environment(par.strategy.get("cluster_environment"))
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = hydra.utils.instantiate(cfg.data)
-    model = hydra.utils.instantiate(cfg.model)
-    summary = RunSummary()
+
+def make_trainer(cfg: DictConfig, callbacks: list[Any]) -> Any:
+    """The Trainer of ``cfg.trainer`` on ``cfg.parallelism`` (SoloDDP), with ``callbacks`` and the configured loggers."""
+    par = cfg.parallelism
     # When the strategy takes the precision (SoloDDP does: parallelism.strategy.precision), it alone
     # decides; the Trainer gets none, so "auto" and real fp16 on CPU reach SoloDDP unchanged.
     trainer_precision = None if "precision" in par.strategy else par.precision
-    trainer: L.Trainer = hydra.utils.instantiate(
+    trainer = hydra.utils.instantiate(
         cfg.trainer,
         accelerator=par.accelerator,
         devices=par.devices,
         num_nodes=par.num_nodes,
         precision=trainer_precision,
         strategy=hydra.utils.instantiate(par.strategy),
-        callbacks=[*instantiate_group(cfg.get("callbacks")), ConfigFingerprint(_resolved_yaml(cfg)), summary],
+        callbacks=callbacks,
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     refuse_multirun_relaunch(trainer)
+    return trainer
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train as configured; returns the final metrics (``val/acc``, ...) and, on rank 0, ``summary``."""
+    from lightning_solo.callbacks.config_fingerprint import ConfigFingerprint
+    from lightning_solo.callbacks.run_summary import RunSummary
+
+    check_run_config(cfg)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    summary = RunSummary()
+    callbacks = [*instantiate_group(cfg.get("callbacks")), ConfigFingerprint(_resolved_yaml(cfg)), summary]
+    if cfg.get("auto_batch_size") is not None:  # before WarmupScaledLR and SyncBN read the batch size
+        callbacks.insert(0, hydra.utils.instantiate(cfg.auto_batch_size))
+    trainer = make_trainer(cfg, callbacks)
     # resume=auto: the newest checkpoint in the checkpoint callback's directory that verifies (or a fresh start);
     # SoloDDP chooses it on rank 0 once the process group exists, so the ranks cannot pick different files.
     resume = cfg.get("resume")
+    # torchrun restarted the workers, or SLURM requeued the job: continue from the newest verified checkpoint.
+    if (restart := cluster.decide_restart_resume(resume)) is not None:
+        resume = restart.value
+        log.info("%s", restart)
+    if isinstance(trainer.strategy, DecisionLog):
+        for decision in (restart, _run_dir_decision):
+            if decision is not None:
+                trainer.strategy._decide(decision)
     ckpt_path = (
         "auto"
         if resume == "auto" and isinstance(trainer.strategy, SoloDDP)
-        else resolve_ckpt_path(resume, checkpoint_dir(trainer))
+        else resolve_ckpt_path(resume, checkpoint_dir(trainer), hpc_checkpoints(trainer))
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-    _close_process_group()
+    close_process_group()
     metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if summary.summary is not None:
         metrics["summary"] = summary.summary
@@ -102,7 +133,7 @@ def _resolved_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml({k: cfg[k] for k in cfg if k != "hydra"}, resolve=True)
 
 
-def _close_process_group() -> None:
+def close_process_group() -> None:
     """Destroy the process group while every rank is still alive: a gloo group left to the interpreter's
     exit can abort the process ("terminate called without an active exception") after a good run."""
     import torch.distributed as dist
@@ -136,13 +167,30 @@ def report_bad_input(err: Exception) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
     except (ConfigError, PreflightError) as err:
         report_bad_input(err)
     value = metrics.get("val/acc")
     return float(value) if value is not None else None
+
+
+#: How this process's run directory was agreed with the other ranks (torchrun, SLURM); None otherwise.
+_run_dir_decision: Decision | None = None
+
+
+def main() -> float | None:
+    """``python -m lightning_solo.run``: under torchrun or SLURM, first agree on one run directory for all
+    ranks of all nodes (global rank 0 decides), then run the Hydra app."""
+    global _run_dir_decision
+    try:
+        sys.argv[1:], _run_dir_decision = cluster.decide_run_dir(sys.argv[1:])
+    except PreflightError as err:
+        report_bad_input(err)
+    if (warning := cluster.restart_store_warning()) and cluster.global_rank() == 0:
+        warnings.warn(warning, stacklevel=1)
+    return _hydra_main()
 
 
 if __name__ == "__main__":

@@ -12,14 +12,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_solo.batch_size import per_device_batch_size
-
-
-def global_batch_size(trainer: L.Trainer) -> int | None:
-    per_device = per_device_batch_size(trainer)
-    if per_device is None:
-        return None
-    return per_device * trainer.world_size * trainer.accumulate_grad_batches
+from lightning_solo.batch_size import global_batch
 
 
 def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
@@ -39,6 +32,16 @@ def collect_advice(trainer: L.Trainer) -> list[str]:
     return lines
 
 
+def doctor_summary(trainer: L.Trainer) -> dict[str, Any] | None:
+    """Where TrainingDoctor wrote its report and chart, and its verdict (None without a doctor)."""
+    for callback in trainer.callbacks:
+        files = getattr(callback, "files", None)
+        if files and "json" in files:
+            verdict = (getattr(callback, "report", None) or {}).get("verdict") or {}
+            return {**files, "bound": verdict.get("bound")}
+    return None
+
+
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
     strategy = trainer.strategy
     settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
@@ -46,18 +49,22 @@ def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, fl
         k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
     }
     ckpt = trainer.checkpoint_callback
+    batch = global_batch(trainer)
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.world_size // max(1, trainer.num_nodes),
+        "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
         "accelerator": type(trainer.accelerator).__name__,
         "precision": trainer.precision,
         "strategy": type(strategy).__name__,
         "strategy_settings": settings,
         "decisions": collect_decisions(trainer),
         "advice": collect_advice(trainer),
-        "per_device_batch": per_device_batch_size(trainer),
+        "doctor": doctor_summary(trainer),
+        "per_device_batch": batch.per_device if batch else None,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "global_batch": global_batch_size(trainer),
+        "global_batch": batch.size if batch else None,
         "lr": lr,
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
@@ -78,7 +85,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         return str(value)
 
     rows = [
-        ("world size", f"{summary['world_size']} ({summary['num_nodes']} node(s), {summary['accelerator']})"),
+        (
+            "world size",
+            f"{summary['world_size']} = {summary['num_nodes']} node(s) × {summary['devices_per_node']} device(s)"
+            f" ({summary['accelerator']}, {summary['cluster_environment']})",
+        ),
         ("strategy", summary["strategy"]),
         *((f"  {k}", fmt(v)) for k, v in summary["strategy_settings"].items()),
         ("precision", summary["precision"]),
@@ -94,6 +105,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     rows += [("decision", f"{d['setting']} = {d['value']!r}: {d['reason']}") for d in summary["decisions"]]
     rows += [("advice", line) for line in summary["advice"]]
+    if doctor := summary.get("doctor"):
+        bound = f"{doctor['bound']}-bound: " if doctor.get("bound") else ""
+        rows.append(("doctor", bound + ", ".join(p for p in (doctor["json"], doctor.get("chart")) if p)))
     width = max(len(k) for k, _ in rows)
     lines = ["", "=" * 30 + " lightning_solo run summary " + "=" * 30]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

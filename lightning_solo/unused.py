@@ -1,39 +1,7 @@
 """``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
 ``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
 
-Stock DDP makes you choose up front. ``False`` (the fast path) crashes with "Expected to have finished
-reduction in the prior iteration" as soon as one parameter goes without a gradient; ``True`` is correct for
-any model but searches the autograd graph and all-reduces a usage map on every step. ``"auto"`` decides from
-evidence, the same way on every rank:
-
-1. **Evidence window** on ``True``: DDP itself all-reduces which ranks used each parameter
-   (``reducer._get_local_used_map``), leaves a gradient no rank produced at ``None``, and can never hold a
-   bucket back. So the window is exact and safe whatever the model does.
-2. **Decision** after ``window`` synchronised steps (identical on all ranks: the evidence is all-reduced):
-
-   * something communicates inside backward (SyncBN layers, found in the model; a gradient-carrying
-     ``all_gather``, seen through the strategy) -> stay on ``True``. On the fast path a parameter unused on
-     one rank makes DDP hold back that bucket and every later one until after backward, so a collective
-     issued in between would pair with a different one on the other ranks (gloo aborts, NCCL hangs);
-   * a parameter used on some steps or ranks only -> stay on ``True`` (warns with the names);
-   * the same parameters unused on every rank and step (a head never called) -> exclude them from
-     synchronisation (warns with the names) and re-wrap on the fast path;
-   * every parameter used on every rank -> re-wrap on the fast path.
-
-3. **Fast path** (``False``), exact step by step. A hook on each parameter records whether its gradient
-   arrived in the synchronised backward. Right after backward (before ``on_after_backward``, so no user
-   collective can come first) a rank whose parameters went without one feeds them zero gradients, which
-   releases DDP's held buckets, as ``True`` contributes for a locally unused parameter. Every rank learns
-   whether any rank had such an event from a one-element sentinel parameter in DDP's last bucket (each rank
-   feeds it its flag; DDP's own all-reduce averages them: no collective of its own; with a comm hook, which
-   may compress or skip that all-reduce, a small all-reduce on a gloo side channel instead). After an event
-   a usage map tells every rank which parameters were unused where: one that no rank used gets
-   ``grad=None`` on every rank (weight decay and momentum leave it alone, as under ``True``), an excluded
-   parameter that got a gradient is all-reduced by hand, and at the next batch boundary every rank re-wraps
-   with ``True`` and warns with the names.
-4. **The trainable set changes** (a layer frozen or unfrozen mid-fit, ``BackboneFinetuning``): checked at
-   every batch boundary; DDP is re-wrapped so that every trainable parameter is synchronised (DDP only
-   knows the parameters that required grad when it was built), and "auto" decides again from a new window.
+How it decides, and why each step is exact and safe: ``docs/design.md``, "find_unused_parameters='auto'".
 
 Every fit starts from fresh evidence (:meth:`UnusedParameters.fresh`). ``static_graph`` is never switched
 on automatically: it promises that the graph can never change, the one thing "auto" cannot know.
@@ -57,28 +25,30 @@ Example::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module, Parameter, SyncBatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_solo import ddp_surgery
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo.ddp_surgery import (
+    build_with_sentinel,
+    ddp_ignore_list,
+    restore_ignore_list,
+    trainable,
+    unwrap_excluding,
+)
 from lightning_solo.decision import Decision
-from lightning_solo.unused_sync import _Arrivals
+from lightning_solo.unused_sync import FastPathStep
 from lightning_solo.validate import check_int
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
-_SENTINEL = "_lightning_solo_usage_sentinel"
-_REDUCER_ERRORS = ("Expected to mark a variable ready only once", "Expected to have finished reduction")
-# Where DDP's reducer errors list parameter indices (presentation only).
-_INDICES = re.compile(r"(?:did not receive grad for rank \d+|Parameter at index)[: ]+([\d ,]+)")
 
 
 class Phase(StrEnum):
@@ -109,25 +79,6 @@ def backward_collectives(module: Module) -> list[str]:
         for name, m in module.named_modules()
         if isinstance(m, SyncBatchNorm) or getattr(m, "communicates_in_backward", False)
     ]
-
-
-def _reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
-    # The order of DDP's `_build_params_for_reducer` (module by module, deduplicated): the reducer's indices.
-    # Its ignore test is f"{module_name}.{param_name}" ("." + name at the root), hence the same test here.
-    seen: set[int] = set()
-    params = []
-    for module_name, module in ddp.module.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad or f"{module_name}.{param_name}" in ddp.parameters_to_ignore:
-                continue
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params
-
-
-def _trainable(module: Module) -> tuple[tuple[str, Parameter], ...]:
-    return tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
 
 
 class UnusedParameters:
@@ -172,8 +123,7 @@ class UnusedParameters:
         self._ignored: list[int] = []  # ours, excluded from synchronisation
         self._user_ignore: list[str] | None = None
         self._group: Any = None
-        self._arrivals: _Arrivals | None = None  # fast path: which gradients arrived in this backward
-        self._sentinel: Parameter | None = None  # fast path without a comm hook: rides in DDP's last bucket
+        self._fast: FastPathStep | None = None  # on the fast path: its per-step completion
         self._never: torch.Tensor | None = None  # window: unused on every rank at every step so far
         self._varying: torch.Tensor | None = None  # window: unused on some rank at some step
         self._window_steps = 0
@@ -190,11 +140,13 @@ class UnusedParameters:
         """Call on every new DDP wrapper (:meth:`rewrap` does). ``group``: a gloo group apart from DDP's
         (``None``: there is none, so "auto" stays on ``True``)."""
         self._remove_hooks()
-        self._group, self._sentinel = group, sentinel
-        self._named = _trainable(ddp.module)
+        self._group = group
+        self._named = trainable(ddp.module)
         self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or _reducer_parameters(ddp)]
+        self._to_ours = [
+            index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)
+        ]
         if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
             more = ", ..." if len(found) > 3 else ""
             self._backward_collective = (
@@ -202,15 +154,17 @@ class UnusedParameters:
             )
             self._search(f"{self._backward_collective} communicate inside backward")
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
-            self._arrivals = arrivals = _Arrivals(self._named, [i for i in self._to_ours if i >= 0], group)
-            # On FAST every event shows by the end of backward: signal as soon as the last gradient arrives,
-            # so DDP's last bucket leaves on time. Excluded parameters may get a gradient until the very end.
-            if self.phase is Phase.FAST:
-                if sentinel is None:
-                    arrivals.on_last = arrivals.send
-                else:
-                    index = (reducer_parameters or []).index(sentinel)
-                    arrivals.on_last = lambda: self._signal(ddp, index, arrivals.flag)
+            self._fast = FastPathStep(
+                self._named,
+                [i for i in self._to_ours if i >= 0],
+                self._ignored,
+                group,
+                # Excluded parameters may get a gradient until the very end of backward: no early signal then.
+                signal_early=self.phase is Phase.FAST,
+                sentinel=sentinel,
+                ddp=ddp,
+                sentinel_index=(reducer_parameters or []).index(sentinel) if sentinel is not None else -1,
+            )
         return ddp
 
     def rewrap(self, ddp: DistributedDataParallel, build: Callable[[Module], DistributedDataParallel],
@@ -224,15 +178,7 @@ class UnusedParameters:
         module = self.unwrap(ddp, keep_grads)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
             return self.bind(build(module), group)
-        device = next(module.parameters()).device
-        sentinel = Parameter(torch.zeros(1, device=device))
-        # Registered only while DDP collects its parameters: never in the module's state_dict or optimizer.
-        module.register_parameter(_SENTINEL, sentinel)
-        try:
-            new = build(module)
-            params = _reducer_parameters(new)
-        finally:
-            torch_compat.unregister_parameter(module, _SENTINEL)
+        new, sentinel, params = build_with_sentinel(module, build)
         return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
@@ -244,8 +190,8 @@ class UnusedParameters:
                 self._switch = f"{what} communicates inside backward"
 
     def before_backward(self, ddp: Module) -> None:
-        if self._arrivals is not None and getattr(ddp, "require_backward_grad_sync", False):
-            self._arrivals.arm()
+        if self._fast is not None and getattr(ddp, "require_backward_grad_sync", False):
+            self._fast.arm()
 
     def after_backward(self, ddp: Module) -> None:
         """Right after every backward, on every rank, before any other collective and the optimizer step."""
@@ -254,8 +200,14 @@ class UnusedParameters:
         self.steps += 1
         if self.phase is Phase.WINDOW:
             self._window_step(ddp)
-        elif self._arrivals is not None:
-            self._fast_step(ddp)
+        elif self._fast is not None and (names := self._fast.complete(ddp, self.steps - 1)):
+            self.varying_names = sorted(set(self.varying_names) | set(names))
+            if self._switch is None:
+                self._switch = (
+                    f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
+                    f"step {self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
+                )
+                rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
 
     def at_boundary(self, ddp: Module) -> bool:
         """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
@@ -279,33 +231,19 @@ class UnusedParameters:
         Gradients alias the old wrapper's buckets (``gradient_as_bucket_view``). After an optimizer step they
         are spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
         optimization may accumulate across batches)."""
-        module = ddp.module
-        torch_compat.remove_autograd_hooks(ddp)
         self._remove_hooks()
-        for _, param in module.named_parameters():
-            param.grad = param.grad.detach().clone() if keep_grads and param.grad is not None else None
         if self._user_ignore is None:
-            self._user_ignore = list(getattr(module, torch_compat.DDP_IGNORE_LIST, []))
-        for _, param in module.named_parameters():
-            if hasattr(param, torch_compat.DDP_IGNORED_FLAG):
-                delattr(param, torch_compat.DDP_IGNORED_FLAG)
-        names = [self._named[i][0] for i in self._ignored]
-        # "." + name as well: DDP's reducer spells root-level parameters that way.
-        torch_compat.set_params_to_ignore(
-            module, self._user_ignore + names + ["." + n for n in names if "." not in n]
+            self._user_ignore = ddp_ignore_list(ddp.module)
+        return unwrap_excluding(
+            ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads
         )
-        return module
 
     def finish(self, ddp: Module) -> None:
         """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the
         module back its own DDP ignore list."""
         self._remove_hooks()
-        module = getattr(ddp, "module", ddp)
         if self._user_ignore is not None:
-            setattr(module, torch_compat.DDP_IGNORE_LIST, self._user_ignore)
-            for _, param in module.named_parameters():
-                if hasattr(param, torch_compat.DDP_IGNORED_FLAG):
-                    delattr(param, torch_compat.DDP_IGNORED_FLAG)
+            restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
         if self.phase is Phase.WINDOW and self._never is not None:
             self.decision = Decision(
                 "find_unused_parameters", True,
@@ -316,34 +254,19 @@ class UnusedParameters:
                 "find_unused_parameters", False, f"{self._switch}: the fit ended before switching to True"
             )
 
-    def explain(self, exception: BaseException) -> None:
-        """Add to a DDP reducer error what "auto" was doing, the parameters its indices stand for, and what
-        to do. Only words are added; nothing is decided from the error's text."""
+    def reducer_name(self, index: int) -> str | None:
+        """The name of the parameter at DDP's reducer ``index`` in the current wrapper (None: not ours)."""
+        ours = self._to_ours[index] if 0 <= index < len(self._to_ours) else -1
+        return self._named[ours][0] if ours >= 0 else None
+
+    def stop(self) -> None:
+        """Remove the per-parameter hooks (an exception ended the fit)."""
         self._remove_hooks()
-        text = str(exception)
-        if not isinstance(exception, RuntimeError) or not any(m in text for m in _REDUCER_ERRORS):
-            return
-        indices = [int(i) for found in _INDICES.findall(text) for i in re.findall(r"\d+", found)]
-        names = [
-            self._named[self._to_ours[i]][0]
-            for i in indices
-            if i < len(self._to_ours) and self._to_ours[i] >= 0
-        ]
-        named = f" DDP's parameter indices there are: {', '.join(names)}." if names else ""
-        exception.args = (
-            f"{text}\n\nSoloDDP (find_unused_parameters='auto', {self.phase.value} phase, DDP built with "
-            f"find_unused_parameters={self.find_unused}) at synchronised step {self.steps}.{named} Usual causes: "
-            "a parameter used twice in one backward under reentrant activation checkpointing (pass "
-            "use_reentrant=False), requires_grad changed inside training_step (change it at a batch boundary, "
-            "in a callback), or an output of forward left out of the loss. Otherwise set "
-            "find_unused_parameters=True.",
-            *exception.args[1:],
-        )
 
     def _remove_hooks(self) -> None:
-        if self._arrivals is not None:
-            self._arrivals.remove()
-            self._arrivals = None
+        if self._fast is not None:
+            self._fast.remove()
+            self._fast = None
 
     # ------------------------------------------------------------------------------------- internals
     def _window_step(self, ddp: DistributedDataParallel) -> None:
@@ -358,72 +281,6 @@ class UnusedParameters:
             varying[ours] = counts[reducer_index] < world
         self._never = never if self._never is None else self._never & never
         self._varying = varying if self._varying is None else self._varying | varying
-
-    def _fast_step(self, ddp: DistributedDataParallel) -> None:
-        arrivals = self._arrivals
-        missing = [ours for ours in self._to_ours if ours >= 0 and not arrivals.seen[ours]]
-        dropped = [i for i in self._ignored if self._named[i][1].grad is not None]
-        if missing or dropped:
-            arrivals.map[2, dropped] = 1
-            arrivals.flag = 1.0
-        self._release(missing, arrivals.map, feed_sentinel=arrivals.on_last is None)
-        if self._sentinel is not None:
-            anyone = bool(self._sentinel.grad.item() > 0)  # the ranks' flags, averaged by DDP
-            self._sentinel.grad = None
-            if not anyone:
-                arrivals.armed = False
-                return
-        counts = arrivals.receive()
-        if not counts.any():
-            return
-        world = ddp.process_group.size()
-        for i in (counts[1] == world).nonzero().flatten().tolist():
-            self._named[i][1].grad = None  # no rank used it: leave it alone, as True does
-        for i in counts[2].nonzero().flatten().tolist():  # same order on every rank
-            param = self._named[i][1]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=ddp.process_group)
-            param.grad = grad.div_(world)
-        events = ((counts[0] > 0) | (counts[2] > 0)).nonzero().flatten().tolist()
-        names = [self._named[i][0] for i in events]
-        self.varying_names = sorted(set(self.varying_names) | set(names))
-        if self._switch is None:
-            self._switch = (
-                f"after the evidence window, {len(names)} parameters went without a gradient on some rank at step "
-                f"{self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
-            )
-            rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
-
-    def _release(self, missing: list[int], usage: torch.Tensor, feed_sentinel: bool) -> None:
-        """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
-        the held-back buckets all-reduce in order, and the reduction finishes (``feed_sentinel``: with the
-        sentinel, held back on every rank, given this rank's event flag)."""
-        if not missing and not feed_sentinel:
-            return
-        params = [self._named[i][1] for i in missing]
-        frozen = [self._named[i][0] for i, p in zip(missing, params) if not p.requires_grad]
-        if frozen:
-            raise RuntimeError(
-                f"SoloDDP: {', '.join(frozen)} stopped requiring grad during step {self.steps - 1} (inside the "
-                "forward or backward), after DDP was built with them. Change requires_grad at a batch boundary "
-                "(a callback's on_train_batch_start or on_train_epoch_start, as BaseFinetuning does): SoloDDP "
-                "re-wraps DDP there."
-            )
-        for i, p in zip(missing, params):
-            usage[0, i] = 1
-            usage[1, i] = int(p.grad is None)
-        grads = [torch.zeros_like(p) for p in params]
-        if self._sentinel is not None and feed_sentinel:
-            params.append(self._sentinel)
-            grads.append(torch.full_like(self._sentinel, self._arrivals.flag))
-        if params:
-            torch.autograd.backward(params, grads)
-
-    def _signal(self, ddp: DistributedDataParallel, index: int, flag: float) -> None:
-        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
-        # and mark it ready, as its own gradient hook would.
-        self._sentinel.grad = torch.full_like(self._sentinel, flag)
-        torch_compat.mark_ready(ddp, index)
 
     def _decide(self) -> bool:
         never = self._never.nonzero().flatten().tolist()
@@ -475,7 +332,7 @@ class UnusedParameters:
 
     def _trainable_set_changed(self, module: Module) -> None:
         before = {n for n, _ in self._named}
-        after = {n for n, _ in _trainable(module)}
+        after = {n for n, _ in trainable(module)}
         change = f"+{len(after - before)}/-{len(before - after)} trainable parameters at step {self.steps}"
         self._ignored, self._switch = [], None
         if self.phase is Phase.USER:

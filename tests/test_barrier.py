@@ -38,7 +38,7 @@ def test_monitored_barrier_names_every_missing_rank():
 
 class SleepyRankOne(TinyModule):
     def __init__(self):
-        super().__init__(2, 1, lr=0.1, samples=8)
+        super().__init__((2, 1), lr=0.1, samples=8)
 
     def on_train_start(self):
         if self.global_rank == 1:

@@ -27,9 +27,7 @@ import traceback
 
 import lightning as L
 import pytest
-import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
@@ -41,32 +39,31 @@ from lightning_solo.checkpoint import (
     verify,
 )
 from lightning_solo.testing import free_port
+from tests.helpers import REPO
+from tests.helpers.modules import TinyModule
 
 TRIALS = 20
+# The driver and its ranks run this file as a script: they import tests.helpers from the checkout.
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+}
 
 
-class Wide(L.LightningModule):
-    """Big enough (~1 MB of weights + momentum per checkpoint) that writes take a measurable share of a step."""
+class Wide(TinyModule):
+    """Big enough (~1 MB of weights + momentum per checkpoint) that writes take a measurable share of a step;
+    ``fail_rank`` raises at ``fail_step``."""
 
     def __init__(self, fail_rank: int | None = None, fail_step: int = 3) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 64))
+        super().__init__((64, 1024, 64), activation=nn.ReLU, loss="square", samples=256, batch_size=8,
+                         data_seed=0, shuffle=True, lr=1e-3, momentum=0.9)  # fmt: skip
         self.fail_rank, self.fail_step = fail_rank, fail_step
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
             raise ValueError(f"boom on rank {self.global_rank}")
-        return self.net(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
-
-    def train_dataloader(self):
-        return DataLoader(
-            TensorDataset(torch.randn(256, 64, generator=torch.Generator().manual_seed(0))),
-            batch_size=8,
-            shuffle=True,
-        )
+        return super().training_step(batch, batch_idx)
 
 
 def _trainer(ckpt_dir: str, max_steps: int, strategy=None, **ckpt_kwargs) -> L.Trainer:
@@ -98,7 +95,8 @@ def _temp_files(ckpt_dir: str) -> list[str]:
 
 
 class _RecordResume(L.Callback):
-    """Rank 0 notes the checkpoint SoloDDP chose for ``fit(ckpt_path="auto")``."""
+    """Rank 0 notes the checkpoint SoloDDP chose for ``fit(ckpt_path="auto")``, in the trials' one log (not a
+    per-rank record: each trial appends the line the runner-path trials write too)."""
 
     def __init__(self, path: str, label: str) -> None:
         self.path, self.label = path, label
@@ -223,7 +221,7 @@ def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
         capture_output=True,
         text=True,
         timeout=140,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=ENV,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -315,12 +313,7 @@ def test_exception_on_one_rank_ends_the_run_promptly_and_enters_no_collective(tm
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(ports[rank]),
-            },
+            env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[rank])},
             start_new_session=True,
         )
         for rank in (0, 1)
@@ -360,21 +353,6 @@ def test_exception_on_one_rank_under_the_fork_launcher_ends_promptly(tmp_path):
 # rotation
 
 
-class _Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=2)
-
-
 def _single(ckpt: SoloCheckpoint, max_steps: int) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu",
@@ -386,7 +364,7 @@ def _single(ckpt: SoloCheckpoint, max_steps: int) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(_Tiny())
+    trainer.fit(TinyModule())
     return trainer
 
 

@@ -13,7 +13,7 @@ from tests.helpers.modules import TinyModule
 
 class Worsening(TinyModule):
     def __init__(self):
-        super().__init__(4, 2)
+        super().__init__((4, 2))
 
     def validation_step(self, batch, batch_idx):
         self.log("val/acc", torch.tensor(1.0 - 0.1 * self.current_epoch))  # best at epoch 0

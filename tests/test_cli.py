@@ -6,21 +6,24 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-import torchvision
 
+from lightning_solo.data import DigitsDataModule
+from lightning_solo.models import SmallCNN
 from tests.helpers import REPO, TINY_RUN, run_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_default_run_end_to_end(tmp_path):
+    # The default: small_cnn on scikit-learn's digits (real images, held-out split), 2 gloo processes, 10 epochs.
     started = time.perf_counter()
-    proc = run_cli(["trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=580)
+    proc = run_cli(["trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280)
     wall = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lightning_solo run summary" in proc.stdout + proc.stderr
@@ -35,13 +38,25 @@ def test_default_run_end_to_end(tmp_path):
         f"{summary['samples_per_second']:.1f} samples/s"
     )
     assert summary["world_size"] == 2 and summary["global_batch"] == 64
-    assert summary["val_acc"] >= 0.90
+    doctor = json.loads((run / "doctor.json").read_text())  # TrainingDoctor is on by default
+    assert Path(summary["doctor"]["json"]).resolve() == (run / "doctor.json").resolve()
+    assert (run / "doctor.png").exists()
+    assert (
+        doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"]
+        and len(doctor["series"]["ranks"]) == 2
+    )
+    assert summary["global_step"] == 230  # 1,437 training images / 64 per step, rounded up, × 10 epochs
+    assert summary["val_acc"] >= 0.97  # 360 held-out digits; chance is 0.1
     ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
-    net = torchvision.models.get_model("resnet18", num_classes=10)
-    net.conv1 = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    net.maxpool = torch.nn.Identity()
+    net = SmallCNN(num_classes=10, in_channels=1)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     net.load_state_dict(state)
+    dm = DigitsDataModule()
+    dm.setup("fit")
+    x, y = dm.val_set.tensors
+    with torch.no_grad():
+        accuracy = (net.eval()(x).argmax(1) == y).float().mean().item()
+    assert abs(accuracy - summary["val_acc"]) < 0.003, "the checkpoint is the model the summary scored"
 
 
 @pytest.mark.timeout(240)

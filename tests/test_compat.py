@@ -4,11 +4,13 @@ checked on lightning 2.6.6 and torch 2.14.1). An upstream release that moves one
 from __future__ import annotations
 
 import inspect
+import signal
 
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -70,14 +72,44 @@ def test_lightning_reads_exist():
     assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path(
         "s3://b/x.ckpt"
     )
+    assert lightning_compat.hpc_save_path(trainer).endswith("hpc_ckpt_1.ckpt")
+    assert lightning_compat.lightning_owns_requeue_signal(trainer, signal.SIGUSR1) is False
+    handler = trainer._signal_connector._slurm_sigusr_handler_fn
+    previous = signal.signal(signal.SIGUSR1, _HandlersCompose([handler]))
+    try:
+        assert lightning_compat.lightning_owns_requeue_signal(trainer, signal.SIGUSR1) is True
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     err = RuntimeError("Expected to have finished reduction")
     lightning_compat.augment_message(err, ".*finished reduction.*", "explained")
     assert "explained" in str(err)
 
 
+def test_eval_loader_accessors_work():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    class Loader(DataLoader):  # a subclass: re-made the way Lightning injects its sampler
+        pass
+
+    batches = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    wrapped = lightning_compat.index_batch_sampler(batches)
+    assert lightning_compat.inner_batch_sampler(wrapped) is batches
+    assert lightning_compat.inner_batch_sampler(batches) is batches
+    assert [list(b) for b in wrapped] == [[0, 1], [2, 3], [4]] and wrapped.seen_batch_indices == [
+        [0, 1],
+        [2, 3],
+        [4],
+    ]
+    args, kwargs = lightning_compat.dataloader_init_args(Loader(list(range(5)), batch_size=2, num_workers=0))
+    kwargs.update(sampler=None, batch_sampler=batches, batch_size=1, shuffle=False, drop_last=False)
+    remade = lightning_compat.reinstantiate(Loader(list(range(5))), args, kwargs)
+    assert type(remade) is Loader and [b.tolist() for b in remade] == [[0, 1], [2, 3], [4]]
+
+
 def test_torch_names_exist():
     for name in (
         "_get_ddp_logging_data",
+        "_set_ddp_runtime_logging_sample_rate",
         "_remove_autograd_hooks",
         "_set_params_and_buffers_to_ignore_for_model",
     ):
@@ -96,3 +128,30 @@ def test_torch_names_exist():
     assert "extra" not in dict(module.named_parameters())
     torch_compat.set_params_to_ignore(module, ["weight"])
     assert getattr(module, torch_compat.DDP_IGNORE_LIST) == ["weight"]
+
+
+def test_dataloader_reinstantiation_and_batchnorm_input_check():
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, shuffle=False)
+    sampler = torch.utils.data.SequentialSampler(range(6))
+    args, kwargs = lightning_compat.dataloader_init_args(loader, sampler)
+    rebuilt = lightning_compat.reinstantiate(loader, args, {**kwargs, "dataset": list(range(6))})
+    assert rebuilt.sampler is sampler and [b.tolist() for b in rebuilt] == [[0, 1, 2, 3], [4, 5]]
+    bn = torch.nn.BatchNorm2d(3)
+    torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3, 4, 4))
+    with pytest.raises(ValueError, match="4D"):
+        torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3))
+
+
+def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
+    import torch.distributed as dist
+
+    from lightning_solo.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
+    torch_compat.set_ddp_runtime_logging_sample_rate(ddp, 1)
+    for _ in range(3):
+        ddp(torch.ones(1, 2)).sum().backward()
+    data = torch_compat.ddp_logging_data(ddp)
+    assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
+    assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)

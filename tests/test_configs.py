@@ -29,6 +29,15 @@ def test_every_experiment_composes_and_builds(experiment, tmp_path):
         assert type(strategy).__name__ == "SoloDDP"
 
 
+def test_default_is_small_cnn_on_digits_and_synthetic_stays_an_option(tmp_path):
+    with composed([], tmp_path) as cfg:
+        assert cfg.data._target_.endswith("DigitsDataModule") and cfg.model.arch == "small_cnn"
+        assert cfg.model.in_channels == 1 and cfg.trainer.max_epochs == 10
+    for experiment in ("synthetic_cpu", "quick_cpu"):
+        with composed([f"+experiment={experiment}"], tmp_path) as cfg:
+            assert cfg.data._target_.endswith("SyntheticDataModule") and cfg.model.arch == "resnet18"
+
+
 def test_resnet_4gpu_is_what_it_says(tmp_path):
     with composed(["+experiment=resnet_4gpu"], tmp_path) as cfg:
         assert cfg.model.arch == "resnet50"

@@ -1,4 +1,5 @@
-"""Datamodules: the synthetic set is deterministic and learnable; missing real data fails with directions."""
+"""Datamodules: digits and the synthetic set are deterministic (digits held out, synthetic learnable); missing
+real data fails with directions."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_solo.data import CIFAR10DataModule, ImageFolderDataModule, SyntheticDataModule, SyntheticImages
+from lightning_solo.data import (
+    CIFAR10DataModule,
+    DigitsDataModule,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    SyntheticImages,
+)
+from lightning_solo.models import SmallCNN, build_backbone
 
 
 def test_synthetic_items_are_a_pure_function_of_seed_and_index():
@@ -69,3 +77,32 @@ def test_image_folder(tmp_path):
     assert x.shape == (2, 3, 16, 16)
     with pytest.raises(ValueError, match="num_classes=3"):
         ImageFolderDataModule(root=str(tmp_path), num_classes=3)
+
+
+def test_digits_split_is_fixed_held_out_and_stratified():
+    a, b = DigitsDataModule(), DigitsDataModule(split_seed=0, batch_size=8)
+    a.setup("fit")
+    b.setup("fit")
+    (xa, _), (va, vya) = a.train_set.tensors, a.val_set.tensors
+    assert xa.shape == (1437, 1, 8, 8) and va.shape == (360, 1, 8, 8) and xa.dtype == torch.float32
+    assert torch.equal(xa, b.train_set.tensors[0]) and torch.equal(vya, b.val_set.tensors[1])  # deterministic
+    train_rows = {tuple(r) for r in xa.flatten(1).tolist()}
+    assert (
+        sum(tuple(r) in train_rows for r in va.flatten(1).tolist()) <= 2
+    )  # held out (digits has 1 duplicate)
+    assert torch.bincount(vya, minlength=10).min() >= 35  # every class in the val split (stratified)
+    assert abs(xa.mean().item()) < 0.1 and abs(xa.std().item() - 1) < 0.1
+    other = DigitsDataModule(split_seed=1)
+    other.setup("fit")
+    assert not torch.equal(other.val_set.tensors[1], vya)
+    with pytest.raises(ValueError, match="val_fraction"):
+        DigitsDataModule(val_fraction=1.0)
+
+
+def test_small_cnn_is_built_by_name_for_grey_8x8_images():
+    net = build_backbone("small_cnn", num_classes=10, in_channels=1)
+    assert isinstance(net, SmallCNN) and net(torch.randn(4, 1, 8, 8)).shape == (4, 10)
+    with pytest.raises(ValueError, match="pretrained"):
+        build_backbone("small_cnn", 10, weights="IMAGENET1K_V1")
+    with pytest.raises(ValueError, match="in_channels=1 needs stem='cifar'"):
+        build_backbone("resnet18", 10, stem="imagenet", in_channels=1)

@@ -6,7 +6,6 @@ with, and every expected value is written out from the formula here, not taken f
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,12 +15,12 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import Precision
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import WarmupScaledLR
 from lightning_solo.callbacks.lr_schedule import LRSchedule, scale_factor
-from lightning_solo.decision import Decision
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 BASE_LR = 0.1
 N = 64  # samples; batch 4 → 16 batches per epoch on 1 process, 8 per rank on 2
@@ -48,51 +47,46 @@ class RecordingSGD(torch.optim.SGD):
         return loss
 
 
-class Tiny(L.LightningModule):
-    def __init__(
-        self, out: Path | None = None, batch_size: int = 4, scheduler=None, two_groups: bool = False
-    ):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-        self.out, self.batch_size, self.scheduler, self.two_groups = out, batch_size, scheduler, two_groups
+class Tiny(TinyModule):
+    """TinyModule under a RecordingSGD; ``scheduler``: a user scheduler ``(make, interval)``; ``two_groups``: the
+    out layer in a second param group at a tenth of the lr."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
-        return DataLoader(data, batch_size=self.batch_size, shuffle=False)
+    def __init__(self, scheduler=None, two_groups: bool = False):
+        super().__init__((4, 4, 2), init_seed=0, loss="cross_entropy", samples=N, batch_size=4, data_seed=0,
+                         lr=BASE_LR)  # fmt: skip
+        self.user_scheduler, self.two_groups = scheduler, two_groups
 
     def configure_optimizers(self):
         if self.two_groups:
             params = [
-                {"params": self.net[0].parameters()},
-                {"params": self.net[2].parameters(), "lr": BASE_LR / 10},
+                {"params": self.trunk.parameters()},
+                {"params": self.out.parameters(), "lr": BASE_LR / 10},
             ]
         else:
             params = self.parameters()
         opt = RecordingSGD(params, lr=BASE_LR)
-        if self.scheduler is None:
+        if self.user_scheduler is None:
             return opt
-        make, interval = self.scheduler
+        make, interval = self.user_scheduler
         return {"optimizer": opt, "lr_scheduler": {"scheduler": make(opt), "interval": interval}}
 
-    def on_train_end(self):
-        if self.out is None:
-            return
-        cb = next(c for c in self.trainer.callbacks if isinstance(c, WarmupScaledLR))
-        record = {
-            "lrs": self.trainer.optimizers[0].lrs,
-            "decisions": {k: d.as_dict() for k, d in cb.decisions.items()},
-            "global_step": self.trainer.global_step,
-            "resume": self.trainer.strategy.decisions.get(
-                "mid_epoch_resume", Decision("", None, "")
-            ).as_dict(),
-        }
-        (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+def _lr_decisions(trainer, module) -> dict:
+    cb = next(c for c in trainer.callbacks if isinstance(c, WarmupScaledLR))
+    return {k: d.as_dict() for k, d in cb.decisions.items()}
+
+
+def _recorder(out: Path) -> RankRecorder:
+    """Per rank: the lr of every optimizer step, WarmupScaledLR's and the strategy's decisions, the last step."""
+    return RankRecorder(
+        out,
+        on_train_end={
+            "lrs": lambda trainer, module: trainer.optimizers[0].lrs,
+            "lr_decisions": _lr_decisions,
+            "decisions": "decisions",
+            "global_step": "global_step",
+        },
+    )
 
 
 def _trainer(tmp_path, callbacks, devices=1, **kwargs) -> L.Trainer:
@@ -343,14 +337,14 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
     out = tmp_path / "fresh"
     out.mkdir()
     cb = WarmupScaledLR(reference_batch_size=2, warmup_steps=3, decay="step", decay_milestones=[0.75])
-    _trainer(out, [cb], devices=2, accumulate_grad_batches=2).fit(Tiny(out))
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    _trainer(out, [cb, _recorder(out)], devices=2, accumulate_grad_batches=2).fit(Tiny())
+    ranks = read_rank_records(out)
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
     applied = [lrs[0] for lrs in ranks[0]["lrs"]]
     assert len(applied) == 8  # 8 batches per rank per epoch / 2 accumulation × 2 epochs
     expected = [0.1 * f for f in (1.0, 1 + 7 / 3, 1 + 14 / 3, 8.0, 8.0, 8.0, 0.8, 0.8)]
     assert applied == pytest.approx(expected, rel=1e-12)
-    assert ranks[0]["decisions"]["lr_global_batch"]["value"] == 16
+    assert ranks[0]["lr_decisions"]["lr_global_batch"]["value"] == 16
 
     # (2) Save at 1 process (global batch 4, ×2), resume at 2 processes (global batch 8, ×4).
     one = tmp_path / "one"
@@ -362,15 +356,15 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
     two = tmp_path / "two"
     two.mkdir()
     cb2 = WarmupScaledLR(reference_batch_size=2, warmup_steps=6, decay="cosine")
-    _trainer(two, [cb2], devices=2).fit(Tiny(two), ckpt_path=one / "epoch=0-step=4.ckpt")
-    ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    _trainer(two, [cb2, _recorder(two)], devices=2).fit(Tiny(), ckpt_path=one / "epoch=0-step=4.ckpt")
+    ranks = read_rank_records(two)
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
     # The interrupted epoch restarts whole on the new shards (not its first 8 - 4 batches only): 4 + 8 + 8 steps.
     assert ranks[0]["global_step"] == 20
-    assert "restarts in full" in ranks[0]["resume"]["reason"]
+    assert "restarts in full" in ranks[0]["decisions"]["mid_epoch_resume"]["reason"]
     applied = [lrs[0] for lrs in ranks[0]["lrs"]]
     assert applied == pytest.approx([_expected_2proc(s) for s in range(4, 20)], rel=1e-12)
-    rescaled = ranks[0]["decisions"]["lr_rescaled_on_resume"]
+    rescaled = ranks[0]["lr_decisions"]["lr_rescaled_on_resume"]
     assert rescaled["value"] == {"global_batch": [4, 8], "scale": [2.0, 4.0]}
     assert "world size 1" in rescaled["reason"] and "world size 2" in rescaled["reason"]
 
@@ -382,13 +376,14 @@ def test_two_processes_formula_accumulation_and_world_size_change(tmp_path):
         devices=2,
         max_epochs=1,
         enable_checkpointing=True,
-    ).fit(Tiny(two))
+    ).fit(Tiny())
     back = tmp_path / "back"
     back.mkdir()
     _trainer(
         back,
-        [WarmupScaledLR(reference_batch_size=2, warmup_steps=6)],
+        [WarmupScaledLR(reference_batch_size=2, warmup_steps=6), _recorder(back)],
         strategy=SoloDDP(start_method="fork"),
-    ).fit(Tiny(back), ckpt_path=two / "epoch=0-step=3.ckpt")
-    record = json.loads((back / "rank0.json").read_text())
-    assert record["global_step"] == 3 + 16 + 16 and "restarts in full" in record["resume"]["reason"]
+    ).fit(Tiny(), ckpt_path=two / "epoch=0-step=3.ckpt")
+    (record,) = read_rank_records(back, world=1)
+    resumed = record["decisions"]["mid_epoch_resume"]
+    assert record["global_step"] == 3 + 16 + 16 and "restarts in full" in resumed["reason"]

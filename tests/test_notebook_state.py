@@ -23,30 +23,28 @@ from lightning_solo import SoloDDP
 from lightning_solo.callbacks.run_summary import RunSummary
 from lightning_solo.carry import packed_attributes, unpack_attributes
 from lightning_solo.launcher import SoloLauncher, capture
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 SAMPLES, BATCH, WORLD = 64, 8, 2
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)
 
 
-class TinyClassifier(L.LightningModule):
+class TinyClassifier(TinyModule):
+    """TinyModule that logs its losses and keeps them in a list (a notebook habit: plot afterwards)."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-        self.losses: list[float] = []  # a notebook habit: record in the module, plot afterwards
+        super().__init__((8, 16, 4), activation=nn.ReLU, loss="cross_entropy", lr=0.1)
+        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        loss = self.batch_loss(batch)
         self.losses.append(loss.item())
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        self.log("val_loss", self.batch_loss(batch), sync_dist=True)
 
 
 def loader() -> DataLoader:
@@ -55,24 +53,10 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, (x[:, :4].argmax(1))), batch_size=BATCH)
 
 
-class RankRecorder(L.Callback):
-    """Writes each rank's final weights to a file (a channel independent of the launcher) and keeps a list."""
-
-    def __init__(self, directory) -> None:
-        self.directory = directory
-        self.steps_seen: list[int] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps_seen.append(trainer.global_step)
-
-    def on_train_end(self, trainer, pl_module):
-        torch.save(
-            pl_module.state_dict(), f"{self.directory}/rank{trainer.global_rank}_{trainer.global_step}.pt"
-        )
-
-
 def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
-    recorder = RankRecorder(tmp_path)
+    recorder = RankRecorder(on_train_batch_end={"steps_seen": "global_step"})  # a user callback's list
+    # Each rank's final weights, through a channel independent of the launcher.
+    weights = RankRecorder(tmp_path, on_train_end=("state", "global_step"), suffix=".pt")
     summary = RunSummary()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / name, monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
@@ -80,7 +64,7 @@ def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
         devices=WORLD,
         strategy=strategy,
         max_epochs=max_epochs,
-        callbacks=[recorder, summary, checkpoint],
+        callbacks=[recorder, weights, summary, checkpoint],
         logger=CSVLogger(tmp_path, name=name),
         default_root_dir=tmp_path,
         enable_progress_bar=False,
@@ -91,10 +75,11 @@ def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
 
 
 def assert_rank_zero_weights(model, tmp_path, step):
-    ranks = [torch.load(tmp_path / f"rank{r}_{step}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = read_rank_records(tmp_path, WORLD, suffix=".pt")
+    assert [r["global_step"] for r in ranks] == [step] * WORLD
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, ranks[0][key], rtol=0, atol=0)
-        torch.testing.assert_close(ranks[1][key], ranks[0][key], rtol=0, atol=0)
+        torch.testing.assert_close(value, ranks[0]["state"][key], rtol=0, atol=0)
+        torch.testing.assert_close(ranks[1]["state"][key], ranks[0]["state"][key], rtol=0, atol=0)
 
 
 @pytest.fixture
@@ -133,7 +118,7 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     assert math.isclose(
         float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5
     )
-    assert recorder.steps_seen == list(range(1, steps + 1))
+    assert recorder.record["steps_seen"] == list(range(1, steps + 1))
     assert summary.summary is not None and summary.summary["global_step"] == steps
     # Module attributes filled in training_step; the strategy's decisions made in the workers.
     assert len(model.losses) == steps
@@ -150,7 +135,7 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     trainer.fit(model, loader(), loader())
     assert (trainer.global_step, trainer.current_epoch) == (steps + STEPS_PER_EPOCH, 3)
     assert_rank_zero_weights(model, tmp_path, steps + STEPS_PER_EPOCH)
-    assert recorder.steps_seen[-1] == steps + STEPS_PER_EPOCH
+    assert recorder.record["steps_seen"][-1] == steps + STEPS_PER_EPOCH
     assert list(private_tmpdir.iterdir()) == []
 
     # And a fit on a new Trainer in the same process starts its own count.
@@ -160,7 +145,7 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     trainer2.fit(model, loader(), loader())
     assert (trainer2.global_step, trainer2.current_epoch) == (STEPS_PER_EPOCH, 1)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert recorder2.steps_seen == list(range(1, STEPS_PER_EPOCH + 1))
+    assert recorder2.record["steps_seen"] == list(range(1, STEPS_PER_EPOCH + 1))
     assert summary2.summary["global_step"] == STEPS_PER_EPOCH
     assert trainer2.checkpoint_callback.best_model_path.startswith(str(tmp_path / "second"))
 
@@ -204,25 +189,10 @@ def test_capture_outside_a_fit_is_empty_of_progress():
     assert unpack_attributes(state["module"], "TinyClassifier")["losses"] == []
 
 
-class TrainingStateRecorder(L.Callback):
-    """Rank 0 writes the GradScaler's scale and PowerSGD's iteration at the start and end of each fit."""
-
-    def __init__(self, directory) -> None:
-        self.directory = directory
-
-    def _write(self, trainer, when: str) -> None:
-        if trainer.global_rank == 0:
-            state = {
-                "scale": trainer.precision_plugin.scaler.get_scale(),
-                "iter": trainer.strategy._comm.state.iter,
-            }
-            torch.save(state, f"{self.directory}/{when}_{trainer.global_step}.pt")
-
-    def on_train_start(self, trainer, pl_module):
-        self._write(trainer, "start")
-
-    def on_train_end(self, trainer, pl_module):
-        self._write(trainer, "end")
+def _training_state(trainer, module) -> dict:
+    """The step, the GradScaler's scale and PowerSGD's iteration."""
+    scale, powersgd = trainer.precision_plugin.scaler.get_scale(), trainer.strategy._comm.state
+    return {"step": trainer.global_step, "scale": scale, "iter": powersgd.iter}
 
 
 @pytest.mark.multiproc
@@ -241,17 +211,50 @@ def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
         strategy=strategy,
         max_steps=3,
         logger=False,
-        callbacks=[TrainingStateRecorder(tmp_path)],
+        callbacks=[
+            RankRecorder(
+                tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}
+            )
+        ],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = TinyClassifier()
     trainer.fit(model, loader())
-    first_end = torch.load(tmp_path / "end_3.pt")
+    first_end = read_rank_records(tmp_path)[0]["end"]
+    assert first_end["step"] == 3
     assert first_end["scale"] > 2.0**8 and first_end["iter"] >= 3  # the scale grew every step
     assert trainer.strategy.precision_plugin.scaler.get_scale() == first_end["scale"]  # the parent holds it
     trainer.fit_loop.epoch_loop.max_steps = 5
     trainer.fit(model, loader())
-    second_start = torch.load(tmp_path / "start_3.pt")
+    second_start = read_rank_records(tmp_path)[0]["start"]
     assert second_start == first_end  # not init_scale and PowerSGD's exact warm-up again
+
+
+class _KeepsALot(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.kept = torch.arange(200_000, dtype=torch.float32)  # 800 KB: far over a pipe's 64 KiB buffer
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_a_result_larger_than_a_pipe_comes_back_without_hanging(tmp_path, private_tmpdir):
+    # Lightning's parent joins the workers before reading their results: through the queue, rank 0 would block.
+    keeps = _KeepsALot()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=SoloDDP(start_method="fork"),
+        max_steps=2,
+        callbacks=[keeps],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(TinyClassifier(), loader())
+    assert torch.equal(keeps.kept, torch.arange(200_000, dtype=torch.float32))
+    assert trainer.global_step == 2
+    assert not [p for p in private_tmpdir.rglob("*") if p.is_file()]  # the state file is gone

@@ -3,13 +3,13 @@ clipping after unscale, and the precision rule between Trainer and SoloDDP."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
@@ -27,55 +27,54 @@ from lightning_solo.precision import (
     to_channels_last,
 )
 from tests.distributed import run_ranks
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 CPU = torch.device("cpu")
 OVERFLOW_STEP = 2
 
 
-class TinyNet(L.LightningModule):
+class TinyNet(TinyModule):
     """Conv + linear (both go through CPU fp16 autocast); an inf loss at ``overflow_step``."""
 
     def __init__(self, overflow_step: int | None = OVERFLOW_STEP, overflow_rank: int | None = None) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)
-        )
+        conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+        step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa: E731
+        super().__init__((4 * 6 * 6, 2), trunk=conv, loss="cross_entropy", lr=0.1, scheduler=step_lr)
         self.overflow_step, self.overflow_rank = overflow_step, overflow_rank
         self.out_dtypes: list[torch.dtype] = []
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        out = self.net(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
         self.out_dtypes.append(out.dtype)
-        loss = torch.nn.functional.cross_entropy(out, y)
+        return out
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
         if self.global_step == self.overflow_step and self.overflow_rank in (None, self.global_rank):
             loss = loss * float("inf")  # non-finite gradients: the scaler must skip this step
         return loss
 
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+def _scale(trainer, module) -> float:
+    return trainer.precision_plugin.scaler.get_scale()
 
 
-class Recorder(L.Callback):
-    """Per optimizer step: the loss scale after update() and a copy of the parameters."""
+def _scale_at_start(trainer, module) -> float:
+    scaler = trainer.precision_plugin.scaler
+    return scaler._scale.item() if scaler._scale is not None else scaler._init_scale
 
-    def __init__(self) -> None:
-        self.scales: list[float] = []
-        self.params: list[torch.Tensor] = []
-        self.steps: list[int] = []
-        self.scale_at_start: float | None = None
 
-    def on_train_start(self, trainer, pl_module):
-        scaler = trainer.precision_plugin.scaler
-        self.scale_at_start = scaler._scale.item() if scaler._scale is not None else scaler._init_scale
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.scales.append(trainer.precision_plugin.scaler.get_scale())
-        self.steps.append(trainer.global_step)
-        self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+def recorder(out=None, **at_end) -> RankRecorder:
+    """Per optimizer step: the loss scale after update(), the step and the parameters; the scale at the start;
+    ``at_end`` when training ends."""
+    return RankRecorder(
+        out,
+        on_train_start={"scale_at_start": _scale_at_start},
+        on_train_batch_end={"scales": _scale, "steps": "global_step", "params": "params"},
+        on_train_end=at_end,
+    )
 
 
 def loader(n: int = 40, batch_size: int = 4) -> DataLoader:
@@ -225,15 +224,16 @@ def test_fp16_scaler_grows_backs_off_and_skips():
     plugin = SoloMixedPrecision(
         "16-mixed", "cpu", scaler={"init_scale": 1024, "growth_interval": 2}, skip_lr_on_overflow=True
     )
-    model, rec = TinyNet(), Recorder()
+    model, rec = TinyNet(), recorder()
     t = trainer(5, plugins=[plugin], callbacks=[rec])
     t.fit(model, loader())
 
     assert set(model.out_dtypes) == {torch.float16}  # real fp16 autocast on CPU
     # growth after 2 good steps, halving on the overflow step, regrowth after 2 more good steps
-    assert rec.scales == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
-    assert torch.equal(rec.params[OVERFLOW_STEP], rec.params[OVERFLOW_STEP - 1])  # the step was skipped
-    assert not torch.equal(rec.params[OVERFLOW_STEP + 1], rec.params[OVERFLOW_STEP])
+    assert rec.record["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
+    params = rec.record["params"]
+    assert torch.equal(params[OVERFLOW_STEP], params[OVERFLOW_STEP - 1])  # the step was skipped
+    assert not torch.equal(params[OVERFLOW_STEP + 1], params[OVERFLOW_STEP])
     assert plugin.skipped_steps == 1
     assert t.callback_metrics["amp/skipped_steps"].item() == 1
     assert t.callback_metrics["amp/scale"].item() == 2048.0
@@ -242,24 +242,21 @@ def test_fp16_scaler_grows_backs_off_and_skips():
     assert "lr_scheduler_step" not in model.__dict__  # the hook wrapper is removed at teardown
 
 
-class LinearSum(L.LightningModule):
+class LinearSum(TinyModule):
     """loss = sum(W x) * k: its gradient is known in closed form (k * sum of inputs / accumulation)."""
 
     def __init__(self, k: float) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 1, bias=False)
-        torch.nn.init.zeros_(self.lin.weight)
+        super().__init__((4, 1), lr=1.0)
+        self.out = nn.Linear(4, 1, bias=False)
+        nn.init.zeros_(self.out.weight)
         self.k = k
         self.seen_norms: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        return self.lin(batch[0]).sum() * self.k
+        return super().training_step(batch, batch_idx) * self.k
 
     def on_before_optimizer_step(self, optimizer):
-        self.seen_norms.append(self.lin.weight.grad.norm().item())  # after unscale, before clipping
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1.0)
+        self.seen_norms.append(self.out.weight.grad.norm().item())  # after unscale, before clipping
 
 
 def test_clip_after_unscale_with_accumulation_matches_hand_computed_norm():
@@ -277,7 +274,7 @@ def test_clip_after_unscale_with_accumulation_matches_hand_computed_norm():
     assert norm > clip
     assert model.seen_norms == [pytest.approx(norm, rel=1e-6)]  # unscaled: not 1024x larger
     expected = -g * clip / (norm + 1e-6)  # SGD lr=1 from zero weights: the update is the clipped gradient
-    torch.testing.assert_close(model.lin.weight.detach().flatten(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.out.weight.detach().flatten(), expected, rtol=1e-5, atol=1e-6)
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -295,49 +292,26 @@ def test_resume_keeps_scale_applies_new_factors_and_stock_lightning_reads_it(tmp
 
     # Changed factors at resume: the scale is kept exactly, the new growth factor/interval are in force.
     new_cfg = {"init_scale": 8.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 1}
-    second, rec = SoloMixedPrecision("16-mixed", "cpu", scaler=new_cfg), Recorder()
+    second, rec = SoloMixedPrecision("16-mixed", "cpu", scaler=new_cfg), recorder()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         trainer(5, plugins=[second], callbacks=[rec]).fit(
             TinyNet(overflow_step=None), loader(), ckpt_path=ckpt
         )
-    assert rec.scale_at_start == 1024.0
-    assert rec.scales == [4096.0, 16384.0]  # x4 after every good step
+    assert rec.record["scale_at_start"] == 1024.0
+    assert rec.record["scales"] == [4096.0, 16384.0]  # x4 after every good step
     assert second.scaler._growth_factor == 4.0 and second.scaler._backoff_factor == 0.25
     assert second.skipped_steps == 1  # the counter continues across the resume
     assert "growth_factor 2.0 -> 4.0" in second.decisions["grad_scaler_resume"].reason
     assert "growth_factor 2.0 -> 4.0" in caplog.text
 
     # Stock Lightning resumes the same checkpoint with the saved scale.
-    stock, rec = (
-        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0)),
-        Recorder(),
-    )
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
+    rec = recorder()
     trainer(4, plugins=[stock], callbacks=[rec]).fit(TinyNet(overflow_step=None), loader(), ckpt_path=ckpt)
-    assert rec.scale_at_start == 1024.0
+    assert rec.record["scale_at_start"] == 1024.0
 
 
 # --- two ranks under SoloDDP (gloo, fork) --------------------------------------------------------
-
-
-class DumpRank(Recorder):
-    def __init__(self, path) -> None:
-        super().__init__()
-        self.path = path
-
-    def on_train_end(self, trainer, pl_module):
-        plugin = trainer.precision_plugin
-        i = self.steps.index(OVERFLOW_STEP + 1)  # global_step counts the overflow step once it is done
-        out = {
-            "scales": self.scales,
-            "skipped_unchanged": torch.equal(self.params[i], self.params[i - 1]),
-            "final": self.params[-1].tolist(),
-            "skipped_steps": plugin.skipped_steps,
-            "plugin": type(plugin).__name__,
-            "dtypes": sorted({str(d) for d in pl_module.out_dtypes}),
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "decisions": {k: str(v) for k, v in trainer.strategy.decisions.items()},
-        }
-        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
 @pytest.mark.multiproc
@@ -353,18 +327,27 @@ def test_two_ranks_fp16_under_soloddp_resumed_with_new_growth_factor(tmp_path):
     # The overflow happens on rank 1 only; DDP's all-reduce spreads the inf, so both ranks skip together.
     scaler = {"init_scale": 1024, "growth_interval": 2, "growth_factor": 4.0}
     strategy = SoloDDP(start_method="fork", precision="16-mixed", scaler=scaler)
-    t = trainer(5, devices=2, strategy=strategy, precision="16-mixed", callbacks=[DumpRank(tmp_path)])
+    rec = recorder(
+        tmp_path,
+        plugin=lambda trainer, module: type(trainer.precision_plugin).__name__,
+        skipped_steps=lambda trainer, module: trainer.precision_plugin.skipped_steps,
+        dtypes=lambda trainer, module: sorted({str(d) for d in module.out_dtypes}),
+        lr="lr",
+        decisions="decisions",
+    )
+    t = trainer(5, devices=2, strategy=strategy, precision="16-mixed", callbacks=[rec])
     t.fit(TinyNet(overflow_rank=1), loader(), ckpt_path=ckpt)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = read_rank_records(tmp_path)
     for r in (r0, r1):
         assert r["plugin"] == "SoloMixedPrecision" and r["dtypes"] == ["torch.float16"]
         # steps 1..4: grow x4 (tracker reaches 2), overflow halves, 1 good, grow x4
         assert r["scales"] == [4096.0, 2048.0, 2048.0, 8192.0]
-        assert r["skipped_unchanged"] and r["skipped_steps"] == 1
+        i = r["steps"].index(OVERFLOW_STEP + 1)  # global_step counts the overflow step once it is done
+        assert r["params"][i] == r["params"][i - 1] and r["skipped_steps"] == 1
         assert r["lr"] == pytest.approx(0.1 * 0.5**5)  # default: the scheduler advances on a skipped step
-        assert "real fp16 autocast on CPU" in r["decisions"]["precision"]
-        assert "growth_factor 2.0 -> 4.0" in r["decisions"]["grad_scaler_resume"]
-    assert r0["final"] == r1["final"]  # ranks stay in sync through the skipped step
+        assert "real fp16 autocast on CPU" in r["decisions"]["precision"]["reason"]
+        assert "growth_factor 2.0 -> 4.0" in r["decisions"]["grad_scaler_resume"]["reason"]
+    assert r0["params"][-1] == r1["params"][-1]  # ranks stay in sync through the skipped step
 
 
 @pytest.mark.multiproc

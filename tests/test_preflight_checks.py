@@ -3,6 +3,8 @@ the setup warnings read from a real single-process fit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -66,6 +68,10 @@ def _rank(rank, host="a", local=None, gpu=None):
         ([_rank(0, local=0, gpu="G0"), _rank(1, host="b", local=0, gpu="G0")], []),  # other host: fine
         ([_rank(0, local=0, gpu="G0"), _rank(1, local=1, gpu="G0")], [("placement.gpu", (0, 1))]),
         ([_rank(0, local=0), _rank(1, local=0), _rank(2, local=1)], [("placement.local_rank", (0, 1))]),
+        (
+            [dataclasses.replace(_rank(r, local=0), device="cpu") for r in (0, 1)],
+            [],
+        ),  # CPU "nodes" on one host
     ],
 )
 def test_ranks_sharing_a_device_are_named(ranks, expected):

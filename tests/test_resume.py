@@ -5,7 +5,6 @@ shuffled DistributedSampler in play."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -18,7 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.checkpoint import resolve_ckpt_path, verify
-from lightning_solo.resume import ResumableSampler
+from lightning_solo.resumable_loader import ResumableSampler
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 SAMPLES, BATCH = 44, 4  # 22 samples per rank: 6 batches per epoch, the last one partial
 STEPS_PER_EPOCH = 6
@@ -37,10 +38,14 @@ class Crash(Exception):
     pass
 
 
-class Net(L.LightningModule):
-    def __init__(self, log_dir: str, crash_at: int | None = None) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+class Net(TinyModule):
+    """TinyModule with dropout (RNG), momentum and a step LR schedule, on :class:`Indexed` shuffled; each rank
+    appends the indices of its batches to ``rank{r}.txt``; ``crash_at``: raises before that step."""
+
+    def __init__(self, log_dir: str, crash_at: int | None = None, batchnorm: bool = False) -> None:
+        step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)  # noqa: E731
+        super().__init__((8, 16, 1), activation=None, batchnorm=batchnorm, dropout=0.3, loss="square",
+                         batch_size=BATCH, lr=0.05, momentum=0.9, scheduler=step_lr)  # fmt: skip
         self.log_dir, self.crash_at = log_dir, crash_at
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -48,24 +53,17 @@ class Net(L.LightningModule):
             raise Crash(f"simulated crash before step {self.crash_at + 1}")
 
     def training_step(self, batch, batch_idx):
-        x, index = batch
         with open(os.path.join(self.log_dir, f"rank{self.global_rank}.txt"), "a") as f:
-            f.write(" ".join(map(str, index.tolist())) + "\n")
-        return self.net(x).pow(2).mean()
-
-    def on_train_start(self):
-        if self.global_rank == 0:
-            decisions = {k: [d.value, d.reason] for k, d in self.trainer.strategy.decisions.items()}
-            with open(os.path.join(self.log_dir, "decisions.json"), "w") as f:
-                json.dump(decisions, f)
-
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            f.write(" ".join(map(str, batch[1].tolist())) + "\n")
+        return super().training_step(batch, batch_idx)
 
     def train_dataloader(self):
         return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+
+
+def _decisions(run_dir: str) -> RankRecorder:
+    """Rank r writes the strategy's decisions at the start of training to ``run_dir/rank{r}.json``."""
+    return RankRecorder(run_dir, on_train_start=("decisions",))
 
 
 def _fit(run_dir: str, crash_at: int | None = None, resume: str | None = None, **strategy_kwargs) -> dict:
@@ -78,7 +76,8 @@ def _fit(run_dir: str, crash_at: int | None = None, resume: str | None = None, *
         strategy=SoloDDP(start_method="fork", **strategy_kwargs),
         max_steps=MAX_STEPS,
         callbacks=[
-            SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), every_n_train_steps=1, keep_last_k=2)
+            SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), every_n_train_steps=1, keep_last_k=2),
+            _decisions(run_dir),
         ],
         logger=False,
         enable_progress_bar=False,
@@ -114,11 +113,10 @@ def _check_resume(tmp_path, crashes, **strategy_kwargs) -> None:
         for name, value in reference.items():
             rel = (resumed[name] - value).norm() / value.norm().clamp_min(1e-12)
             assert rel <= 1e-6, f"{name}: relative difference {rel:.2e} after resuming at step {crash_at}"
-        with open(os.path.join(run, "decisions.json")) as f:
-            decisions = json.load(f)
-        assert decisions["mid_epoch_resume"][0] == consumed, decisions["mid_epoch_resume"]
-        assert "RNG states restored" in decisions["mid_epoch_resume"][1]
-        assert decisions["resumable_data"][0] is True
+        decisions = read_rank_records(run)[0]["decisions"]
+        assert decisions["mid_epoch_resume"]["value"] == consumed, decisions["mid_epoch_resume"]
+        assert "RNG states restored" in decisions["mid_epoch_resume"]["reason"]
+        assert decisions["resumable_data"]["value"] is True
 
 
 @pytest.mark.multiproc
@@ -212,8 +210,8 @@ class Augmented(Dataset):
 
 
 class RealNet(Net):
-    def __init__(self, log_dir: str, crash_at_batch: int | None = None) -> None:
-        super().__init__(log_dir)
+    def __init__(self, log_dir: str, crash_at_batch: int | None = None, batchnorm: bool = False) -> None:
+        super().__init__(log_dir, batchnorm=batchnorm)
         self.crash_at_batch = crash_at_batch
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -221,9 +219,7 @@ class RealNet(Net):
             raise Crash(f"simulated crash before batch {self.crash_at_batch}")
 
     def validation_step(self, batch, batch_idx):
-        self.log(
-            "val", self.net(batch[0]).pow(2).mean() + torch.rand(()), sync_dist=True
-        )  # validation draws too
+        self.log("val", self.batch_loss(batch) + torch.rand(()), sync_dist=True)  # validation draws too
 
     def train_dataloader(self):
         return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
@@ -250,7 +246,11 @@ def _fit_real(
         strategy=SoloDDP(start_method="fork", **(strategy or {})),
         max_epochs=2,
         val_check_interval=0.5,
-        callbacks=[SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1), *callbacks],
+        callbacks=[
+            SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1),
+            _decisions(run_dir),
+            *callbacks,
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -282,12 +282,11 @@ def test_resume_with_workers_augmentation_validation_and_accumulation_is_exact(t
         assert torch.equal(resumed[name], value), (
             f"{name}: {(resumed[name] - value).abs().max()} after resuming"
         )
-    with open(os.path.join(run, "decisions.json")) as f:
-        decisions = json.load(f)
-    consumed, reason = decisions["mid_epoch_resume"]
+    decisions = read_rank_records(run)[0]["decisions"]
+    consumed, reason = decisions["mid_epoch_resume"]["value"], decisions["mid_epoch_resume"]["reason"]
     assert consumed == (3 if accumulate == 1 else 2) and "RNG states restored" in reason
     assert ("accumulation cycle" in reason) == (accumulate == 2)
-    assert decisions["resume"][0].endswith("last.ckpt")
+    assert decisions["resume"]["value"].endswith("last.ckpt")
 
 
 class DefaultsNet(RealNet):
@@ -296,18 +295,14 @@ class DefaultsNet(RealNet):
     window (``find_unused_parameters="auto"`` completes it exactly, then switches to True)."""
 
     def __init__(self, log_dir: str, crash_at_batch: int | None = None, bn: bool = True) -> None:
-        super().__init__(log_dir, crash_at_batch)
-        norm = nn.BatchNorm1d(16) if bn else nn.Identity()
-        self.net = nn.Sequential(nn.Linear(8, 16), norm, nn.Dropout(0.3), nn.Linear(16, 1))
+        super().__init__(log_dir, crash_at_batch, batchnorm=bn)
         self.branch = nn.Linear(16, 16)
-        self.batch_size = BATCH  # declared, as real modules do: what the auto rules read before loaders exist
 
     def training_step(self, batch, batch_idx):
-        x, _ = batch
-        h = self.net[2](self.net[1](self.net[0](x)))
+        h = self.trunk(batch[0])
         if not (self.global_rank == 1 and self.trainer.fit_loop.epoch_loop.total_batch_idx == 7):
             h = h + self.branch(h)
-        return self.net[3](h).pow(2).mean()
+        return self.out(h).pow(2).mean()
 
 
 @pytest.mark.multiproc
@@ -331,8 +326,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn):
         )
 
     reference = fit(str(tmp_path / "reference"))
-    with open(tmp_path / "reference" / "decisions.json") as f:
-        assert json.load(f)["sync_batchnorm"][0] is bn
+    assert read_rank_records(tmp_path / "reference")[0]["decisions"]["sync_batchnorm"]["value"] is bn
     run = str(tmp_path / "crash")
     fit(run, crash_at_batch=10)
     resumed = fit(run, resume=True)

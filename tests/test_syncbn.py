@@ -26,7 +26,8 @@ from lightning_solo import SoloDDP, batch_size, syncbn
 from lightning_solo.syncbn.layer import SoloSyncBatchNorm
 from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
-from tests.helpers.records import read_rank_records, write_rank_record
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 TOL = 1e-5
 
@@ -313,19 +314,6 @@ def test_per_device_batch_size_sources():
 STEPS, BATCH = 3, 4
 
 
-class _Classifier(L.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
 class _Data(L.LightningDataModule):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         super().__init__()
@@ -340,34 +328,26 @@ class _Data(L.LightningDataModule):
         )
 
 
-class _Record(L.Callback):
-    """Writes, per rank, the layer classes during and after fit and the strategy's decisions."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.seen = out, {}
-
-    def _bn_classes(self, module):
-        return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
-
-    def on_train_start(self, trainer, pl_module):
-        self.seen["during"] = self._bn_classes(pl_module)
-
-    def on_fit_end(self, trainer, pl_module):  # after the strategy's teardown
-        decisions = {k: d.as_dict() for k, d in trainer.strategy.decisions.items()}
-        record = dict(self.seen, after=self._bn_classes(pl_module), decisions=decisions)
-        write_rank_record(self.out, trainer.global_rank, record)
+def _bn_classes(trainer, module) -> list[str]:
+    return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
 
 
 def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, callbacks=(), **trainer_kwargs):
-    module = _Classifier(copy.deepcopy(net))
+    # The layer classes during and after fit (after the strategy's teardown), the strategy's decisions.
+    record = RankRecorder(
+        tmp_path,
+        on_train_start={"during": _bn_classes},
+        on_fit_end={"after": _bn_classes, "decisions": "decisions"},
+    )
+    module = TinyModule((), trunk=copy.deepcopy(net), loss="cross_entropy", lr=0.1, momentum=0.9)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-        use_distributed_sampler=False, callbacks=[_Record(tmp_path), *callbacks], **trainer_kwargs,
+        use_distributed_sampler=False, callbacks=[record, *callbacks], **trainer_kwargs,
     )  # fmt: skip
     trainer.fit(module, datamodule=_Data(images, labels))
     records = read_rank_records(tmp_path)
-    return module.net, records
+    return module.trunk, records
 
 
 def _reference(net: nn.Module, images, labels) -> nn.Module:
@@ -405,7 +385,7 @@ def test_lightning_auto_sync_equals_single_process_and_checkpoint_loads_into_tor
 
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
     fresh = torchvision.models.get_model("resnet18", num_classes=10)
-    fresh.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})  # strict
+    fresh.load_state_dict({k.removeprefix("trunk."): v for k, v in state.items()})  # strict
     assert _max_state_err(fresh, reference) <= TOL
 
 

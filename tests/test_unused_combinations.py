@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, Callback
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from lightning_solo import SoloDDP
@@ -34,9 +33,7 @@ class Combo(Net):
 
     def __init__(self, data, variant="branch", *, bn=False, gather_from=None, log_after_backward=False,
                  adamw=False, frozen_backbone=False):  # fmt: skip
-        super().__init__(variant, data)
-        if bn:
-            self.trunk = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh())
+        super().__init__(variant, data, batchnorm=bn)
         self.gather_from, self.log_after_backward, self.adamw = gather_from, log_after_backward, adamw
         self.backbone = self.trunk
         if frozen_backbone:

@@ -13,11 +13,13 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
+from torch.utils.data import SequentialSampler
 
 CHECKED_ON = "lightning 2.6.6"
 
@@ -106,3 +108,48 @@ def logger_connector(trainer: Any) -> Any:
 
 
 LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
+
+
+def inner_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's predict-time ``_IndexBatchSamplerWrapper`` (its ``_batch_sampler``),
+    or ``batch_sampler`` itself (checked on lightning 2.6.6)."""
+    if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+        return batch_sampler._batch_sampler
+    return batch_sampler
+
+
+def index_batch_sampler(batch_sampler: Any) -> Any:
+    """``batch_sampler`` wrapped in ``_IndexBatchSamplerWrapper``, from which Lightning's predict loop reads the
+    batch indices it gives prediction writers (checked on lightning 2.6.6)."""
+    return _IndexBatchSamplerWrapper(batch_sampler)
+
+
+def dataloader_init_args(dataloader: Any, sampler: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments that re-create ``dataloader`` (a DataLoader subclass too) around ``sampler``, as Lightning
+    takes them to inject its own: ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs``
+    (checked on lightning 2.6.6). Without ``sampler`` the sampler arguments are placeholders to replace."""
+    return _get_dataloader_init_args_and_kwargs(
+        dataloader, sampler if sampler is not None else SequentialSampler(range(0))
+    )
+
+
+def reinstantiate(dataloader: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``lightning.pytorch.utilities.data._reinstantiate_wrapped_cls`` (checked on lightning 2.6.6)."""
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def lightning_owns_requeue_signal(trainer: Any, signum: int) -> bool:
+    """Whether ``signum``'s handler is the one Lightning's ``_SignalConnector.register_signal_handlers`` installs
+    for SLURM auto-requeue: a ``_HandlersCompose`` whose ``signal_handlers`` hold the trainer's
+    ``_signal_connector._slurm_sigusr_handler_fn`` (checked on lightning 2.6.6)."""
+    import signal
+
+    ours = getattr(getattr(trainer, "_signal_connector", None), "_slurm_sigusr_handler_fn", None)
+    return ours is not None and ours in getattr(signal.getsignal(signum), "signal_handlers", ())
+
+
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning's SLURM handler saves, and where ``fit(ckpt_path=None)`` on SLURM resumes from:
+    ``trainer._checkpoint_connector.hpc_save_path(default_root_dir)``, the next ``hpc_ckpt_<n>.ckpt``
+    (checked on lightning 2.6.6)."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

@@ -19,6 +19,8 @@ DispatchMode = TorchDispatchMode
 # DDP's own names the pack reads or sets (checked on torch 2.14.1); the compat test asserts each exists.
 DDP_IGNORED_FLAG = "_ddp_ignored"  # set by DDP on each parameter it ignores
 DDP_IGNORE_LIST = "_ddp_params_and_buffers_to_ignore"  # the module attribute DDP reads its ignore list from
+# Keys of DDP's logging data TrainingDoctor reads (lightning_solo/diagnostics/timing.py); the compat test runs DDP.
+DDP_TIMING_KEYS = ("iteration", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time")
 
 
 def unregister_parameter(module: torch.nn.Module, name: str) -> None:
@@ -29,6 +31,12 @@ def unregister_parameter(module: torch.nn.Module, name: str) -> None:
 def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
     """``DistributedDataParallel._get_ddp_logging_data()`` (checked on torch 2.14.1)."""
     return ddp._get_ddp_logging_data()
+
+
+def set_ddp_runtime_logging_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
+    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate(rate)``: the reducer records its timings
+    on iterations 1-10 and then every ``rate``-th (default 100) (checked on torch 2.14.1)."""
+    ddp._set_ddp_runtime_logging_sample_rate(rate)
 
 
 def ddp_graph_static(ddp: DistributedDataParallel) -> bool:
@@ -82,3 +90,9 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
 def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
     """``GradScaler._init_scale`` (checked on torch 2.14.1)."""
     return scaler._init_scale
+
+
+def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.Tensor) -> None:
+    """``cls._check_input_dim(module, input)``: a BatchNorm class's own input check, which SyncBN variants
+    override and call for the class they replace (checked on torch 2.14.1)."""
+    cls._check_input_dim(module, input)  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
 from lightning_solo.checkpoint.manifest import read_manifest
+from lightning_solo.checkpoint.sharded import read_sharded_manifest
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.validate import check_int, check_number
 
@@ -267,11 +268,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
 
 def _intact(trainer, successor: str | None, filepath: str) -> bool:
-    if (
-        not successor
-        or os.path.abspath(successor) == os.path.abspath(filepath)
-        or not os.path.isfile(successor)
-    ):
+    if not successor or os.path.abspath(successor) == os.path.abspath(filepath):
+        return False
+    if os.path.isdir(successor):  # a sharded checkpoint (SoloFSDP): swapped in whole once complete
+        return read_sharded_manifest(successor) is not None
+    if not os.path.isfile(successor):
         return False
     if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):
         # The IO verified the file before renaming it into place; its manifest still being readable at the

@@ -98,7 +98,7 @@ class LossWatch(DecisionLog, L.Callback):
         device = trainer.strategy.root_device
         grad_norm = self._grad_norm(optimizer, device) if self._grad_check else torch.zeros((), device=device)
         has_loss = loss is not None
-        loss = loss.to(device) if has_loss else torch.zeros((), device=device)
+        loss = loss.to(device) if loss is not None else torch.zeros((), device=device)
         bad = (~torch.isfinite(loss)) | (~torch.isfinite(grad_norm))
         mine = torch.stack(
             [torch.where(bad, 0.0, loss), torch.tensor(float(has_loss), device=device), bad.float()]
@@ -120,7 +120,14 @@ class LossWatch(DecisionLog, L.Callback):
             self._check_spread(trainer, step)
 
     def _grad_norm(self, optimizer, device: torch.device) -> torch.Tensor:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Sharded gradients (FSDP's DTensors): this rank's shard; a non-finite value shows on its own rank and the
+        # all-reduced flag stops every rank.
+        grads = [
+            getattr(p.grad, "to_local", lambda g=p.grad: g)()
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if not grads:
             return torch.zeros((), device=device)
         return torch.nn.utils.get_total_norm(grads).to(device)

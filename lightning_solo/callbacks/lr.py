@@ -34,12 +34,16 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_solo.batch_size import loader_batch_size
-from lightning_solo.callbacks.lr_schedule import LRSchedule, check_options, plot_schedule, scale_factor
+from lightning_solo.batch_size import global_batch
+from lightning_solo.callbacks.lr_groups import ScaledParamGroups, lr_names
+from lightning_solo.callbacks.lr_plot import plot_schedule
+from lightning_solo.callbacks.lr_schedule import (
+    LRSchedule,
+    ScheduleOptions,
+    total_optimizer_steps,
+)
 from lightning_solo.decision import Decision, DecisionLog
 from lightning_solo.validate import check_int
-
-_DEFAULT_WARMUP_FRACTION = 0.05
 
 
 class WarmupScaledLR(DecisionLog, Callback):
@@ -77,37 +81,23 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        given = {
-            k: v
-            for k, v in (
-                ("warmup_epochs", warmup_epochs),
-                ("warmup_steps", warmup_steps),
-                ("warmup_fraction", warmup_fraction),
-            )
-            if v is not None
+        warmup = {
+            "warmup_epochs": warmup_epochs,
+            "warmup_steps": warmup_steps,
+            "warmup_fraction": warmup_fraction,
         }
-        milestones = list(decay_milestones or ())
         # Validated here so that a bad value fails at construction, not at the first step.
-        check_options(
-            rule,
-            reference_batch_size,
-            given,
-            decay,
-            milestones,
+        self.options = ScheduleOptions(
+            rule=rule,
+            reference_batch_size=reference_batch_size,
+            warmup={k: v for k, v in warmup.items() if v is not None},
             start_factor=start_factor,
-            min_factor=min_lr_factor,
-            gamma=decay_gamma,
+            decay=decay,
+            decay_milestones=tuple(decay_milestones or ()),
+            decay_gamma=decay_gamma,
+            min_lr_factor=min_lr_factor,
         )
         check_int("per_device_batch_size", per_device_batch_size, optional=True)
-        self.rule = rule
-        self.reference_batch_size = reference_batch_size
-        self.warmup = next(iter(given.items()), ("warmup_fraction", _DEFAULT_WARMUP_FRACTION))
-        self.warmup_given = bool(given)
-        self.start_factor = start_factor
-        self.decay = decay
-        self.decay_milestones = milestones
-        self.decay_gamma = decay_gamma
-        self.min_lr_factor = min_lr_factor
         self.per_device_batch_size = per_device_batch_size
         self.log_lr = log_lr
 
@@ -115,16 +105,12 @@ class WarmupScaledLR(DecisionLog, Callback):
         self.schedule: LRSchedule | None = None
         self.global_batch: int | None = None
         self.steps_per_epoch: int | None = None
-        # Per optimizer, per param group: the lr as the user configured it / as their scheduler moved it.
+        # Per optimizer, per param group: the lr as the user configured it.
         self._base_lrs: list[list[float]] | None = None
-        self._user_lrs: list[list[float]] | None = None
+        self._groups: ScaledParamGroups | None = None  # the factor applied around each step, during a fit
         self._restored: dict[str, Any] | None = None
-        self._applied: list[bool] = []
-        self._in_step: list[bool] = []
-        self._hooks: list[Any] = []
         self._names: list[list[str]] = []
         self._batch_parts: dict[str, int] = {}
-        self._optimizers: list[Any] = []
         self._log = log_lr
 
     def _decide(self, decision: Decision) -> Decision:
@@ -135,104 +121,21 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     def global_batch_size(self, trainer: L.Trainer) -> Decision:
         """Per-device batch (from the train dataloader) × devices × nodes × accumulation steps."""
-        loader = trainer.train_dataloader
-        per_device = loader_batch_size(loader)
-        source = "train dataloader"
-        if per_device is None:
-            if self.per_device_batch_size is None:
-                raise ValueError(
-                    f"cannot read a batch size from the train dataloader ({type(loader).__name__}); pass "
-                    "WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
-                )
-            per_device, source = self.per_device_batch_size, "per_device_batch_size"
-        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
-        devices = world // max(1, trainer.num_nodes)
-        self._batch_parts = {"per_device_batch": per_device, "world_size": world, "accumulate": accumulate}
-        return Decision(
-            "lr_global_batch",
-            per_device * world * accumulate,
-            f"{per_device} per device ({source}) × {devices} devices × {trainer.num_nodes} nodes "
-            f"× {accumulate} accumulation steps",
-        )
+        batch = global_batch(trainer, self.per_device_batch_size)
+        if batch is None:
+            raise ValueError(
+                f"cannot read a batch size from the train dataloader ({type(trainer.train_dataloader).__name__}); "
+                "pass WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
+            )
+        self._batch_parts = {"per_device_batch": batch.per_device, "world_size": batch.world_size,
+                             "accumulate": batch.accumulate}  # fmt: skip
+        return batch.decision("lr_global_batch")
 
     def build_schedule(
         self, global_batch: int, total_steps: int, steps_per_epoch: int | None
     ) -> tuple[LRSchedule, list[Decision]]:
         """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
-        scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
-        why = {
-            "linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
-            "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
-            "none": "rule 'none'",
-        }[self.rule]
-        decisions = [Decision("lr_scale", round(scale, 6), why)]
-
-        kind, amount = self.warmup
-        if kind == "warmup_steps":
-            warmup = int(amount)
-        elif kind == "warmup_epochs":
-            if steps_per_epoch is None:
-                raise ValueError(
-                    "warmup_epochs needs a train dataloader with a length; use warmup_steps instead"
-                )
-            warmup = round(amount * steps_per_epoch)
-        else:
-            warmup = round(amount * total_steps)
-        if warmup > total_steps:
-            raise ValueError(
-                f"warmup ({kind}={amount} → {warmup} optimizer steps) is longer than the run "
-                f"({total_steps} optimizer steps); shorten the warmup or train longer"
-            )
-        schedule = LRSchedule(
-            scale=scale,
-            warmup_steps=warmup,
-            total_steps=total_steps,
-            start_factor=self.start_factor,
-            decay=self.decay,
-            min_factor=self.min_lr_factor,
-            gamma=self.decay_gamma,
-            milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
-        )
-        origin = "set by the user" if self.warmup_given else "default: 5% of the run"
-        decisions.append(
-            Decision(
-                "lr_warmup_steps",
-                warmup,
-                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
-                f"{scale:g}× the configured lr",
-            )
-        )
-        if self.decay != "none":
-            detail = (
-                f"to {self.min_lr_factor:g}× at step {total_steps}"
-                if self.decay == "cosine"
-                else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}"
-            )
-            decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
-        return schedule, decisions
-
-    def _total_steps(self, trainer: L.Trainer) -> int:
-        total = trainer.estimated_stepping_batches
-        if math.isinf(total):
-            if self.warmup[0] != "warmup_steps" or self.decay != "none":
-                raise ValueError(
-                    "the run has no fixed length (max_epochs=-1, max_steps=-1): set max_steps, or use "
-                    "warmup_steps with decay='none'"
-                )
-            return 2**62
-        batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
-        if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
-            # Counted from where the loop stands: after a resume at another world size the steps already done
-            # had other epoch lengths, and SoloDDP restarts the interrupted epoch on the new shards.
-            per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            by_epochs = (
-                trainer.global_step
-                + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
-                + (max_epochs - trainer.current_epoch - 1) * per_epoch
-            )
-            total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
-        return int(total)
+        return self.options.build(global_batch, total_steps, steps_per_epoch)
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -259,41 +162,38 @@ class WarmupScaledLR(DecisionLog, Callback):
             None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
         )
         self.schedule, decisions = self.build_schedule(
-            batch.value, self._total_steps(trainer), self.steps_per_epoch
+            batch.value,
+            total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
+            self.steps_per_epoch,
         )
         for decision in decisions:
             self._decide(decision)
 
         groups = [[g for g in opt.param_groups] for opt in trainer.optimizers]
         if self._restored is not None:
-            self._resume(groups, self._restored)
+            user_lrs = self._resume(groups, self._restored)
             self._restored = None
         else:  # a fresh fit (also a second fit with this callback): the optimizer as configured
             self._base_lrs = [[g.get("initial_lr", g["lr"]) for g in gs] for gs in groups]
-            self._user_lrs = [[g["lr"] for g in gs] for gs in groups]
-        for gs, lrs in zip(groups, self._user_lrs):
-            for g, lr in zip(gs, lrs):
-                g["lr"] = lr
+            user_lrs = [[g["lr"] for g in gs] for gs in groups]
         self._decide(Decision("lr_base", self._base_lrs, "the optimizer's lr as configured, per param group"))
         if trainer.lr_scheduler_configs:
             names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
             self._decide(Decision("lr_user_scheduler", names, "composed: each step uses its lr × the factor"))
+        schedule = self.schedule
+        self._groups = ScaledParamGroups(
+            trainer.optimizers, user_lrs, factor=lambda: schedule.factor(trainer.global_step)
+        )
+        self._names = lr_names(trainer.optimizers)
 
-        self._optimizers = list(trainer.optimizers)
-        self._applied = [False] * len(trainer.optimizers)
-        self._in_step = [False] * len(trainer.optimizers)
-        self._names = self._lr_names(trainer.optimizers)
-        for i, opt in enumerate(trainer.optimizers):
-            self._hooks.append(opt.register_step_pre_hook(lambda o, a, k, i=i: self._enter_step(trainer, i)))  # type: ignore[misc]
-            self._hooks.append(opt.register_step_post_hook(lambda o, a, k, i=i: self._leave_step(trainer, i)))  # type: ignore[misc]
-
-    def _resume(self, groups: list[list[dict]], saved: dict[str, Any]) -> None:
+    def _resume(self, groups: list[list[dict]], saved: dict[str, Any]) -> list[list[float]]:
+        assert self.schedule is not None  # built in on_train_start, before this
         if [len(gs) for gs in groups] != [len(lrs) for lrs in saved["user_lrs"]]:
             raise ValueError(
                 f"the checkpoint's WarmupScaledLR state has param groups {[len(x) for x in saved['user_lrs']]}, "
                 f"the optimizers now have {[len(gs) for gs in groups]}"
             )
-        self._base_lrs, self._user_lrs = saved["base_lrs"], saved["user_lrs"]
+        self._base_lrs = saved["base_lrs"]
         old, new = saved["global_batch"], self.global_batch
         old_scale, new_scale = saved["scale"], self.schedule.scale
         if old != new or old_scale != new_scale:
@@ -302,7 +202,7 @@ class WarmupScaledLR(DecisionLog, Callback):
                 f"has {new} (world size {self._batch_parts['world_size']})"
                 if old != new
                 else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
-                f"{self.rule}/{self.reference_batch_size}"
+                f"{self.options.rule}/{self.options.reference_batch_size}"
             )
             self._decide(
                 Decision(
@@ -311,18 +211,19 @@ class WarmupScaledLR(DecisionLog, Callback):
                     f"{why}: lr scale {old_scale:g} → {new_scale:g}",
                 )
             )
+        return [list(lrs) for lrs in saved["user_lrs"]]
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for i in range(len(trainer.optimizers)):
-            self._apply_one(trainer, i)
+        if self._groups is not None:
+            self._groups.apply_all()
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        for i in range(len(trainer.optimizers)):
-            self._apply_one(trainer, i)
+        if self._groups is not None:
+            self._groups.apply_all()
         if self._log:
             for opt, names in zip(trainer.optimizers, self._names):
                 for g, name in zip(opt.param_groups, names):
@@ -337,94 +238,38 @@ class WarmupScaledLR(DecisionLog, Callback):
         # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's
         # lr so that a scheduler stepping after a skipped step never sees the factor; the pre-hook
         # applies it again if the step does happen.
-        for i, opt in enumerate(trainer.optimizers):
-            if (opt is optimizer or getattr(optimizer, "optimizer", None) is opt) and not self._in_step[i]:
-                self._unapply_one(trainer, i)
+        if self._groups is not None:
+            self._groups.unapply_outside_step(optimizer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for i in range(len(self._applied)):
-            self._unapply_one(trainer, i)
-        self._remove_hooks()
+        if self._groups is not None:
+            self._groups.unapply_all()
+            self._groups.remove()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._remove_hooks()
+        if self._groups is not None:
+            self._groups.remove()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self._user_lrs is None:
+        if self._groups is None or self.schedule is None:
             return {}
         return {
             "base_lrs": self._base_lrs,
-            "user_lrs": self._current_user_lrs(),
+            "user_lrs": self._groups.current_user_lrs(),
             "global_batch": self.global_batch,
             "scale": self.schedule.scale,
             **self._batch_parts,
-            "rule": self.rule,
-            "reference_batch_size": self.reference_batch_size,
+            "rule": self.options.rule,
+            "reference_batch_size": self.options.reference_batch_size,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored = dict(state_dict)
-
-    # ---------------------------------------------------------------- applying the factor
-
-    def _apply_one(self, trainer: L.Trainer, i: int) -> None:
-        """Param groups of optimizer ``i`` := user lr × factor(step), reading the user lr first."""
-        if self._applied[i] or self.schedule is None:
-            return
-        factor = self.schedule.factor(trainer.global_step)
-        groups = trainer.optimizers[i].param_groups
-        self._user_lrs[i] = [g["lr"] for g in groups]  # picks up whatever the user's scheduler set
-        for g, lr in zip(groups, self._user_lrs[i]):
-            g["lr"] = lr * factor
-        self._applied[i] = True
-
-    def _enter_step(self, trainer: L.Trainer, i: int) -> None:
-        self._apply_one(trainer, i)
-        self._in_step[i] = True
-
-    def _leave_step(self, trainer: L.Trainer, i: int) -> None:
-        self._in_step[i] = False
-        self._unapply_one(trainer, i)
-
-    def _unapply_one(self, trainer: L.Trainer, i: int) -> None:
-        if not self._applied[i]:
-            return
-        for g, lr in zip(trainer.optimizers[i].param_groups, self._user_lrs[i]):
-            g["lr"] = lr
-        self._applied[i] = False
-
-    def _current_user_lrs(self) -> list[list[float]]:
-        # Between a step and the next batch a scheduler may have moved the groups' (user) lr: read it there.
-        return [
-            list(lrs) if i < len(self._applied) and self._applied[i] else [g["lr"] for g in opt.param_groups]
-            for i, (opt, lrs) in enumerate(zip(self._optimizers, self._user_lrs))
-        ]
-
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    @staticmethod
-    def _lr_names(optimizers: Sequence[Any]) -> list[list[str]]:
-        # LearningRateMonitor's naming: lr-SGD, lr-SGD-1 for a second SGD, /pg2 or the group's "name".
-        names: list[list[str]] = []
-        seen: dict[str, int] = {}
-        for opt in optimizers:
-            cls = type(opt).__name__
-            base = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
-            seen[cls] = seen.get(cls, 0) + 1
-            groups = opt.param_groups
-            if len(groups) == 1:
-                names.append([base + (f"/{groups[0]['name']}" if "name" in groups[0] else "")])
-            else:
-                names.append([f"{base}/{g.get('name', f'pg{j + 1}')}" for j, g in enumerate(groups)])
-        return names
 
     # ---------------------------------------------------------------- plotting
 
@@ -451,6 +296,6 @@ class WarmupScaledLR(DecisionLog, Callback):
             schedule,
             base_lr=base_lr,
             steps_per_epoch=steps_per_epoch,
-            title=f"{self.rule} scaling ×{schedule.scale:g} for global batch "
+            title=f"{self.options.rule} scaling ×{schedule.scale:g} for global batch "
             f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
         )

@@ -1,4 +1,5 @@
-"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math.
+"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math, and the
+options it is built from (checked once, in :class:`ScheduleOptions`).
 
 The lr used at optimizer step ``s`` is ``base_lr × LRSchedule.factor(s)``, where ``base_lr`` is the lr
 as configured (or as the user's own scheduler currently sets it). The multiplier is:
@@ -16,7 +17,6 @@ Example::
     k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
     sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
     lrs = [0.1 * sched.factor(s) for s in range(10_000)]
-    plot_schedule("lr.png", sched, base_lr=0.1)
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import lightning.pytorch as pl
+
+from lightning_solo.decision import Decision
 from lightning_solo.validate import check_int, check_number
 
 RULES = ("linear", "sqrt", "none")
 DECAYS = ("none", "cosine", "step")
+DEFAULT_WARMUP_FRACTION = 0.05
 
 
 def check_rule(rule: str) -> str:
@@ -153,41 +156,124 @@ class LRSchedule:
         return 1.0
 
 
-def plot_schedule(
-    path: str | Path,
-    schedule: LRSchedule,
-    base_lr: float = 1.0,
-    title: str | None = None,
-    steps_per_epoch: int | None = None,
-) -> Path:
-    """Write the lr curve ``base_lr × schedule.factor(s)`` over the whole run to a PNG; returns the path."""
-    # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps its inline one).
-    # matplotlib is an optional extra: imported here, where it is used, and only here.
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError(
-            "plot_schedule needs matplotlib, an optional dependency: pip install 'lightning_solo[plot]'"
-        ) from err
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What :class:`~lightning_solo.callbacks.lr.WarmupScaledLR` is told about the schedule, checked when made
+    (see its arguments). ``warmup``: the one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given,
+    if any; none means 5% of the run."""
 
-    steps = list(range(schedule.total_steps))
-    lrs = [base_lr * schedule.factor(s) for s in steps]
-    fig = Figure(figsize=(6, 3.2), dpi=120)
-    ax = fig.subplots()
-    xs = [s / steps_per_epoch for s in steps] if steps_per_epoch else steps
-    ax.plot(xs, lrs, lw=1.6)
-    ax.axhline(base_lr, color="grey", lw=0.8, ls=":", label=f"base lr {base_lr:g}")
-    if schedule.warmup_steps:
-        end = schedule.warmup_steps / steps_per_epoch if steps_per_epoch else schedule.warmup_steps
-        ax.axvline(end, color="tab:orange", lw=0.8, ls="--", label="end of warmup")
-    ax.set_xlabel("epoch" if steps_per_epoch else "optimizer step")
-    ax.set_ylabel("learning rate")
-    ax.set_title(
-        title or f"scale ×{schedule.scale:g}, warmup {schedule.warmup_steps} steps, decay {schedule.decay}"
-    )
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    rule: str = "linear"
+    reference_batch_size: int = 256
+    warmup: dict[str, float] = field(default_factory=dict)
+    start_factor: float = 1.0
+    decay: str = "none"
+    decay_milestones: tuple[float, ...] = ()
+    decay_gamma: float = 0.1
+    min_lr_factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_options(
+            self.rule,
+            self.reference_batch_size,
+            self.warmup,
+            self.decay,
+            self.decay_milestones,
+            start_factor=self.start_factor,
+            min_factor=self.min_lr_factor,
+            gamma=self.decay_gamma,
+        )
+
+    @property
+    def warmup_kind(self) -> tuple[str, float]:
+        return next(iter(self.warmup.items()), ("warmup_fraction", DEFAULT_WARMUP_FRACTION))
+
+    @property
+    def open_ended_ok(self) -> bool:
+        """A run with no fixed length is fine: warmup in steps and no decay need no run length."""
+        return self.warmup_kind[0] == "warmup_steps" and self.decay == "none"
+
+    def build(
+        self, global_batch: int, total_steps: int, steps_per_epoch: int | None
+    ) -> tuple[LRSchedule, list[Decision]]:
+        """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
+        scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
+        why = {
+            "linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
+            "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
+            "none": "rule 'none'",
+        }[self.rule]
+        decisions = [Decision("lr_scale", round(scale, 6), why)]
+
+        kind, amount = self.warmup_kind
+        warmup = warmup_length(kind, amount, total_steps, steps_per_epoch)
+        schedule = LRSchedule(
+            scale=scale,
+            warmup_steps=warmup,
+            total_steps=total_steps,
+            start_factor=self.start_factor,
+            decay=self.decay,
+            min_factor=self.min_lr_factor,
+            gamma=self.decay_gamma,
+            milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
+        )
+        origin = "set by the user" if bool(self.warmup) else "default: 5% of the run"
+        decisions.append(
+            Decision(
+                "lr_warmup_steps",
+                warmup,
+                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
+                f"{scale:g}× the configured lr",
+            )
+        )
+        if self.decay != "none":
+            detail = (
+                f"to {self.min_lr_factor:g}× at step {total_steps}"
+                if self.decay == "cosine"
+                else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}"
+            )
+            decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
+        return schedule, decisions
+
+
+def warmup_length(kind: str, amount: float, total_steps: int, steps_per_epoch: int | None) -> int:
+    """Optimizer steps of warmup for ``kind`` (``warmup_steps``/``warmup_epochs``/``warmup_fraction``) ``amount``."""
+    if kind == "warmup_steps":
+        warmup = int(amount)
+    elif kind == "warmup_epochs":
+        if steps_per_epoch is None:
+            raise ValueError("warmup_epochs needs a train dataloader with a length; use warmup_steps instead")
+        warmup = round(amount * steps_per_epoch)
+    else:
+        warmup = round(amount * total_steps)
+    if warmup > total_steps:
+        raise ValueError(
+            f"warmup ({kind}={amount} → {warmup} optimizer steps) is longer than the run "
+            f"({total_steps} optimizer steps); shorten the warmup or train longer"
+        )
+    return warmup
+
+
+def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
+    """The optimizer steps of the whole fit, counted from where the loop stands. ``open_ended_ok``: a run with
+    no fixed length is fine (warmup in steps, no decay) and counts as endless."""
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        if not open_ended_ok:
+            raise ValueError(
+                "the run has no fixed length (max_epochs=-1, max_steps=-1): set max_steps, or use "
+                "warmup_steps with decay='none'"
+            )
+        return 2**62
+    batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
+        # After a resume at another world size the steps already done had other epoch lengths, and SoloDDP
+        # restarts the interrupted epoch on the new shards.
+        per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        by_epochs = (
+            trainer.global_step
+            + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
+            + (max_epochs - trainer.current_epoch - 1) * per_epoch
+        )
+        total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
+    return int(total)

@@ -35,6 +35,7 @@ from lightning_solo.checkpoint.select import (
     checkpoint_dir,
     decide_resume,
     find_latest_valid,
+    hpc_checkpoints,
     resolve_ckpt_path,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "clean_stale_temp_files",
     "decide_resume",
     "find_latest_valid",
+    "hpc_checkpoints",
     "load_weights_only",
     "read_manifest",
     "resolve_ckpt_path",

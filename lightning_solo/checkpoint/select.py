@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_solo.checkpoint.io import _TMP_MARK
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
+from lightning_solo.checkpoint.sharded import is_sharded, read_sharded_manifest, verify_sharded
 from lightning_solo.decision import Decision
 
 
@@ -17,22 +19,41 @@ def _candidates(dirpath: str | os.PathLike) -> list[Path]:
     directory = Path(dirpath)
     if not directory.is_dir():
         return []
-    return [p for p in directory.iterdir() if p.suffix == ".ckpt" and p.is_file() and _TMP_MARK not in p.name]
+    return [
+        p
+        for p in directory.iterdir()
+        if p.suffix == ".ckpt" and (p.is_file() or is_sharded(p)) and _TMP_MARK not in p.name
+    ]
 
 
-def decide_resume(dirpath: str | os.PathLike | None, include_exception: bool = False) -> Decision:
-    """The newest checkpoint in ``dirpath`` that verifies (by global step, then write time), and why the
-    newer ones were passed over. Checkpoints written while handling an exception (they may hold a
-    half-finished step) are only considered with ``include_exception=True``."""
-    if dirpath is None:
+def _read(path: Path) -> dict | None:
+    return read_sharded_manifest(path) if path.is_dir() else read_manifest(path)
+
+
+def _verify(path: Path) -> dict:
+    return verify_sharded(path) if path.is_dir() else verify(path)
+
+
+def decide_resume(
+    dirpath: str | os.PathLike | None,
+    include_exception: bool = False,
+    extra: Iterable[str | os.PathLike] = (),
+) -> Decision:
+    """The newest checkpoint in ``dirpath`` (or among the ``extra`` files, e.g. :func:`hpc_checkpoints`) that
+    verifies (by global step, then write time), and why the newer ones were passed over. Checkpoints written
+    while handling an exception (they may hold a half-finished step) are only considered with
+    ``include_exception=True``."""
+    extra = [Path(p) for p in extra]
+    if dirpath is None and not extra:
         return Decision("resume", None, "no checkpoint directory is configured; starting fresh")
     skipped: list[str] = []
     ranked = []
-    for path in _candidates(dirpath):
-        manifest = read_manifest(path)
+    found = [*(_candidates(dirpath) if dirpath is not None else []), *extra]
+    for path in dict.fromkeys(p.resolve() for p in found):  # an hpc_ckpt may sit in the directory too
+        manifest = _read(path)
         if manifest is None:
             try:
-                verify(path)  # fails; it says why
+                _verify(path)  # fails; it says why
             except CheckpointVerificationError as err:
                 skipped.append(f"{path.name}: {err.reason}")
         elif manifest.get("trigger") == "exception" and not include_exception:
@@ -42,7 +63,7 @@ def decide_resume(dirpath: str | os.PathLike | None, include_exception: bool = F
             ranked.append(((step if isinstance(step, int) else -1, manifest.get("created", 0.0)), path))
     for _, path in sorted(ranked, key=lambda item: item[0], reverse=True):
         try:
-            manifest = verify(path)
+            manifest = _verify(path)
         except CheckpointVerificationError as err:
             skipped.append(f"{path.name}: {err.reason}")
             continue
@@ -50,7 +71,8 @@ def decide_resume(dirpath: str | os.PathLike | None, include_exception: bool = F
         if skipped:
             reason += "; passed over " + "; ".join(skipped)
         return Decision("resume", str(path), reason)
-    reason = f"no checkpoint in {os.fspath(dirpath)!r} verifies; starting fresh"
+    where = os.fspath(dirpath) if dirpath is not None else "the SLURM checkpoints"
+    reason = f"no checkpoint in {where!r} verifies; starting fresh"
     if skipped:
         reason += " (" + "; ".join(skipped) + ")"
     return Decision("resume", None, reason)
@@ -69,12 +91,22 @@ def checkpoint_dir(trainer) -> str | None:
     return None
 
 
-def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, dirpath: str | os.PathLike | None) -> str | None:
+def hpc_checkpoints(trainer) -> list[Path]:
+    """The ``hpc_ckpt_<n>.ckpt`` files in ``default_root_dir``: written on SLURM's requeue signal by Lightning's
+    handler or :class:`~lightning_solo.callbacks.requeue.SlurmRequeue`, candidates for ``resume=auto`` too."""
+    return sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
+
+
+def resolve_ckpt_path(
+    ckpt_path: str | os.PathLike | None,
+    dirpath: str | os.PathLike | None,
+    extra: Iterable[str | os.PathLike] = (),
+) -> str | None:
     """Map the runner's ``resume`` value to ``Trainer.fit(ckpt_path=...)``: ``None`` stays ``None``,
-    ``"auto"`` becomes the newest checkpoint in ``dirpath`` that verifies (or ``None``, logged either way),
-    anything else is passed through (Lightning's ``"last"``/``"best"`` included)."""
+    ``"auto"`` becomes the newest checkpoint in ``dirpath`` (or ``extra``) that verifies (or ``None``, logged
+    either way), anything else is passed through (Lightning's ``"last"``/``"best"`` included)."""
     if ckpt_path is None or os.fspath(ckpt_path) != "auto":
         return None if ckpt_path is None else os.fspath(ckpt_path)
-    decision = decide_resume(dirpath)
+    decision = decide_resume(dirpath, extra=extra)
     rank_zero_info(f"resume=auto: {decision}")
     return decision.value

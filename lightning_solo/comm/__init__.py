@@ -1,4 +1,4 @@
-"""Gradient communication for DDP, in four parts:
+"""Gradient communication for DDP, in five parts:
 
 - :mod:`~lightning_solo.comm.hooks`: :class:`CommHook`, a DDP comm hook chosen by name (exact, fp16/bf16,
   PowerSGD, post-local-SGD), registered on every backend, with checkpointable state;
@@ -6,11 +6,14 @@
   (error feedback as one shard file per rank beside the checkpoint);
 - :mod:`~lightning_solo.comm.averaging`: post-local-SGD's in-place parameter averaging and per-node groups;
 - :mod:`~lightning_solo.comm.barrier`: a barrier that names the ranks that did not arrive, and its gloo side
-  group under NCCL.
+  group under NCCL;
+- :mod:`~lightning_solo.comm.auto`: ``comm_hook="auto"``, each candidate hook measured for a few steps, the
+  fastest kept (:class:`AutoCommHook`, :func:`decide_comm_hook`).
 
 The public names are re-exported here, so ``from lightning_solo.comm import CommHook`` keeps working.
 """
 
+from lightning_solo.comm.auto import AUTO_CANDIDATES, AutoCommHook, decide_comm_hook, make_comm_hook
 from lightning_solo.comm.averaging import InPlaceAverager, average_in_place, node_groups
 from lightning_solo.comm.barrier import SIDE_GROUP_TIMEOUT, backend_for, barrier_group, monitored_barrier
 from lightning_solo.comm.hooks import (
@@ -23,9 +26,11 @@ from lightning_solo.comm.hooks import (
 from lightning_solo.comm.powersgd_state import resumable_powerSGD_hook, shard_dir
 
 __all__ = [
+    "AUTO_CANDIDATES",
     "CHECKPOINT_KEY",
     "COMM_HOOKS",
     "SIDE_GROUP_TIMEOUT",
+    "AutoCommHook",
     "CommHook",
     "InPlaceAverager",
     "average_in_place",
@@ -33,7 +38,9 @@ __all__ = [
     "barrier_group",
     "bf16_compress_any_build_hook",
     "check_bucket_cap_mb",
+    "decide_comm_hook",
     "monitored_barrier",
+    "make_comm_hook",
     "node_groups",
     "resumable_powerSGD_hook",
     "shard_dir",

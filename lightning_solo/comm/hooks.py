@@ -93,7 +93,7 @@ class CommHook:
     ) -> None:
         if name not in COMM_HOOKS:
             raise ValueError(
-                f"comm_hook={name!r} is not accepted: use one of {COMM_HOOKS} "
+                f"comm_hook={name!r} is not accepted: use one of {COMM_HOOKS} or 'auto' (measure and keep the fastest) "
                 "(batched PowerSGD is not offered: it is broken in current torch)"
             )
         self.name = name
@@ -187,6 +187,14 @@ class CommHook:
             f"{self.local_sgd_warmup} synchronous steps, then {self._between} between steps and parameters "
             f"averaged over all {world} ranks every {self.local_sgd_period} steps",
         )
+
+    def at_boundary(self, device: torch.device) -> bool:
+        """At every batch start, on every rank: True to have SoloDDP re-wrap DDP and register again (a fixed
+        hook never asks; ``comm_hook="auto"`` does between its trials, see :mod:`lightning_solo.comm.auto`)."""
+        return False
+
+    def after_step(self, device: torch.device) -> None:
+        """At the end of every optimizer step (``comm_hook="auto"`` times its trials with it)."""
 
     def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
         """Post-local-SGD: take Lightning's ``PeriodicModelAverager`` and return the one to use instead: same

@@ -28,8 +28,14 @@ class CIFAR10DataModule(ImageDataModule):
         batch_size: int = 128,
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
         if num_classes != 10:
             raise ValueError(f"CIFAR-10 has 10 classes, got num_classes={num_classes!r}")
         self.root = Path(root).expanduser().resolve()

@@ -25,8 +25,14 @@ class ImageFolderDataModule(ImageDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
         self.root = Path(root).expanduser().resolve()
         self.image_size = image_size
         found = len(self._classes(self.root / "train"))

@@ -77,8 +77,14 @@ class SyntheticDataModule(ImageDataModule):
         batch_size: int = 32,
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
         self.num_classes = check_int("num_classes", num_classes)
         self.image_size = image_size
         self._kwargs = dict(

@@ -55,9 +55,11 @@ def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[
 
 
 def shared_devices(ranks: Sequence[RankFacts]) -> list[Finding]:
-    """An error for ranks on one host that use the same GPU, or claim the same local rank."""
+    """An error for ranks on one host that use the same GPU, or claim the same local rank on an accelerator
+    (CPU processes share the host's cores whatever their local rank: loopback "nodes" on one host are fine)."""
     found = []
-    for what, key in (("GPU", lambda f: f.device_id), ("LOCAL_RANK", lambda f: f.local_rank)):
+    local_rank = lambda f: f.local_rank if f.device != "cpu" else None  # noqa: E731
+    for what, key in (("GPU", lambda f: f.device_id), ("LOCAL_RANK", local_rank)):
         owners: dict[tuple, list[int]] = defaultdict(list)
         for f in ranks:
             if key(f) is not None:

@@ -1,4 +1,4 @@
-"""ImageClassifier: any torchvision classification model as a LightningModule.
+"""ImageClassifier: any torchvision classification model (or this package's ``small_cnn``) as a LightningModule.
 
 Example::
 
@@ -8,6 +8,8 @@ Example::
                             optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
 
 The optimizer and scheduler are factories (Hydra ``_partial_: true``) so the module owns no config.
+Validation and test are exact under DDP: padded rows (:func:`lightning_solo.evaluation.eval_rows`) are dropped
+before the loss, the accuracy and the sample count.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_solo.evaluation import eval_rows
+from lightning_solo.models.small_cnn import SmallCNN
+
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
 
@@ -31,15 +36,33 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+#: Networks of this package, built by name like torchvision's (no stem, no pretrained weights).
+LOCAL_ARCHS = {"small_cnn": SmallCNN}
+
+
 def build_backbone(
-    arch: str, num_classes: int, stem: Literal["imagenet", "cifar"] = "imagenet", weights: str | None = None
+    arch: str,
+    num_classes: int,
+    stem: Literal["imagenet", "cifar"] = "imagenet",
+    weights: str | None = None,
+    in_channels: int = 3,
 ) -> nn.Module:
-    """``torchvision.models.get_model(arch)``; ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and
-    max-pool for a 3×3/stride-1 conv, which is what 32×32 images need."""
+    """``torchvision.models.get_model(arch)``, or a network of :data:`LOCAL_ARCHS` (``small_cnn``);
+    ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and max-pool for a 3×3/stride-1 conv, which is what
+    32×32 images need. ``in_channels`` other than 3 needs a local arch or ``stem="cifar"``."""
+    if arch in LOCAL_ARCHS:
+        if weights is not None:
+            raise ValueError(f"{arch!r} has no pretrained weights; use weights=null")
+        return LOCAL_ARCHS[arch](num_classes=num_classes, in_channels=in_channels)
     available = torchvision.models.list_models(module=torchvision.models)
     if arch not in available:
         raise ValueError(
-            f"unknown torchvision model {arch!r}; classification models are: {', '.join(available)}"
+            f"unknown model {arch!r}; {', '.join(LOCAL_ARCHS)} or a torchvision classification model: "
+            f"{', '.join(available)}"
+        )
+    if in_channels != 3 and stem != "cifar":
+        raise ValueError(
+            f"in_channels={in_channels} needs stem='cifar' for {arch!r} (torchvision's stem is RGB)"
         )
     if stem not in ("imagenet", "cifar"):
         raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
@@ -53,7 +76,9 @@ def build_backbone(
             raise ValueError(
                 f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none"
             )
-        net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        net.conv1 = nn.Conv2d(
+            in_channels, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+        )
         net.maxpool = nn.Identity()
     return net
 
@@ -73,7 +98,9 @@ def _replace_head(net: nn.Module, num_classes: int) -> None:
 class ImageClassifier(L.LightningModule):
     """Cross-entropy classifier over ``build_backbone(arch, ...)`` with torchmetrics accuracy.
 
-    Logs ``train/loss``, ``val/loss`` and ``val/acc`` (accuracy over the whole validation set, all ranks).
+    Logs ``train/loss``, ``val/loss``, ``val/acc`` and ``val/samples`` (over the whole validation set, all ranks,
+    each sample once), the same under ``test/`` for ``trainer.test``. Validation, test and predict steps return
+    the predicted class of every batch row (what :class:`~lightning_solo.callbacks.OrderedPredictions` writes).
     ``channels_last`` stores activations NHWC, which speeds up AMP convolutions on GPUs.
     """
 
@@ -88,10 +115,11 @@ class ImageClassifier(L.LightningModule):
         scheduler_interval: Literal["step", "epoch"] = "epoch",
         channels_last: bool = False,
         label_smoothing: float = 0.0,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.model = build_backbone(arch, num_classes, stem, weights)
+        self.model = build_backbone(arch, num_classes, stem, weights, in_channels)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer_factory = optimizer or default_optimizer
@@ -102,6 +130,7 @@ class ImageClassifier(L.LightningModule):
         self.channels_last = channels_last
         self.label_smoothing = label_smoothing
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +145,36 @@ class ImageClassifier(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    @override
-    def validation_step(self, batch, batch_idx: int) -> None:
+    def _evaluate(self, stage: str, metric: MulticlassAccuracy, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val/acc", self.val_acc, prog_bar=True)
+        predictions = logits.argmax(dim=-1)
+        rows = eval_rows(self.trainer, batch_idx)
+        if rows is not None and rows.padded:  # the mask is on the CPU: no device sync unless there is padding
+            keep = rows.valid.to(logits.device)
+            logits, y = logits[keep], y[keep]
+        count = len(y)
+        # A mean over the real rows, weighted by their number: Lightning's epoch mean (sync_dist) is then exact.
+        loss = F.cross_entropy(logits, y, reduction="sum") / max(count, 1)
+        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=count)
+        self.log(f"{stage}/samples", float(count), reduce_fx="sum", sync_dist=True, batch_size=1)
+        if count:  # a batch of padding only (fewer samples than ranks): nothing to count
+            metric.update(logits, y)
+        self.log(f"{stage}/acc", metric, prog_bar=stage == "val")
+        return predictions
+
+    @override
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate("val", self.val_acc, batch, batch_idx)
+
+    @override
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate("test", self.test_acc, batch, batch_idx)
+
+    @override
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x).argmax(dim=-1)
 
     @override
     def configure_optimizers(self):

@@ -174,7 +174,7 @@ class SoloSyncBatchNorm(BatchNormBase):
     def _check_input_dim(self, input: Tensor) -> None:
         original = getattr(self, _ORIGINAL_CLS, None)
         if original is not None:
-            original._check_input_dim(self, input)
+            torch_compat.batchnorm_check_input_dim(original, self, input)
         elif input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 

@@ -1,6 +1,7 @@
-"""What the tests share: the Hydra config as the runner composes it and the CLI in a subprocess (here); the
-equivalence harness, one small LightningModule fitted on 2 ranks against 1 process
-(:mod:`tests.helpers.equivalence`); starting N raw ranks is :mod:`tests.distributed`."""
+"""What the tests share: the Hydra config as the runner composes it and the CLI in a subprocess (here); the one
+LightningModule, :class:`~tests.helpers.modules.TinyModule`, that tests configure or subclass; the per-rank
+recorder, :class:`~tests.helpers.records.RankRecorder`; the equivalence harness, a TinyModule fitted on 2 ranks
+against 1 process (:mod:`tests.helpers.equivalence`); starting N raw ranks is :mod:`tests.distributed`."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ TINY_RUN = [
 
 
 @contextmanager
-def composed(overrides: list[str], output_dir: Path):
-    """The runner's config as Hydra would compose it, with ``${hydra:...}`` resolvable."""
+def composed(overrides: list[str], output_dir: Path, config_name: str = "config"):
+    """The runner's config (``config_name="evaluate"``: the evaluation runner's) as Hydra would compose it, with
+    ``${hydra:...}`` resolvable."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
             cfg = compose(
-                "config",
+                config_name,
                 overrides=[*overrides, f"hydra.runtime.output_dir={output_dir}"],
                 return_hydra_config=True,
             )

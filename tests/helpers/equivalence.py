@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.helpers.records import read_rank_records, write_rank_record
+from tests.helpers.modules import TinyModule
+from tests.helpers.records import RankRecorder, read_rank_records
 
 TOL = 1e-5
 BATCH = 4  # per rank
@@ -29,8 +30,9 @@ LR = 0.05
 WEIGHT_DECAY = 0.1
 
 
-class Net(L.LightningModule):
-    """A small regression net. ``variant``:
+class Net(TinyModule):
+    """TinyModule ``(8, 16, 1)`` (``batchnorm``: with BatchNorm) under MSE and SGD with weight decay, on the
+    data given. ``variant``:
 
     * ``"used"``: every parameter is used;
     * ``"head"``: plus a head that is never called (statically unused);
@@ -39,13 +41,10 @@ class Net(L.LightningModule):
       the same function of the data however the batch is split between ranks.
     """
 
-    def __init__(self, variant: str = "used", data: tuple[torch.Tensor, torch.Tensor] | None = None):
-        super().__init__()
+    def __init__(self, variant: str = "used", data: tuple[torch.Tensor, ...] | None = None, batchnorm=False):
+        super().__init__((8, 16, 1), batchnorm=batchnorm, head=variant == "head", loss="mse", batch_size=BATCH,
+                         lr=LR, weight_decay=WEIGHT_DECAY)  # fmt: skip
         self.variant, self.data = variant, data
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
-        self.out = nn.Linear(16, 1)
-        if variant == "head":
-            self.head = nn.Linear(16, 3)
         if variant == "branch":
             self.branch = nn.Linear(16, 16)
 
@@ -60,13 +59,6 @@ class Net(L.LightningModule):
                 extra[picked] = self.branch(h[picked])
                 h = h + extra
         return self.out(h)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def train_dataloader(self):
         sampler = DistributedSampler(
@@ -92,44 +84,43 @@ def make_data(steps: int = STEPS, accumulate: int = 1, branch_off: dict[int, tup
     return x, y
 
 
-class Record(L.Callback):
-    """Writes what each rank saw to ``rank{r}.json``: parameters, decisions, advice, the DDP wrappers used,
-    SoloDDP's warnings."""
+def _ddp_settings(trainer, module) -> dict:
+    ddp = trainer.strategy.model
+    return {
+        "find_unused_parameters": ddp.find_unused_parameters, "ignored": sorted(ddp.parameters_to_ignore),
+        "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
+    }  # fmt: skip
+
+
+class Record(RankRecorder):
+    """Writes what each rank saw to ``rank{r}.json``: parameters, decisions, advice, the DDP wrapper of each
+    batch, DDP's settings at the end of training, SoloDDP's warnings."""
 
     def __init__(self, path: Path):
-        self.path, self.wrappers, self.ddp = path, [], {}
+        super().__init__(
+            path,
+            on_train_batch_start={"wrappers": lambda trainer, module: id(trainer.strategy.model)},
+            on_train_end={"ddp": _ddp_settings},
+            on_fit_end={
+                "params": "named_params", "decisions": "decisions",
+                "advice": lambda trainer, module: getattr(trainer.strategy, "advice", []),
+                "warnings": self._solo_warnings,
+            },
+        )  # fmt: skip
 
     def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
         self._catch = warnings.catch_warnings(record=True)
         self.warnings = self._catch.__enter__()
         warnings.simplefilter("always")
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if id(trainer.strategy.model) not in self.wrappers:
-            self.wrappers.append(id(trainer.strategy.model))
-
-    def on_train_end(self, trainer, pl_module):
-        ddp = trainer.strategy.model
-        self.ddp = {
-            "find_unused_parameters": ddp.find_unused_parameters, "ignored": sorted(ddp.parameters_to_ignore),
-            "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
-        }  # fmt: skip
+    def _solo_warnings(self, trainer, pl_module) -> list[str]:
+        return [str(w.message) for w in self.warnings if "SoloDDP" in str(w.message)]
 
     def on_fit_end(self, trainer, pl_module):
         self._catch.__exit__(None, None, None)
-        strategy = trainer.strategy
-        record = {
-            "params": {n: p.detach().flatten().tolist() for n, p in pl_module.named_parameters()},
-            "decisions": {
-                k: {"value": d.value, "reason": d.reason}
-                for k, d in getattr(strategy, "decisions", {}).items()
-            },
-            "advice": getattr(strategy, "advice", []),
-            "wrappers": len(self.wrappers),
-            "ddp": self.ddp,
-            "warnings": [str(w.message) for w in self.warnings if "SoloDDP" in str(w.message)],
-        }
-        write_rank_record(self.path, trainer.global_rank, record)
+        self.record["wrappers"] = len(set(self.record["wrappers"]))  # the DDP wrappers used
+        super().on_fit_end(trainer, pl_module)
 
 
 def fit(

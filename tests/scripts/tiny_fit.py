@@ -16,6 +16,8 @@ import lightning_solo
 from lightning_solo import SoloDDP
 
 
+# A user's own module in a user's script (not tests.helpers' TinyModule: the script runs as a file, from
+# which tests/ is not importable).
 class Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()

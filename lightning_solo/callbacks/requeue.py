@@ -1,0 +1,153 @@
+"""SlurmRequeue: on SLURM's time-limit signal, save a verified checkpoint and requeue the job, whichever handler
+owns the signal.
+
+Example::
+
+    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[SlurmRequeue()])   # sbatch --signal=SIGUSR1@90 ...
+    trainer.fit(model, dm)   # a requeued job resumes: fit(ckpt_path=None) on SLURM, or the runner's resume=auto
+
+Who does what:
+
+* **Lightning's handler** owns the signal (``SLURMEnvironment(auto_requeue=True)`` and nothing else had taken it):
+  it saves ``hpc_ckpt_<n>.ckpt`` through the strategy's checkpoint IO (``SoloCheckpointIO``: atomic, with a
+  manifest) and runs ``scontrol requeue``; this callback only records that. Lightning saves inside the signal
+  handler, wherever each rank happens to be.
+* **Another handler** owns it (submitit's, which makes Lightning install none), or none does: this callback takes
+  the signal and chains. The handler only raises a flag; at the next batch end all ranks agree (any rank
+  flagged), save ``hpc_ckpt_<n>.ckpt`` together, and rank 0 calls the previous handler (submitit requeues the
+  job and exits) or, with none, runs ``scontrol requeue`` itself; then training stops.
+
+Either way the requeued job resumes from that file: Lightning picks the newest ``hpc_ckpt_*`` on SLURM when
+``fit(ckpt_path=None)``, and ``resume=auto`` (which the runner turns on when ``SLURM_RESTART_COUNT`` > 0) ranks it
+with the other verified checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal as signals
+import subprocess
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_solo import cluster
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.io import SoloCheckpointIO
+from lightning_solo.decision import Decision, DecisionLog
+from lightning_solo.validate import check_int
+
+log = logging.getLogger(__name__)
+
+
+def requeue_signal(environment: Any, given: str | int | None = None) -> signals.Signals:
+    """The signal to watch: ``given`` (a name such as ``"SIGUSR1"``/``"USR1"``, or a number); else submitit's
+    (``SUBMITIT_PREEMPT_SIGNAL``, default USR2) inside a submitit job; else the SLURM environment's
+    ``requeue_signal`` (SIGUSR1 by default)."""
+    if given is not None:
+        if isinstance(given, str):
+            return signals.Signals[given if given.startswith("SIG") else "SIG" + given]
+        return signals.Signals(given)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        return signals.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+    return getattr(environment, "requeue_signal", None) or signals.SIGUSR1
+
+
+class SlurmRequeue(DecisionLog, L.Callback):
+    """Save a verified checkpoint and requeue on SLURM's signal; a no-op off SLURM.
+
+    Args:
+        signal: the signal SLURM sends before the time limit (``sbatch --signal=SIGUSR1@90``); ``None``: see
+            :func:`requeue_signal`.
+        check_every_n_steps: how often the ranks agree whether any got the signal (a one-element all-reduce: on
+            the gloo side group with SoloDDP on NCCL, else a device tensor and a host sync).
+    """
+
+    def __init__(self, signal: str | int | None = None, check_every_n_steps: int = 1) -> None:
+        self.signal = signal
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps)
+        self.decisions: dict[str, Decision] = {}
+        self.checkpoint_path: str | None = None
+        self._signum: signals.Signals | None = None
+        self._previous: Any = None
+        self._received = False
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After Lightning registered its own handlers (Trainer._run), so we see who owns the signal.
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if not isinstance(environment, SLURMEnvironment):
+            return  # not a SLURM job: nothing to watch
+        signum = requeue_signal(environment, self.signal)
+        if lightning_compat.lightning_owns_requeue_signal(trainer, signum):
+            self._decide(
+                Decision(
+                    "requeue", "lightning", f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol"
+                )
+            )
+            return
+        previous = signals.getsignal(signum)
+        self._signum, self._previous, self._received = signum, previous, False
+        signals.signal(signum, self._flag)
+        owner = getattr(previous, "__qualname__", None) if callable(previous) else None
+        then = f"then {owner}" if owner else "then scontrol requeue"
+        self._decide(
+            Decision("requeue", "solo", f"{signum.name}: verified hpc_ckpt at the next batch end, {then}")
+        )
+
+    def _flag(self, signum: int, frame: Any) -> None:
+        # Only a flag: a collective here would pair with whatever collective another rank is inside.
+        self._received = True
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._signum is None or trainer.global_step % self.check_every_n_steps:
+            return
+        if not _any_rank(trainer, self._received):
+            return
+        path = trainer.strategy.broadcast(lightning_compat.hpc_save_path(trainer), src=0)
+        note = {"trigger": "requeue", "signal": self._signum.name}
+        options = note if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO) else None
+        trainer.save_checkpoint(path, storage_options=options)  # every rank; the strategy's barrier follows
+        self.checkpoint_path = path
+        rank_zero_info(f"SlurmRequeue: {self._signum.name}: saved {path}; requeueing")
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            self._requeue(trainer)
+
+    def _requeue(self, trainer: L.Trainer) -> None:
+        previous, signum = self._previous, self._signum
+        self._restore()
+        if callable(previous):  # submitit's handler: it requeues the job (scontrol) and exits
+            previous(signum, None)
+            return
+        job = cluster.slurm_job_id()
+        result = subprocess.call(["scontrol", "requeue", job])
+        (log.info if result == 0 else log.warning)("scontrol requeue %s: exit status %s", job, result)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._signum is not None:
+            signals.signal(self._signum, self._previous if self._previous is not None else signals.SIG_DFL)
+            self._signum = None
+
+
+def _any_rank(trainer: L.Trainer, flag: bool) -> bool:
+    """Whether any rank has ``flag`` set: on CPU tensors when a gloo group is at hand, else on the device."""
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return flag
+    group = None if dist.get_backend() == "gloo" else getattr(trainer.strategy, "_barrier_group", None)
+    if dist.get_backend() == "gloo" or group is not None:  # SoloDDP's gloo side group on NCCL jobs
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
+    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))

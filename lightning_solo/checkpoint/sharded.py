@@ -1,0 +1,95 @@
+"""Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically and verified.
+
+A sharded checkpoint ``<name>.ckpt/`` holds each rank's shards (``__<rank>_0.distcp``), DCP's ``.metadata`` (which
+names every shard's file, offset and length) and Lightning's ``meta.pt`` (epoch, step, loops, callbacks) written by
+:class:`~lightning_solo.checkpoint.io.SoloCheckpointIO`, so it carries the manifest. All ranks write into a
+temporary directory beside the target; rank 0 swaps it in once everything is on disk.
+
+Example::
+
+    save_sharded({"state_dict": model_state, "optimizer_0": optim_state}, meta, "ckpts/last.ckpt", rank, barrier)
+    verify_sharded("ckpts/last.ckpt")     # -> meta.pt's manifest, or CheckpointVerificationError
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_solo.checkpoint.io import _TMP_MARK, SoloCheckpointIO, _fsync_dir
+from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
+
+META = (
+    "meta.pt"  # Lightning's name for the non-tensor part (lightning.fabric.utilities.load._METADATA_FILENAME)
+)
+DCP_METADATA = ".metadata"
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """A directory with DCP's ``.metadata``: a sharded checkpoint (complete or not)."""
+    return os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def save_sharded(
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    path: str | os.PathLike,
+    rank: int,
+    barrier: Callable[[], None],
+    io: SoloCheckpointIO | None = None,
+) -> None:
+    """Collective: every rank writes its shards of ``state`` with ``torch.distributed.checkpoint.save``; rank 0
+    adds ``meta`` (with a manifest) and swaps the directory in for ``path``. ``path`` must be the same on all
+    ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path).absolute()
+    tmp = path.parent / f".{path.name}{_TMP_MARK}dir"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    barrier()
+    if rank == 0:
+        (io or SoloCheckpointIO()).save_checkpoint(meta, tmp / META, storage_options={"sharded": True})
+        _fsync_dir(str(tmp))
+        old = path.parent / f".{path.name}{_TMP_MARK}old"
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)  # a directory cannot be replaced in one step: old aside, new in, old away
+        os.replace(tmp, path)
+        _fsync_dir(str(path.parent))
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def read_sharded_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
+    """``meta.pt``'s manifest when ``path`` is a sharded checkpoint, else ``None`` (cheap: no hashing)."""
+    return read_manifest(Path(path) / META) if is_sharded(path) else None
+
+
+def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a sharded checkpoint: ``meta.pt`` against its manifest, and every shard DCP's ``.metadata`` names is
+    there and long enough; return the manifest or raise :class:`CheckpointVerificationError`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    if not is_sharded(path):
+        raise CheckpointVerificationError(path, f"not a sharded checkpoint (no {DCP_METADATA})")
+    manifest = verify(path / META)
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - any unreadable .metadata means a damaged checkpoint
+        raise CheckpointVerificationError(path, f"{DCP_METADATA} does not load ({err})") from err
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        shard = path / name
+        if not shard.is_file() or shard.stat().st_size < size:
+            raise CheckpointVerificationError(path, f"shard {name} is missing or shorter than {size} bytes")
+    return manifest

@@ -1,0 +1,93 @@
+"""Fit a tiny model with SoloFSDP on 2 CPU processes (the popen launcher re-runs this script for rank 1), save
+sharded checkpoints, fit again from the newest one, and consolidate it.
+
+    python tests/scripts/fsdp_fit.py OUT_DIR
+
+Rank 0 writes OUT_DIR/result.json: the strategy's and WarmupScaledLR's decisions, the step each fit started and
+ended at, and whether the consolidated file, loaded with weights_only=True into a plain model, equals the trained
+(full) weights.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
+from lightning_solo.checkpoint import resolve_ckpt_path
+from lightning_solo.consolidate import consolidate
+from lightning_solo.strategy import SoloFSDP
+
+
+def plain_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = plain_net()
+        self.first_lr = None
+
+    def on_train_start(self):
+        self.start_step = self.trainer.global_step
+
+    def training_step(self, batch, batch_idx):
+        if self.first_lr is None:
+            self.first_lr = self.optimizers().param_groups[0]["lr"]
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.4, momentum=0.9)
+
+
+def fit(out: Path, max_steps: int, resume: bool):
+    L.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+    lr = WarmupScaledLR(reference_batch_size=32, warmup_steps=0, log_lr=False)
+    ckpt = SoloCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, keep_last_k=2)
+    # min_num_params=100: the first Linear (288 parameters) gets a shard group of its own.
+    strategy = SoloFSDP(min_num_params=100)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, callbacks=[lr, ckpt], max_steps=max_steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    model = Tiny()
+    ckpt_path = resolve_ckpt_path("auto", out / "ckpt") if resume else None
+    trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model, lr, ckpt
+
+
+def main(out: Path) -> None:
+    first, *_ = fit(out, 3, resume=False)
+    trainer, model, lr, ckpt = fit(out, 5, resume=True)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.global_rank != 0:
+        return
+    manifest = consolidate(ckpt.last_model_path, out / "consolidated.ckpt")
+    net = plain_net()
+    state = torch.load(out / "consolidated.ckpt", weights_only=True)["state_dict"]
+    net.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    same = all(torch.equal(net.state_dict()[k.removeprefix("net.")], v) for k, v in full.items())
+    result = {
+        "decisions": {k: d.value for k, d in {**trainer.strategy.decisions, **lr.decisions}.items()},
+        "first_fit_steps": first.global_step,
+        "resumed_from": model.start_step,
+        "global_step": trainer.global_step,
+        "first_lr": model.first_lr,
+        "last": ckpt.last_model_path,
+        "checkpoints": sorted(p.name for p in (out / "ckpt").iterdir()),
+        "consolidated_step": manifest["global_step"],
+        "consolidated_equals_trained": same,
+        "sharded_param": type(next(model.parameters())).__name__,
+    }
+    (out / "result.json").write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,72 @@
+"""Fit a tiny model with ``Trainer(strategy=SoloDDP())`` under torchrun (one process per node here).
+
+    torchrun --nnodes 2 --nproc-per-node 1 ... tests/scripts/multinode_fit.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<k>.json: its ranks as Lightning sees them, the cluster environment, the global
+batch and lr scale WarmupScaledLR decided, the lr of the first step and its final parameters' checksum.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks import WarmupScaledLR
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        self.first_lr = None
+
+    def training_step(self, batch, batch_idx):
+        if self.first_lr is None:
+            self.first_lr = self.optimizers().param_groups[0]["lr"]
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.8)
+
+
+def main(out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    lr = WarmupScaledLR(reference_batch_size=64, warmup_steps=0, log_lr=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy=SoloDDP(),
+        callbacks=[lr],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Tiny()
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    record = {
+        "global_rank": trainer.global_rank,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+        "decisions": {k: d.value for k, d in {**trainer.strategy.decisions, **lr.decisions}.items()},
+        "first_lr": model.first_lr,
+        "global_step": trainer.global_step,
+        "params": float(torch.nn.utils.parameters_to_vector(model.parameters()).double().sum()),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,141 @@
+"""auto_batch_size: the search as a table, and on 2 CPU ranks a batch whose measured peak memory is inside the
+band on both, with the lr of the run summary scaled for it."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.batch_finder import check_band, search_batch_size
+from lightning_solo.callbacks import AutoBatchSize, WarmupScaledLR
+from lightning_solo.callbacks.run_summary import RunSummary
+from tests.distributed import run_ranks
+
+LOW, HIGH = 0.6, 0.8
+
+
+def _oom_above(limit):
+    return lambda b: math.inf if b > limit else 0.1 + 0.001 * b
+
+
+@pytest.mark.parametrize(
+    ("measure", "start", "max_batch", "expected", "in_band"),
+    [
+        (lambda b: 0.1 + 0.01 * b, 8, 1024, 60, True),  # a straight line: one jump to the target
+        (lambda b: 0.1 + 0.01 * b, 200, 1024, 67, True),  # from far above
+        (lambda b: 0.5 + 0.0001 * b, 8, 100_000, 2000, True),  # slow growth: bounded steps, then the line
+        (lambda b: 0.1 + 0.001 * b**1.5, 4, 100_000, 64, True),  # not a line
+        (lambda b: 0.3 + 0.3 * b, 8, 1024, 1, True),  # one sample is a third of the budget
+        (lambda b: 0.9 + 0.3 * b, 8, 1024, 1, False),  # even one sample is too many: 1, and said so
+        (lambda b: 0.1 + 0.01 * b, 8, 30, 30, False),  # the set is too small to reach the band
+        (_oom_above(50), 4, 100_000, 50, False),  # out of memory long before the band
+    ],
+)
+def test_search_lands_in_the_band_or_takes_the_largest_fit(measure, start, max_batch, expected, in_band):
+    search = search_batch_size(measure, start, LOW, HIGH, max_batch)
+    assert (search.batch, search.in_band) == (expected, in_band), search
+    assert len(search.probes) <= 8 and all(b <= max_batch for b, _ in search.probes)
+    assert search.fraction == measure(expected)
+
+
+def test_band_checks():
+    assert check_band(0.7, 0.1) == pytest.approx((0.6, 0.8))
+    for fraction, tolerance in ((0.95, 0.1), (0.05, 0.1), (0.0, 0.0)):
+        with pytest.raises(ValueError):
+            check_band(fraction, tolerance)
+
+
+class _MLP(L.LightningModule):
+    """Activations grow with the batch (about 40 KiB a sample), next to 5 MiB of weights; SGD with momentum."""
+
+    def __init__(self, samples: int = 4096) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        )
+        self.batch_size, self.samples = 16, samples
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        data = TensorDataset(
+            torch.randn(self.samples, 256, generator=gen), torch.randint(10, (self.samples,), generator=gen)
+        )
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+CAP_MB = 32
+
+
+def _fit(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)  # ranks already running (as under torchrun)
+    finder, summary = AutoBatchSize(cap_mb=CAP_MB), RunSummary()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=SoloDDP(), max_steps=2, logger=False,
+                        callbacks=[finder, WarmupScaledLR(reference_batch_size=64, warmup_steps=0), summary],
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=directory)  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(_MLP())
+    return (
+        finder.batch_size,
+        finder.measured,
+        finder.decisions["per_device_batch_size"].reason,
+        summary.summary,
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_two_ranks_agree_on_a_batch_in_the_band_and_the_lr_follows(tmp_path):
+    (batch, measured, reason, summary), (batch_1, measured_1, _, _) = run_ranks(
+        _fit, 2, str(tmp_path), timeout=110
+    )
+    print(f"auto_batch_size, cap {CAP_MB} MiB: batch {batch}, measured {measured}; {reason}")
+    assert batch == batch_1 > 16 and measured == measured_1
+    assert len(measured) == 2 and all(LOW <= m <= HIGH for m in measured), reason
+    assert summary["per_device_batch"] == batch and summary["global_batch"] == 2 * batch
+    assert summary["lr"]["first_step"] == pytest.approx(0.05 * 2 * batch / 64)
+    assert any(d["setting"] == "per_device_batch_size" and d["value"] == batch for d in summary["decisions"])
+
+
+def test_runner_option_builds_the_callback_and_bad_keys_are_named(tmp_path):
+    import hydra
+
+    from lightning_solo.config_check import ConfigError, check_config
+    from tests.helpers import composed
+
+    with composed([], tmp_path) as cfg:
+        assert cfg.get("auto_batch_size") is None  # off by default
+    with composed(["auto_batch_size=memory", "auto_batch_size.cap_mb=64"], tmp_path) as cfg:
+        check_config(cfg)
+        finder = hydra.utils.instantiate(cfg.auto_batch_size)
+        assert isinstance(finder, AutoBatchSize) and (
+            finder.low,
+            finder.high,
+            finder.cap_mb,
+        ) == pytest.approx((0.6, 0.8, 64))
+    for override, named in (
+        ("+auto_batch_size.fractoin=0.5", "Did you mean 'fraction'"),
+        ("auto_batch_size.fraction=abc", "expected float"),
+    ):
+        with (
+            composed(["auto_batch_size=memory", override], tmp_path) as cfg,
+            pytest.raises(ConfigError, match=named),
+        ):
+            check_config(cfg)

@@ -1,0 +1,96 @@
+"""benchmarks/compare.py: the four-contender comparison runs end to end at a tiny size, and every section's
+table is built from its measurements (a benchmark, not a timed test: nothing here asserts a speed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import compare
+from tests.helpers import REPO
+
+CONTENDERS = ("no-communication ceiling", "hand-written torch DDP", 'stock Lightning "ddp"', "SoloDDP()")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tiny_comparison_runs_four_contenders_in_real_processes(tmp_path):
+    out = tmp_path / "compare.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--tiny",
+            "--sections",
+            "main,allreduce",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    text = out.read_text()
+    assert "nproc" in text and "python -m benchmarks.compare --tiny" in text
+    for name in CONTENDERS:
+        row = re.search(rf"^\| {re.escape(name)} \| ([\d.]+) \| (\d+) \(", text, re.M)
+        assert row, f"no row for {name}:\n{text}"
+        assert float(row.group(1)) > 0 and 300 < int(row.group(2)) < 10_000  # samples/s; peak RSS in MB
+    for ratio in ("SoloDDP / raw", "SoloDDP / stock", "SoloDDP / ceiling"):
+        assert re.search(rf"^\| {re.escape(ratio)} \| [\d.]+", text, re.M), ratio
+    for kind in ("fp32 all-reduce", "bf16 all-reduce (collective alone)", "bf16 hook"):
+        assert re.search(rf"^\| {re.escape(kind)} \| [\d.]+ \| [\d.]+×", text, re.M), kind
+
+
+def _fake_launch(spec: dict, world: int, timeout: float) -> dict:
+    """Deterministic stand-in for a measurement: faster without communication, slower with more ranks."""
+    speed = {"ceiling": 100.0, "raw": 90.0, "stock": 85.0, "solo": 84.0}[spec["kind"]] * world
+    if spec.get("accumulate", 1) > 1 or "post_local_sgd" in str(spec.get("solo")):
+        speed *= 2
+    return {
+        "samples_per_s": speed,
+        "peak_rss_mb": [1000 + world] * world,
+        "grad_mb": 44.7,
+        "loss": 1.0 + 0.01 * spec.get("accumulate", 1),
+        "pieces": {"resume.rng_state": [0.002, 8], "SeededDataset.__getitem__": [0.004, 32]}
+        if spec.get("profile")
+        else None,
+    }
+
+
+def test_every_section_builds_its_table(monkeypatch):
+    import lightning_solo.testing
+
+    monkeypatch.setattr(compare, "launch", _fake_launch)
+    collectives = {
+        "_allreduce_rank": {
+            "fp32 all-reduce": [0.035],
+            "bf16 all-reduce (collective alone)": [0.021],
+            "bf16 hook": [0.03],
+        },
+        "_barrier_rank": {"dist.barrier": [0.001], "monitored barrier (SoloDDP)": [0.002]},
+    }
+    monkeypatch.setattr(
+        lightning_solo.testing, "run_ranks", lambda fn, world, *a, timeout: [collectives[fn.__name__]]
+    )
+    args = compare.parse_args(["--tiny", "--rounds", "2"])
+    main = compare.section_main(args)
+    assert "| SoloDDP / stock | 0.988 (0.988–0.988) |" in main and "| SoloDDP / ceiling | 0.840" in main
+    variants = compare.section_variants(args)
+    assert "gradient_as_bucket_view=False" in variants and "comm_hook=powersgd" in variants
+    scaling = compare.section_scaling(args)
+    assert re.search(r"^\| 2 .*\| 1\.00 \|", scaling, re.M)  # the fake scales perfectly
+    comm = compare.section_comm(args)
+    assert re.search(r"^\| accumulate 4 batches \| [\d.]+ .*\| 2\.00 .*\| \+3\.0 % \|", comm, re.M)
+    assert "post_local_sgd, period 4" in comm and "bucket_cap_mb=1" in comm
+    assert "| bf16 all-reduce (collective alone) | 21.0 | 0.60× | 40 % |" in compare.section_allreduce(args)
+    costs = compare.section_costs(args)
+    assert "| SeededDataset.__getitem__ |" in costs and "no per-step RNG capture" in costs
+    assert "monitored barrier (SoloDDP) 2.00 ms" in costs

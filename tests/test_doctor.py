@@ -1,0 +1,148 @@
+"""TrainingDoctor on 2 real gloo processes: one fit in four phases of 8 steps, each judged by its own
+periodic report: a normal step (compute-bound), a slow dataset (data-bound), an all-reduce slowed by a comm
+hook (communication-bound), rank 1 slowed on purpose (straggler-bound, rank 1 named). Then the files.
+
+The forward pass sleeps ``COMPUTE_S`` on top of a small MLP, standing in for device compute: real CPU work on
+the shared 2-core test machine swings by tens of percent between ranks with the other jobs' load, which
+would make the normal phase's "compute-bound" a coin toss. The deliberate delays are 3x that.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks import TrainingDoctor
+from lightning_solo.callbacks.run_summary import RunSummary
+from tests.helpers.records import read_rank_records, write_rank_record
+
+PHASE = 8  # optimizer steps per phase, = the doctor's every_n_steps
+PHASES = ("compute", "data", "communication", "straggler")
+WARMUP = 2
+COMPUTE_S = 0.04
+SLOW_S = 0.12  # the deliberate delay
+BATCH = 32
+SLOW_COMM = {"on": False}  # per process: the phase's training_step turns the slow all-reduce on
+
+
+def phase(step: int) -> str:
+    return PHASES[min(step // PHASE, len(PHASES) - 1)]
+
+
+class Batches(Dataset):
+    """Item i is the whole batch of step i (``batch_size=None``); slow in the data phase."""
+
+    def __init__(self, steps: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = (
+            torch.randn(steps, BATCH, 64, generator=g),
+            torch.randint(10, (steps, BATCH), generator=g),
+        )
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        # A loader with a length is not read ahead: item i is loaded right before step i.
+        if phase(i) == "data":
+            time.sleep(SLOW_S)
+        return self.x[i], self.y[i]
+
+
+def slow_allreduce(state, bucket):
+    """Exact all-reduce, finished ``SLOW_S`` late off the backward thread (a slow link, not slow compute)."""
+    fut = default_hooks.allreduce_hook(state, bucket)
+    if not SLOW_COMM["on"]:
+        return fut
+    late = torch.futures.Future()
+
+    def finish():
+        time.sleep(SLOW_S)
+        late.set_result(fut.wait())
+
+    threading.Thread(target=finish, daemon=True).start()
+    return late
+
+
+class Mlp(L.LightningModule):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def training_step(self, batch, batch_idx):
+        now = phase(self.global_step)
+        SLOW_COMM["on"] = now == "communication"
+        time.sleep(COMPUTE_S + (SLOW_S if now == "straggler" and self.global_rank == 1 else 0.0))
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(Batches(self.steps), batch_size=None)
+
+
+class Record(L.Callback):
+    def __init__(self, path, doctor):
+        self.path, self.doctor = path, doctor
+
+    def on_fit_end(self, trainer, pl_module):
+        record = {"reports": self.doctor.reports, "report": self.doctor.report, "files": self.doctor.files}
+        write_rank_record(self.path, trainer.global_rank, record)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp_path):
+    steps = PHASE * len(PHASES)
+    doctor = TrainingDoctor(every_n_steps=PHASE, warmup_steps=WARMUP)
+    summary = RunSummary()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=steps, use_distributed_sampler=False, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path, callbacks=[doctor, Record(tmp_path, doctor), summary],
+        strategy=SoloDDP(start_method="fork", find_unused_parameters=False, ddp_comm_hook=slow_allreduce),
+    )  # fmt: skip
+    trainer.fit(Mlp(steps))
+    r0, r1 = read_rank_records(tmp_path)
+
+    bounds = [r["verdict"]["bound"] for r in r0["reports"]]
+    details = [(r["verdict"]["text"], [(x["data_ms"], x["comm_ms"], x["compute_ms"]) for x in r["ranks"]]) for r in r0["reports"]]  # fmt: skip
+    assert bounds == list(PHASES), details
+    assert [r["verdict"] for r in r1["reports"]] == [
+        r["verdict"] for r in r0["reports"]
+    ]  # one verdict, all ranks
+    compute, data, comm, straggler = r0["reports"]
+    assert straggler["straggler"]["rank"] == 1 and straggler["straggler"]["behind_ms"] > 0.5 * SLOW_S * 1e3
+    assert data["verdict"]["remedies"][0]["key"] == "data.num_workers"
+    advised = {(r["key"], r["value"]) for report in r0["reports"] for r in report["verdict"]["remedies"]}
+    assert not {v for k, v in advised if k == "parallelism.strategy.comm_hook"} & {"fp16", "bf16", "powersgd", "auto"}, "no compression advice on CPU"  # fmt: skip
+    for report in r0["reports"]:
+        assert report["steps"] in (PHASE - WARMUP, PHASE)  # the first window starts after the warm-up
+        tp = report["throughput"]
+        assert tp["global_samples_per_s"] > tp["per_device_samples_per_s"] > 0  # reduced over both ranks
+
+    # The files: rank 0 wrote them, the summary points to them, the chart is a real PNG.
+    doc = json.loads((tmp_path / "doctor.json").read_text())
+    assert doc["final"]["steps"] == steps - WARMUP and len(doc["periodic"]) == len(PHASES)
+    assert len(doc["series"]["ranks"]) == 2 and doc["series"]["step"]
+    assert all(loss is not None for r in doc["series"]["ranks"] for loss in r["loss"])
+    png = tmp_path / "doctor.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    with Image.open(png) as image:
+        assert image.size[0] > 500 and len(image.getcolors(maxcolors=1 << 16) or range(256)) > 8  # not blank
+    assert doctor.files == {"json": str(tmp_path / "doctor.json"), "chart": str(png)}  # back in the parent
+    assert summary.summary["doctor"]["json"] == str(tmp_path / "doctor.json")

@@ -1,0 +1,209 @@
+"""Exact distributed evaluation: every sample counted once on 2 and 3 ranks, the same metric as one process,
+ranks in step (per-step collectives do not hang), predictions gathered in dataset order."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks.predictions import OrderedPredictions
+from lightning_solo.data import SyntheticDataModule
+from lightning_solo.evaluation import ExactEvalBatchSampler, gather_rows, write_predictions
+from lightning_solo.models import ImageClassifier
+from tests.distributed import run_ranks
+
+SAMPLES = 101
+
+
+@pytest.mark.parametrize(
+    ("total", "world", "batch"),
+    list(itertools.product([0, 1, 2, 3, 5, 17, 24, 25, 101], [1, 2, 3, 4], [1, 2, 8])),
+)
+def test_every_sample_once_and_the_same_number_of_batches_on_every_rank(total, world, batch):
+    shards = [ExactEvalBatchSampler(range(total), world, rank, batch) for rank in range(world)]
+    steps = math.ceil(total / (world * batch))
+    assert [len(s) for s in shards] == [steps] * world
+    real = []
+    for s in shards:
+        for j, indices in enumerate(s):
+            rows = s.rows(j)
+            assert rows.indices.tolist() == indices and 1 <= len(indices) <= batch
+            real += rows.indices[rows.valid].tolist()
+    assert real == list(range(total))  # contiguous blocks, in order: each index once
+    padded = sum(s.num_padded for s in shards)
+    # Padding only where W·K non-empty batches cannot be made of N samples, and then the least possible.
+    assert padded == max(0, world * steps - total)
+    assert padded == 0 or total < world or batch == 1
+
+
+def test_gather_rows_on_one_process_sorts_and_refuses_repeats(tmp_path):
+    index, value = gather_rows(torch.tensor([2, 0, 1]), torch.tensor([[2.0, 20.0], [0.0, 0.0], [1.0, 10.0]]))
+    assert index.tolist() == [0, 1, 2] and value[:, 0].tolist() == [0.0, 1.0, 2.0]
+    path = write_predictions(tmp_path / "p.csv", index, value)
+    assert path.read_text().splitlines() == [
+        "index,prediction_0,prediction_1",
+        "0,0.0,0.0",
+        "1,1.0,10.0",
+        "2,2.0,20.0",
+    ]
+    saved = torch.load(write_predictions(tmp_path / "p.pt", index, value), weights_only=True)
+    assert saved["index"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="more than once"):
+        gather_rows(torch.tensor([0, 1, 1]), torch.zeros(3))
+
+
+class _Data(SyntheticDataModule):
+    """101 validation images: validate in batches of 8, test in batches of 1 (padding on every world size
+    that does not divide 101), predict in batches of 5."""
+
+    def __init__(self) -> None:
+        super().__init__(image_size=8, train_size=8, val_size=SAMPLES, batch_size=8)
+
+    def test_dataloader(self):
+        return DataLoader(self.val_set, batch_size=1)
+
+    def predict_dataloader(self):
+        return DataLoader(self.val_set, batch_size=5)
+
+
+class _Classifier(ImageClassifier):
+    """The pack's classifier plus per-step collectives in test: a synced step log and a torchmetrics metric
+    that syncs on every step. A rank with fewer steps than the others would hang here."""
+
+    def __init__(self) -> None:
+        super().__init__("resnet18", num_classes=10, stem="cifar")
+        self.rows_seen = MeanMetric(dist_sync_on_step=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log(
+            "test/rows_step", float(len(batch[1])), on_step=True, on_epoch=False, sync_dist=True, batch_size=1
+        )
+        self.rows_seen(torch.tensor(float(len(batch[1]))))
+        return super().test_step(batch, batch_idx)
+
+
+def _model() -> _Classifier:
+    torch.manual_seed(0)
+    return _Classifier().eval()
+
+
+def _evaluate(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)  # ranks already running (as under torchrun)
+    predictions = OrderedPredictions(dirpath=directory)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=SoloDDP(), callbacks=[predictions],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=directory)  # fmt: skip
+    model, data = _model(), _Data()
+    val = trainer.validate(model, data, verbose=False)[0]
+    test = trainer.test(model, data, verbose=False)[0]
+    trainer.predict(model, data, return_predictions=False)
+    decisions = {k: v.reason for k, v in trainer.strategy.decisions.items() if k.startswith("exact_eval")}
+    return val, test, decisions, dict(predictions.counts)
+
+
+def _reference():
+    data = _Data()
+    data.setup()
+    x, y = map(torch.stack, zip(*[(img, torch.tensor(label)) for img, label in data.val_set]))
+    with torch.no_grad():
+        logits = _model()(x)
+    return logits.argmax(1), int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y))
+
+
+def _read(path):
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return [int(r["index"]) for r in rows], [int(r["prediction"]) for r in rows]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_evaluation_on_n_ranks_equals_one_process(tmp_path, world_size):
+    predicted, correct, loss = _reference()
+    results = run_ranks(_evaluate, world_size, str(tmp_path), timeout=110)
+    for val, test, decisions, _ in results:
+        for stage, metrics in (("val", val), ("test", test)):
+            assert metrics[f"{stage}/samples"] == SAMPLES
+            assert round(metrics[f"{stage}/acc"] * SAMPLES) == correct, (stage, metrics, correct)
+            assert metrics[f"{stage}/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        assert "padded" not in decisions["exact_eval_val"] and "padded row" in decisions["exact_eval_test"]
+    assert results[0][3] == {"val": SAMPLES, "test": SAMPLES, "predict": SAMPLES}
+    for stage in ("val", "test", "predict"):
+        indices, classes = _read(tmp_path / f"predictions_{stage}.csv")
+        assert indices == list(range(SAMPLES)) and classes == predicted.tolist(), stage
+
+
+def _save(path, step, seed):
+    import lightning
+
+    from lightning_solo.checkpoint import SoloCheckpointIO
+
+    torch.manual_seed(seed)
+    model = ImageClassifier("resnet18", num_classes=10, stem="cifar")
+    state = {"state_dict": model.state_dict(), "global_step": step, "epoch": 0}
+    SoloCheckpointIO().save_checkpoint({**state, "pytorch-lightning_version": lightning.__version__}, path)
+    return model
+
+
+def test_evaluate_refuses_bad_input_by_name(tmp_path):
+    from lightning_solo.config_check import ConfigError
+    from lightning_solo.evaluate import evaluate
+    from tests.helpers import composed
+
+    for overrides, named in (
+        ([], "ckpt"),
+        (["ckpt=auto"], "ckpt=auto needs ckpt_dir"),
+        (["ckpt=auto", f"ckpt_dir={tmp_path}"], "no checkpoint in"),
+        ([f"ckpt={tmp_path / 'none.ckpt'}"], "no checkpoint file"),
+        (["ckpt=x", "stages=[fit]"], "stages"),
+    ):
+        with (
+            composed(overrides, tmp_path, config_name="evaluate") as cfg,
+            pytest.raises(ConfigError, match=named),
+        ):
+            evaluate(cfg)
+
+
+@pytest.mark.cli
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_evaluate_auto_takes_the_newest_checkpoint_that_verifies_on_two_processes(tmp_path):
+    import json
+
+    from tests.helpers import run_cli
+
+    checkpoints = tmp_path / "train_run" / "checkpoints"
+    good = _save(checkpoints / "step5.ckpt", 5, seed=1).eval()
+    _save(checkpoints / "step9.ckpt", 9, seed=2)
+    corrupt = bytearray((checkpoints / "step9.ckpt").read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    (checkpoints / "step9.ckpt").write_bytes(bytes(corrupt))
+    data = SyntheticDataModule(image_size=8, train_size=64, val_size=33)
+    data.setup()
+    x, y = map(torch.stack, zip(*[(img, torch.tensor(label)) for img, label in data.val_set]))
+    with torch.no_grad():
+        predicted = good(x).argmax(1)
+    proc = run_cli(
+        ["ckpt=auto", "ckpt_dir=train_run", "stages=[validate]", "hydra.run.dir=eval", "data.image_size=8",
+         "data.train_size=64", "data.val_size=33", "data.batch_size=8", "trainer.enable_progress_bar=false"],
+        cwd=tmp_path, timeout=170, module="lightning_solo.evaluate",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert report["world_size"] == 2 and report["checkpoint"].endswith("step5.ckpt")
+    assert "passed over step9.ckpt" in report["decisions"][0]["reason"]
+    assert report["metrics"]["val/samples"] == 33
+    assert round(report["metrics"]["val/acc"] * 33) == int((predicted == y).sum())
+    indices, classes = _read(tmp_path / "eval" / "predictions_val.csv")
+    assert indices == list(range(33)) and classes == predicted.tolist()

@@ -1,0 +1,134 @@
+"""parallelism=fsdp: SoloFSDP (torch's FSDP2) trains on CPU with gloo in 2 real processes, with WarmupScaledLR and
+SoloCheckpoint; its sharded checkpoints verify, resume, and consolidate into a file a plain model loads with
+weights_only=True. The bf16 policy needs a GPU: benchmarks/gpu_check.py --only fsdp covers it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from lightning_solo.checkpoint import decide_resume
+from lightning_solo.checkpoint.manifest import CheckpointVerificationError
+from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
+from lightning_solo.config_check import check_config
+from lightning_solo.consolidate import consolidate
+from lightning_solo.consolidate import main as consolidate_main
+from lightning_solo.strategy import SoloFSDP
+from lightning_solo.strategy.fsdp import decide_fsdp_precision, decide_wrap
+from tests.helpers import REPO, TINY_RUN, composed, run_cli
+
+
+class Holder(nn.Module):  # stands for a LightningModule: the strategy shards its children
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(10, 20), nn.Sequential(nn.Linear(20, 20), nn.Linear(20, 2)))
+        self.head = nn.Linear(2, 2)
+
+
+def test_wrap_policy_by_size_and_by_class():
+    module = Holder()
+    groups, decision = decide_wrap(module, None, min_num_params=400)
+    # Linear(20, 20) has 420 parameters: its own group; the rest of `body` (262 + 42) and `head` close the list.
+    assert groups == [module.body[1][0], module.body, module.head] and decision.value == 3
+    groups, _ = decide_wrap(module, ["Linear"], min_num_params=1)
+    assert groups == [module.body[0], module.body[1][0], module.body[1][1], module.head, module.body]
+    module.extra = nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match="holds parameters itself"):
+        decide_wrap(module, None, 400)
+
+
+def test_precision_policy():
+    policy, decision = decide_fsdp_precision("auto", torch.device("cpu"))
+    assert policy is None and decision.value == "32-true"
+    policy, decision = decide_fsdp_precision("bf16-mixed", torch.device("cpu"))
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be"):
+        SoloFSDP(precision="16-mixed")
+    with pytest.raises(ValueError, match="state_dict must be"):
+        SoloFSDP(state_dict="local")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 FSDP2 needs a CUDA GPU (benchmarks/gpu_check.py fsdp)"
+)
+def test_auto_precision_is_bf16_on_a_gpu():
+    assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == (
+        "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
+    )
+
+
+def test_sharded_checkpoint_verifies_and_ranks(tmp_path):
+    state = {"state_dict": {"w": torch.arange(6.0)}, "optimizer_0": {"step": torch.tensor(3.0)}}
+    path = tmp_path / "ckpt" / "step3.ckpt"
+    path.parent.mkdir()
+    save_sharded(state, {"global_step": 3, "epoch": 0}, path, rank=0, barrier=lambda: None)
+    assert verify_sharded(path)["global_step"] == 3
+    save_sharded(state, {"global_step": 5, "epoch": 0}, path, rank=0, barrier=lambda: None)  # replaced whole
+    assert verify_sharded(path)["global_step"] == 5 and sorted(p.name for p in path.parent.iterdir()) == [
+        path.name
+    ]
+    assert decide_resume(path.parent).value == str(path)
+    out = tmp_path / "full.ckpt"
+    assert consolidate(path, out)["global_step"] == 5
+    assert torch.equal(torch.load(out, weights_only=True)["state_dict"]["w"], torch.arange(6.0))
+    next(path.glob("*.distcp")).write_bytes(b"")  # a shard lost its data
+    with pytest.raises(CheckpointVerificationError, match="shorter than"):
+        verify_sharded(path)
+    assert decide_resume(path.parent).value is None
+    assert consolidate_main([str(path), str(tmp_path / "x.ckpt")]) == 2
+
+
+def test_fsdp_option_composes(tmp_path):
+    with composed(["parallelism=fsdp", "parallelism.accelerator=cpu"], tmp_path) as cfg:
+        check_config(cfg)
+        strategy = SoloFSDP(**{k: v for k, v in cfg.parallelism.strategy.items() if k != "_target_"})
+    assert strategy.state_dict_type == "sharded" and strategy.min_num_params == 1_000_000
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
+    script = REPO / "tests" / "scripts" / "fsdp_fit.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    decisions = result["decisions"]
+    assert decisions["fsdp_wrap"] == 2 and decisions["fsdp_state_dict"] == "sharded"
+    assert decisions["fsdp_precision"] == "32-true" and result["sharded_param"] == "DTensor"
+    assert decisions["lr_global_batch"] == 16 and result["first_lr"] == pytest.approx(0.4 * 16 / 32)
+    assert (result["first_fit_steps"], result["resumed_from"], result["global_step"]) == (3, 3, 5)
+    assert result["checkpoints"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert result["consolidated_step"] == 5 and result["consolidated_equals_trained"] is True
+
+
+@pytest.mark.cli
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_runner_fsdp_option_trains_on_cpu(tmp_path):
+    args = ["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2", *TINY_RUN]
+    proc = run_cli([*args, "data.batch_size=8", "hydra.run.dir=run"], cwd=tmp_path, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["strategy"] == "SoloFSDP" and summary["global_step"] == 4 and summary["global_batch"] == 16
+    decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
+    assert decisions["fsdp_state_dict"] == "sharded" and decisions["lr_scale"] == pytest.approx(16 / 256)
+    consolidate(summary["checkpoint_last"], tmp_path / "model.ckpt")
+    net = torchvision.models.get_model("resnet18", num_classes=10)
+    net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    net.maxpool = nn.Identity()
+    state = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]
+    net.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
