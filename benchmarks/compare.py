@@ -3,7 +3,10 @@
 Every measurement starts ``--world-size`` fresh processes the way torchrun does (``compare_worker.py``), so a
 rank's peak RSS is its contender's alone; contenders run interleaved (round r runs each once, the order rotated
 by one every round) and the tables show medians with min–max over rounds. Ratios are medians of the per-round
-ratios (the paired measurements), so load that shifts between rounds cancels. Same model, data, per-device batch
+ratios (the paired measurements), so load that shifts between rounds cancels. Beside the
+wall-clock samples/s, each rank's CPU time per batch (``time.process_time``, all its threads) counts the work a
+contender does and not the time it waits, for a peer or for a core another job holds: on a shared machine it is
+the steadier figure. Same model, data, per-device batch
 and thread count for every contender; throughput is counted over the batches after ``--warmup`` (SoloDDP's
 ``find_unused_parameters="auto"`` decides at batch 4 and re-wraps; the window starts after it).
 
@@ -89,6 +92,7 @@ def launch(spec: dict, world: int, timeout: float) -> dict:
         ranks.append(json.loads(line[len(RESULT) :]))
     return {
         "samples_per_s": world * ranks[0]["samples"] / max(r["seconds"] for r in ranks),
+        "cpu_ms": statistics.mean(r["cpu_ms_per_batch"] for r in ranks),
         "peak_rss_mb": [round(r["peak_rss_mb"]) for r in ranks],
         "grad_mb": ranks[0]["grad_mb"],
         "loss": ranks[0]["loss"],
@@ -107,6 +111,7 @@ def interleave(contenders: dict[str, tuple[dict, int]], rounds: int, timeout: fl
             got = results[name][-1]
             print(
                 f"  round {r + 1}/{rounds}  {name:<34} {got['samples_per_s']:9.1f} samples/s  "
+                f"CPU {got['cpu_ms']:8.1f} ms/batch  "
                 f"peak RSS {got['peak_rss_mb']} MB" + (f"  loss {got['loss']:.4f}" if got["loss"] else ""),
                 file=sys.stderr,
                 flush=True,
@@ -126,6 +131,15 @@ def sps(runs: list[dict]) -> list[float]:
 
 def ratios(results: dict[str, list[dict]], a: str, b: str) -> list[float]:
     return [x / y for x, y in zip(sps(results[a]), sps(results[b]))]
+
+
+def cpu(runs: list[dict]) -> list[float]:
+    return [run["cpu_ms"] for run in runs]
+
+
+def cpu_ratios(results: dict[str, list[dict]], a: str, b: str) -> list[float]:
+    """a/b as a speed: b's CPU time per batch over a's (> 1: a does less work per batch)."""
+    return [y / x for x, y in zip(cpu(results[a]), cpu(results[b]))]
 
 
 def rss(runs: list[dict]) -> str:
@@ -178,19 +192,30 @@ def section_main(args: argparse.Namespace) -> str:
         "",
         workload_line(args, w, spec),
         "",
-        "| contender | samples/s median (min–max) | per-rank peak RSS MB median (min–max) |",
-        "|---|---|---|",
+        "| contender | samples/s median (min–max) | CPU ms per batch (mean of ranks) | per-rank peak RSS MB |",
+        "|---|---|---|---|",
     ]
-    lines += [f"| {name} | {spread(sps(res[name]))} | {rss(res[name])} |" for name in contenders]
+    lines += [
+        f"| {name} | {spread(sps(res[name]))} | {spread(cpu(res[name]))} | {rss(res[name])} |"
+        for name in contenders
+    ]
+    pairs = [
+        ("SoloDDP / raw", solo, raw),
+        ("SoloDDP / stock", solo, stock),
+        ("SoloDDP / ceiling", solo, ceiling),
+        ("raw / ceiling", raw, ceiling),
+        ("stock / raw", stock, raw),
+    ]
     lines += [
         "",
-        "| ratio (per round) | median (min–max) |",
-        "|---|---|",
-        f"| SoloDDP / raw | {spread(ratios(res, solo, raw), '{:.3f}')} |",
-        f"| SoloDDP / stock | {spread(ratios(res, solo, stock), '{:.3f}')} |",
-        f"| SoloDDP / ceiling | {spread(ratios(res, solo, ceiling), '{:.3f}')} |",
-        f"| raw / ceiling | {spread(ratios(res, raw, ceiling), '{:.3f}')} |",
-        f"| stock / raw | {spread(ratios(res, stock, raw), '{:.3f}')} |",
+        "| ratio (per round, median (min–max)) | by samples/s (wall) | by CPU time per batch |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {label} | {spread(ratios(res, a, b), '{:.3f}')} | {spread(cpu_ratios(res, a, b), '{:.3f}')} |"
+        for label, a, b in pairs
+    ]
+    lines += [
         "",
         f"Gradients: {res[solo][0]['grad_mb']:.1f} MB per rank (fp32). Peak RSS SoloDDP − stock: "
         f"{_rss_delta(res[solo], res[stock]):+.0f} MB.",
@@ -227,12 +252,14 @@ def section_variants(args: argparse.Namespace) -> str:
         "",
         workload_line(args, w, spec),
         "",
-        "| variant | samples/s | vs SoloDDP() (per round) | per-rank peak RSS MB | Δ RSS vs SoloDDP() MB |",
-        "|---|---|---|---|---|",
+        "| variant | samples/s | vs SoloDDP() (per round) | CPU ms per batch | vs SoloDDP() by CPU | "
+        "per-rank peak RSS MB | Δ RSS vs SoloDDP() MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in contenders:
         lines.append(
             f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, default), '{:.3f}')} | "
+            f"{spread(cpu(res[name]))} | {spread(cpu_ratios(res, name, default), '{:.3f}')} | "
             f"{rss(res[name])} | {_rss_delta(res[name], res[default]):+.0f} |"
         )
     lines += ["", f"Gradients: {res[default][0]['grad_mb']:.1f} MB per rank (fp32)."]
@@ -329,14 +356,14 @@ def section_comm(args: argparse.Namespace) -> str:
         f"at step {start}. Loss: cross-entropy on 512 held-out samples after the run (the same samples seen by "
         "every lever; post-local-SGD's replicas averaged at the end).",
         "",
-        "| lever | samples/s | vs exact DDP (per round) | held-out loss | Δ loss vs exact |",
-        "|---|---|---|---|---|",
+        "| lever | samples/s | vs exact DDP (per round) | CPU ms per batch | held-out loss | Δ loss vs exact |",
+        "|---|---|---|---|---|---|",
     ]
     for name in contenders:
         loss = statistics.median(run["loss"] for run in res[name])
         lines.append(
             f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, exact), '{:.2f}')} | "
-            f"{loss:.4f} | {100 * (loss - exact_loss) / exact_loss:+.1f} % |"
+            f"{spread(cpu(res[name]))} | {loss:.4f} | {100 * (loss - exact_loss) / exact_loss:+.1f} % |"
         )
     lines += ["", f"Gradients: {res[exact][0]['grad_mb']:.1f} MB per rank (fp32)."]
     return "\n".join(lines)
@@ -455,12 +482,13 @@ def section_costs(args: argparse.Namespace) -> str:
         "",
         workload_line(args, w, spec),
         "",
-        "| ablation | samples/s | vs SoloDDP() (per round) |",
-        "|---|---|---|",
+        "| ablation | samples/s | vs SoloDDP() (per round) | CPU ms per batch | vs SoloDDP() by CPU |",
+        "|---|---|---|---|---|",
     ]
     for name in contenders:
         lines.append(
-            f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, default), '{:.3f}')} |"
+            f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, default), '{:.3f}')} | "
+            f"{spread(cpu(res[name]))} | {spread(cpu_ratios(res, name, default), '{:.3f}')} |"
         )
     pieces: dict[str, list[float]] = {}
     for run in res["SoloDDP() (pieces timed)"]:

@@ -90,23 +90,31 @@ def held_out_loss(net: nn.Module, held_out: TensorDataset | None) -> float | Non
 
 
 class Window:
-    """perf_counter at the start of batch ``warmup`` and at the end of the last batch (batches, not steps)."""
+    """Wall and CPU time from the start of batch ``warmup`` to the end of the last batch (batches, not steps).
+
+    CPU time (``time.process_time``: every thread of this process) counts the work a contender does and not the
+    time it waits, for the other rank or for a core another job holds, so it is far steadier on a shared machine.
+    """
 
     def __init__(self, warmup: int, batches: int) -> None:
         self.warmup, self.last = warmup, batches - 1
-        self.start = self.end = None
+        self.start = self.end = self.cpu_start = self.cpu_end = None
 
     def batch_start(self, i: int) -> None:
         if i == self.warmup:
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def batch_end(self, i: int) -> None:
         if i == self.last:
-            self.end = time.perf_counter()
+            self.end, self.cpu_end = time.perf_counter(), time.process_time()
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def cpu_seconds(self) -> float:
+        return self.cpu_end - self.cpu_start
 
 
 # ------------------------------------------------------------------ the raw loops
@@ -267,6 +275,7 @@ def main(spec: dict) -> dict:
     out = {
         "rank": rank,
         "seconds": window.seconds,
+        "cpu_ms_per_batch": window.cpu_seconds / timed * 1e3,
         "samples": timed * spec["batch"],
         "peak_rss_mb": peak_rss_mb(),
         "baseline_rss_mb": baseline,

@@ -40,11 +40,12 @@ def test_tiny_comparison_runs_four_contenders_in_real_processes(tmp_path):
     text = out.read_text()
     assert "nproc" in text and "python -m benchmarks.compare --tiny" in text
     for name in CONTENDERS:
-        row = re.search(rf"^\| {re.escape(name)} \| ([\d.]+) \| (\d+) \(", text, re.M)
+        row = re.search(rf"^\| {re.escape(name)} \| ([\d.]+) \| ([\d.]+) \| (\d+) \(", text, re.M)
         assert row, f"no row for {name}:\n{text}"
-        assert float(row.group(1)) > 0 and 300 < int(row.group(2)) < 10_000  # samples/s; peak RSS in MB
+        samples_per_s, cpu_ms, rss_mb = float(row.group(1)), float(row.group(2)), int(row.group(3))
+        assert samples_per_s > 0 and cpu_ms > 0 and 300 < rss_mb < 10_000
     for ratio in ("SoloDDP / raw", "SoloDDP / stock", "SoloDDP / ceiling"):
-        assert re.search(rf"^\| {re.escape(ratio)} \| [\d.]+", text, re.M), ratio
+        assert re.search(rf"^\| {re.escape(ratio)} \| [\d.]+ \| [\d.]+ \|", text, re.M), ratio
     for kind in ("fp32 all-reduce", "bf16 all-reduce (collective alone)", "bf16 hook"):
         assert re.search(rf"^\| {re.escape(kind)} \| [\d.]+ \| [\d.]+×", text, re.M), kind
 
@@ -56,6 +57,7 @@ def _fake_launch(spec: dict, world: int, timeout: float) -> dict:
         speed *= 2
     return {
         "samples_per_s": speed,
+        "cpu_ms": 1000 * world / speed,
         "peak_rss_mb": [1000 + world] * world,
         "grad_mb": 44.7,
         "loss": 1.0 + 0.01 * spec.get("accumulate", 1),
@@ -82,7 +84,8 @@ def test_every_section_builds_its_table(monkeypatch):
     )
     args = compare.parse_args(["--tiny", "--rounds", "2"])
     main = compare.section_main(args)
-    assert "| SoloDDP / stock | 0.988 (0.988–0.988) |" in main and "| SoloDDP / ceiling | 0.840" in main
+    assert "| SoloDDP / stock | 0.988 (0.988–0.988) | 0.988 (0.988–0.988) |" in main
+    assert "| SoloDDP / ceiling | 0.840" in main
     variants = compare.section_variants(args)
     assert "gradient_as_bucket_view=False" in variants and "comm_hook=powersgd" in variants
     scaling = compare.section_scaling(args)
