@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, random_split
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
@@ -190,13 +190,14 @@ def test_cuda_rng_is_saved_and_restored_per_rank_across_device_layouts(monkeypat
 # real loaders: workers, augmentation, validation inside the epoch, accumulation
 
 REAL_SAMPLES = 48  # 24 per rank, batch 4: 6 batches per epoch, validation after batches 3 and 6
+VAL_SAMPLES = 8
 
 
 class Augmented(Dataset):
     """Random augmentation in __getitem__ from all three RNGs, as torchvision/albumentations transforms do."""
 
     def __len__(self) -> int:
-        return REAL_SAMPLES
+        return REAL_SAMPLES + VAL_SAMPLES
 
     def __getitem__(self, i: int):
         import random
@@ -221,11 +222,14 @@ class RealNet(Net):
     def validation_step(self, batch, batch_idx):
         self.log("val", self.batch_loss(batch) + torch.rand(()), sync_dist=True)  # validation draws too
 
+    def _split(self) -> list:  # as users split one dataset: Subsets, which bring a __getitems__ of their own
+        return random_split(Augmented(), [REAL_SAMPLES, VAL_SAMPLES], generator=torch.Generator().manual_seed(0))
+
     def train_dataloader(self):
-        return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+        return DataLoader(self._split()[0], batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
 
     def val_dataloader(self):
-        return DataLoader(Augmented(), batch_size=BATCH)
+        return DataLoader(self._split()[1], batch_size=BATCH)
 
 
 def _fit_real(
