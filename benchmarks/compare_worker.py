@@ -175,15 +175,16 @@ def replace_everywhere(original: Any, replacement: Any) -> None:
 
 def ablate(what: str) -> None:
     """Switch one of SoloDDP's per-step pieces off, for this benchmark process only."""
-    from lightning_solo import comm, resume
+    from lightning_solo import comm, resumable_loader, resume
     from lightning_solo.decision import Decision
 
     if what == "no_resumable_loader":  # no ResumableSampler / SeededDataset around the training loader
         replace_everywhere(
-            resume.make_resumable, lambda loader, seed: (loader, Decision("resumable_data", False, "ablated"))
+            resumable_loader.make_resumable,
+            lambda loader, seed: (loader, Decision("resumable_data", False, "ablated")),
         )
     elif what == "no_sample_seeding":  # ResumableSampler kept; samples loaded without per-sample RNG seeding
-        resume.SeededDataset.__getitem__ = lambda self, key: self.dataset[key[1]]
+        resumable_loader.SeededDataset.__getitems__ = lambda self, keys: [self.dataset[k[1]] for k in keys]
     elif what == "no_rng_capture":  # no RNG state / buffer snapshot after every optimizer step
         replace_everywhere(resume.rng_state, lambda: None)
         replace_everywhere(resume.step_buffers, lambda trainer: None)
@@ -195,7 +196,7 @@ def ablate(what: str) -> None:
 
 def profile_pieces() -> dict[str, list[float]]:
     """Time SoloDDP's per-step pieces where they are called: ``{name: [seconds, calls]}``."""
-    from lightning_solo import resume
+    from lightning_solo import resumable_loader, resume
     from lightning_solo.unused import UnusedParameters
 
     spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -215,8 +216,9 @@ def profile_pieces() -> dict[str, list[float]]:
         setattr(UnusedParameters, method, timed(f"unused.{method}", getattr(UnusedParameters, method)))
     replace_everywhere(resume.rng_state, timed("resume.rng_state", resume.rng_state))
     replace_everywhere(resume.step_buffers, timed("resume.step_buffers", resume.step_buffers))
-    resume.SeededDataset.__getitem__ = timed("SeededDataset.__getitem__", resume.SeededDataset.__getitem__)
-    resume.ResumableSampler._tag = timed("ResumableSampler._tag", resume.ResumableSampler._tag)
+    seeded, sampler = resumable_loader.SeededDataset, resumable_loader.ResumableSampler
+    seeded.__getitems__ = timed("SeededDataset.__getitems__", seeded.__getitems__)
+    sampler._tag = timed("ResumableSampler._tag", sampler._tag)
     return spent
 
 

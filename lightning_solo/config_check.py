@@ -58,16 +58,30 @@ def _signature(target: str, path: str) -> tuple[Callable, dict[str, inspect.Para
         obj = get_object(target)
     except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, ... all mean "cannot find it"
         raise ConfigError(f"{path}._target_: cannot import {target!r} ({err})") from err
+    params, hints = _parameters(obj)
+    return obj, params, hints
+
+
+def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
+    """``obj``'s parameters and their type hints. A class of this package whose ``__init__`` forwards
+    ``**kwargs`` to its base (the datamodules' loader options) is checked against the base's too."""
     fn = obj.__init__ if inspect.isclass(obj) else obj
     try:
         params = dict(inspect.signature(obj).parameters)
     except (TypeError, ValueError):
-        return obj, {}, {}
+        return {}, {}
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # noqa: BLE001 - unresolvable annotations: skip type checks, keep key checks
         hints = {}
-    return obj, params, hints
+    forwarded = [n for n, p in params.items() if p.kind is p.VAR_KEYWORD]
+    base = obj.__mro__[1] if inspect.isclass(obj) and len(obj.__mro__) > 1 else None
+    if forwarded and base is not None and base.__module__.startswith("lightning_solo."):
+        base_params, base_hints = _parameters(base)
+        del params[forwarded[0]]
+        params.update({n: p for n, p in base_params.items() if n not in params})
+        hints = {**base_hints, **hints}
+    return params, hints
 
 
 def _check_node(path: str, node: dict) -> None:

@@ -95,5 +95,24 @@ def test_every_section_builds_its_table(monkeypatch):
     assert "post_local_sgd, period 4" in comm and "bucket_cap_mb=1" in comm
     assert "| bf16 all-reduce (collective alone) | 21.0 | 0.60× | 40 % |" in compare.section_allreduce(args)
     costs = compare.section_costs(args)
-    assert "| SeededDataset.__getitem__ |" in costs and "no per-step RNG capture" in costs
+    assert "| SeededDataset.__getitems__ |" in costs and "no per-step RNG capture" in costs
     assert "monitored barrier (SoloDDP) 2.00 ms" in costs
+
+
+@pytest.mark.timeout(120)
+def test_every_ablation_and_the_profiler_find_what_they_patch():
+    """The fake launch above never runs the workers' patches; here they run (in a fresh interpreter, since they
+    patch modules), so a refactor that moves a piece breaks this test rather than the benchmark."""
+    script = (
+        "from benchmarks.compare_worker import ablate, profile_pieces\n"
+        "for what in ('no_resumable_loader', 'no_sample_seeding', 'no_rng_capture', 'plain_barrier'):\n"
+        "    ablate(what)\n"
+        "from lightning_solo.resumable_loader import SeededDataset\n"
+        "import torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "spent = profile_pieces()\n"
+        "SeededDataset(TensorDataset(torch.arange(4)), 0).__getitems__([(0, 1), (0, 2)])\n"
+        "assert spent['SeededDataset.__getitems__'][1] == 1, dict(spent)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]

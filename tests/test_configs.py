@@ -62,6 +62,8 @@ def test_every_group_option_composes(group, tmp_path):
         ("trainer.max_epochs=abc", "trainer.max_epochs"),
         ("+trainer.max_epoch=3", "trainer.max_epoch"),
         ("data.batch_size=1.5", "data.batch_size"),
+        ("data.num_workers=some", "data.num_workers"),  # a loader option the datamodule forwards to its base
+        ("+data.num_worker=2", "has no option 'num_worker'. Did you mean 'num_workers'"),
         ("+model.optimizer.momentm=0.1", "model.optimizer.momentm"),
         ("model.stem=foo", "model.stem"),
         ("parallelism.precision=17", "parallelism.precision"),

@@ -13,7 +13,9 @@ class ImageDataModule(L.LightningDataModule):
     ``test_set`` (test and predict loaders) is the validation set unless a subclass sets it.
 
     ``batch_size`` is per device: the global batch is ``batch_size × devices × nodes × accumulation``.
-    Lightning adds the ``DistributedSampler`` under DDP, so the loaders here stay plain.
+    Lightning adds the ``DistributedSampler`` under DDP, so the loaders here stay plain. Subclasses take their
+    own options and forward ``**loader`` (these four) here; the config check follows the forward, so a
+    misspelled ``data.num_worker`` is still named.
     """
 
     num_classes: int

@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torchvision import datasets, transforms
 
@@ -25,17 +26,10 @@ class CIFAR10DataModule(ImageDataModule):
         download: bool = False,
         augment: bool = True,
         num_classes: int = 10,
-        batch_size: int = 128,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
+        **loader: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-        )
+        loader.setdefault("batch_size", 128)
+        super().__init__(**loader)
         if num_classes != 10:
             raise ValueError(f"CIFAR-10 has 10 classes, got num_classes={num_classes!r}")
         self.root = Path(root).expanduser().resolve()

@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -34,17 +36,9 @@ class DigitsDataModule(ImageDataModule):
         val_fraction: float = 0.2,
         split_seed: int = 0,
         num_classes: int = 10,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
+        **loader: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-        )
+        super().__init__(**loader)
         if num_classes != 10:
             raise ValueError(f"the digits data has 10 classes, got num_classes={num_classes!r}")
         if not 0.0 < val_fraction < 1.0:

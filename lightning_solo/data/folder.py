@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torchvision import datasets, transforms
 
@@ -22,17 +23,10 @@ class ImageFolderDataModule(ImageDataModule):
         root: str,
         num_classes: int | None = None,
         image_size: int = 224,
-        batch_size: int = 64,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
+        **loader: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-        )
+        loader.setdefault("batch_size", 64)
+        super().__init__(**loader)
         self.root = Path(root).expanduser().resolve()
         self.image_size = image_size
         found = len(self._classes(self.root / "train"))

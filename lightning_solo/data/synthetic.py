@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
@@ -74,17 +76,9 @@ class SyntheticDataModule(ImageDataModule):
         val_size: int = 1024,
         noise: float = 1.5,
         seed: int = 0,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
+        **loader: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-        )
+        super().__init__(**loader)
         self.num_classes = check_int("num_classes", num_classes)
         self.image_size = image_size
         self._kwargs = dict(
