@@ -61,7 +61,7 @@ def _fake_launch(spec: dict, world: int, timeout: float) -> dict:
         "peak_rss_mb": [1000 + world] * world,
         "grad_mb": 44.7,
         "loss": 1.0 + 0.01 * spec.get("accumulate", 1),
-        "pieces": {"resume.rng_state": [0.002, 8], "SeededDataset.__getitem__": [0.004, 32]}
+        "pieces": {"resume.rng_state": [0.002, 8], "SeededDataset.__getitems__": [0.004, 8]}
         if spec.get("profile")
         else None,
     }
@@ -114,5 +114,7 @@ def test_every_ablation_and_the_profiler_find_what_they_patch():
         "SeededDataset(TensorDataset(torch.arange(4)), 0).__getitems__([(0, 1), (0, 2)])\n"
         "assert spent['SeededDataset.__getitems__'][1] == 1, dict(spent)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=110
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,7 +23,11 @@ class Draws(Dataset):
 def test_a_sample_is_the_same_in_any_batch_and_the_callers_rngs_do_not_move():
     seeded = SeededDataset(Draws(), seed=7)
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
-    before = torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=False)["state"]["key"].copy()
+    before = (
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(legacy=False)["state"]["key"].copy(),
+    )
     alone = [seeded[(2, i)] for i in range(6)]
     batched = seeded.__getitems__([(2, i) for i in (5, 3, 1, 0, 2, 4)])
     assert all(torch.equal(batched[pos], alone[i]) for pos, i in enumerate((5, 3, 1, 0, 2, 4)))

@@ -223,10 +223,14 @@ class RealNet(Net):
         self.log("val", self.batch_loss(batch) + torch.rand(()), sync_dist=True)  # validation draws too
 
     def _split(self) -> list:  # as users split one dataset: Subsets, which bring a __getitems__ of their own
-        return random_split(Augmented(), [REAL_SAMPLES, VAL_SAMPLES], generator=torch.Generator().manual_seed(0))
+        return random_split(
+            Augmented(), [REAL_SAMPLES, VAL_SAMPLES], generator=torch.Generator().manual_seed(0)
+        )
 
     def train_dataloader(self):
-        return DataLoader(self._split()[0], batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+        return DataLoader(
+            self._split()[0], batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True
+        )
 
     def val_dataloader(self):
         return DataLoader(self._split()[1], batch_size=BATCH)
