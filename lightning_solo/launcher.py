@@ -57,6 +57,7 @@ from typing_extensions import override
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.carry import LEFT_BEHIND, pack, packed_attributes, unpack, unpack_attributes
 from lightning_solo.decision import Decision
+from lightning_solo.validate import check_choice
 
 _STATE_KEY = "lightning_solo_state"
 _STRATEGY_ATTRIBUTES = ("decisions", "advice")
@@ -83,8 +84,7 @@ def _ipython_active() -> bool:
 
 def decide_start_method(start_method: str) -> Decision:
     """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
-    if start_method not in _START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}")
+    check_choice("start_method", start_method, _START_METHODS)
     if start_method != "auto":
         return Decision("start_method", start_method, "set by the user")
     if in_notebook():

@@ -29,13 +29,11 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.nn import Module, Parameter, SyncBatchNorm
+from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo import ddp_surgery
-from lightning_solo._compat import torch as torch_compat
 from lightning_solo.ddp_surgery import (
     build_with_sentinel,
     ddp_ignore_list,
@@ -44,8 +42,10 @@ from lightning_solo.ddp_surgery import (
     unwrap_excluding,
 )
 from lightning_solo.decision import Decision
+from lightning_solo.syncbn.layer import backward_collectives
 from lightning_solo.unused_sync import FastPathStep
-from lightning_solo.validate import check_int
+from lightning_solo.unused_window import UsageWindow
+from lightning_solo.validate import check_choice, check_int
 
 FindUnused = bool | Literal["auto"]
 FIND_UNUSED_VALUES = (True, False, "auto")
@@ -61,24 +61,8 @@ class Phase(StrEnum):
 
 def check_find_unused(value: Any) -> FindUnused:
     """Return ``value`` if it is an accepted ``find_unused_parameters``, else raise ``ValueError``."""
-    if not any(
-        value is accepted or (isinstance(value, str) and value == accepted) for accepted in FIND_UNUSED_VALUES
-    ):
-        raise ValueError(
-            f"find_unused_parameters={value!r} is not accepted: use one of {FIND_UNUSED_VALUES} "
-            "('auto': the fast path unless parameters go unused, decided from the first steps)"
-        )
-    return value
-
-
-def backward_collectives(module: Module) -> list[str]:
-    """Names of the submodules that issue collectives inside backward: SyncBatchNorm, and any module whose
-    class sets ``communicates_in_backward = True`` (lightning_solo's SyncBN does; so can yours)."""
-    return [
-        name or type(module).__name__
-        for name, m in module.named_modules()
-        if isinstance(m, SyncBatchNorm) or getattr(m, "communicates_in_backward", False)
-    ]
+    hint = " ('auto': the fast path unless parameters go unused, decided from the first steps)"
+    return check_choice("find_unused_parameters", value, FIND_UNUSED_VALUES, hint)
 
 
 class UnusedParameters:
@@ -124,9 +108,7 @@ class UnusedParameters:
         self._user_ignore: list[str] | None = None
         self._group: Any = None
         self._fast: FastPathStep | None = None  # on the fast path: its per-step completion
-        self._never: torch.Tensor | None = None  # window: unused on every rank at every step so far
-        self._varying: torch.Tensor | None = None  # window: unused on some rank at some step
-        self._window_steps = 0
+        self._evidence = UsageWindow(window)
         self._backward_collective: str | None = None  # why collectives run inside backward, once known
         self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
 
@@ -199,7 +181,7 @@ class UnusedParameters:
             return  # not wrapped, or inside no_sync (accumulation): the reducer is not involved
         self.steps += 1
         if self.phase is Phase.WINDOW:
-            self._window_step(ddp)
+            self._evidence.add(ddp, self._to_ours, len(self._named))
         elif self._fast is not None and (names := self._fast.complete(ddp, self.steps - 1)):
             self.varying_names = sorted(set(self.varying_names) | set(names))
             if self._switch is None:
@@ -217,7 +199,7 @@ class UnusedParameters:
         if any(p.requires_grad is not was for p, was in self._trainable_flags):
             self._trainable_set_changed(ddp.module)
             return True
-        if self.phase is Phase.WINDOW and self._window_steps >= self.window:
+        if self.phase is Phase.WINDOW and self._evidence.full:
             return self._decide()
         if self._switch is not None:
             self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
@@ -244,10 +226,10 @@ class UnusedParameters:
         self._remove_hooks()
         if self._user_ignore is not None:
             restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
-        if self.phase is Phase.WINDOW and self._never is not None:
+        if self.phase is Phase.WINDOW and self._evidence.started:
             self.decision = Decision(
                 "find_unused_parameters", True,
-                f"the fit ended within the evidence window ({self._window_steps} of {self.window} steps): True throughout",
+                f"the fit ended within the evidence window ({self._evidence.steps} of {self.window} steps): True throughout",
             )  # fmt: skip
         if self._switch is not None:
             self.decision = Decision(
@@ -269,26 +251,12 @@ class UnusedParameters:
             self._fast = None
 
     # ------------------------------------------------------------------------------------- internals
-    def _window_step(self, ddp: DistributedDataParallel) -> None:
-        self._window_steps += 1
-        # On True, DDP has all-reduced how many ranks used each parameter (reducer order).
-        counts = torch_compat.local_used_map(ddp).cpu()
-        world = ddp.process_group.size()
-        never = torch.zeros(len(self._named), dtype=torch.bool)
-        varying = torch.zeros(len(self._named), dtype=torch.bool)
-        for reducer_index, ours in enumerate(self._to_ours):
-            never[ours] = counts[reducer_index] == 0
-            varying[ours] = counts[reducer_index] < world
-        self._never = never if self._never is None else self._never & never
-        self._varying = varying if self._varying is None else self._varying | varying
-
     def _decide(self) -> bool:
-        never = self._never.nonzero().flatten().tolist()
-        varying = (self._varying & ~self._never).nonzero().flatten().tolist()
+        never, varying = self._evidence.never(), self._evidence.varying()
         self.unused_names = [self._named[i][0] for i in never]
         self.varying_names = [self._named[i][0] for i in varying]
         self.unused_bytes = sum(self._named[i][1].numel() * self._named[i][1].element_size() for i in never)
-        steps = f"the first {self._window_steps} steps"
+        steps = f"the first {self._evidence.steps} steps"
         if self._backward_collective is not None:
             self._search(f"{self._backward_collective} communicates inside backward")
             return False
@@ -342,8 +310,7 @@ class UnusedParameters:
             )  # fmt: skip
             return
         self.phase, self.find_unused = Phase.WINDOW, True
-        self._never = self._varying = None
-        self._window_steps = 0
+        self._evidence = UsageWindow(self.window)
         self.decision = Decision(
             "find_unused_parameters", "auto",
             f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "

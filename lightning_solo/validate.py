@@ -5,6 +5,7 @@ Example::
     self.window = check_int("window", window)                          # an integer >= 1
     self.warmup = check_int("local_sgd_warmup", warmup, minimum=0)
     check_number("exception_save_timeout_s", timeout)                  # a positive number
+    check_choice("sync_batchnorm", option, (True, False, "auto"))
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def check_number(
             " or None" if optional else ""
         )
         raise error(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple, hint: str = "") -> Any:
+    """``value`` if it is one of ``choices``; raise ``ValueError`` otherwise. Compared by identity, or equality for
+    strings, so ``1`` is not ``True`` (and an unhashable value gets this message, not a ``TypeError``)."""
+    if not any(value is c or (isinstance(value, str) and value == c) for c in choices):
+        raise ValueError(f"{name}={value!r} is not one of {choices}{hint}")
     return value
 
 

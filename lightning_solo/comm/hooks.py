@@ -35,7 +35,7 @@ from lightning_solo.comm import powersgd_state
 from lightning_solo.comm.averaging import InPlaceAverager, average_in_place, node_groups
 from lightning_solo.comm.barrier import backend_for
 from lightning_solo.decision import Decision
-from lightning_solo.validate import check_int, check_number
+from lightning_solo.validate import check_choice, check_int, check_number
 
 # batched_powerSGD_hook is deliberately absent: it fails an assertion in _orthogonalize in current torch.
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
@@ -91,11 +91,8 @@ class CommHook:
         local_sgd_period: int = 4,
         local_sgd_warmup: int = 100,
     ) -> None:
-        if name not in COMM_HOOKS:
-            raise ValueError(
-                f"comm_hook={name!r} is not accepted: use one of {COMM_HOOKS} or 'auto' (measure and keep the fastest) "
-                "(batched PowerSGD is not offered: it is broken in current torch)"
-            )
+        hint = " or 'auto' (measure and keep the fastest); batched PowerSGD is not offered: broken in current torch"
+        check_choice("comm_hook", name, COMM_HOOKS, hint)
         self.name = name
         self.powersgd_rank = check_int("powersgd_rank", powersgd_rank)
         # torch requires > 1 with error feedback/warm start: DDP re-buckets after its first iteration.

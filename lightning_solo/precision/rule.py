@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_solo.decision import Decision
 from lightning_solo.ranks import world_size
-from lightning_solo.validate import check_bool, check_int, check_number
+from lightning_solo.validate import check_bool, check_choice, check_int, check_number
 
 PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
 SCALER_DEFAULTS: dict[str, float | int] = {
@@ -160,10 +160,8 @@ def precision_options(
     precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool
 ) -> _Options:
     """Validate SoloDDP's precision arguments once, at construction."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not one of {PRECISIONS} (or None to leave it to the Trainer)"
-        )
+    if precision is not None:
+        check_choice("precision", precision, PRECISIONS, " (or None to leave it to the Trainer)")
     check_bool("skip_lr_on_overflow", skip_lr_on_overflow)
     return _Options(
         precision, scaler_settings(scaler), scaler is not None and len(scaler) > 0, skip_lr_on_overflow

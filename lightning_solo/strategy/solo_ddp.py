@@ -12,7 +12,7 @@ Example::
 This module is wiring only: each decision is made by a function in its own module and recorded as a
 :class:`~lightning_solo.decision.Decision` in ``self.decisions`` for the run summary. The exact-resume hooks
 are in :mod:`.resume_hooks`, the unused-parameter hooks in :mod:`.unused_hooks`, the exact-evaluation hooks in
-:mod:`.eval_hooks`.
+:mod:`.eval_hooks`, the gradient-communication hooks in :mod:`.comm_hooks`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing_extensions import override
 
 from lightning_solo import cluster, comm, syncbn
 from lightning_solo import precision as amp
-from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.decision import Decision
 from lightning_solo.evaluation import quiet_padding_warning
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
+from lightning_solo.strategy.comm_hooks import GradientCommHooks
 from lightning_solo.strategy.eval_hooks import ExactEvalHooks
 from lightning_solo.strategy.resume_hooks import ExactResumeHooks
 from lightning_solo.strategy.unused_hooks import UnusedParameterHooks
@@ -47,7 +47,7 @@ from lightning_solo.unused import Phase, UnusedParameters
 from lightning_solo.validate import check_number
 
 
-class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
+class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCommHooks):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
     nccl on CUDA and gloo on CPU.
 
@@ -272,37 +272,6 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
             self._decide(decision)
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # the resume point is taken there (resume_hooks)
-        self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
-        return output
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
-        if self._comm.name is None and self._ddp_comm_hook is not None:
-            lightning_compat.register_ddp_comm_hook(  # self.model is DDP here
-                self.model,
-                self._ddp_comm_state,
-                self._ddp_comm_hook,
-                self._ddp_comm_wrapper,  # type: ignore[arg-type]
-            )
-            name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
-            self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
-            return
-        self._decide(self._comm.register(self.model, node=self.node_rank))  # type: ignore[arg-type]
-        if self._comm.averaging_period is not None:
-            # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
-            self._ddp_comm_state = self._comm.state
-            self._model_averaging_period = self._comm.averaging_period
-
-    @override
-    def _enable_model_averaging(self) -> None:
-        super()._enable_model_averaging()
-        # Same schedule, averaging in place (keeps channels_last); restores its step count on resume.
-        self._model_averager = self._comm.attach_averager(self._model_averager)  # type: ignore[arg-type]
-
-    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         self._unused.finish(self.wrapped)
@@ -310,9 +279,6 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks):
         if isinstance(self.model, DistributedDataParallel):
             self.advice = ddp_advice(self.model, self._unused)
             rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
-        if self._model_averager is not None:
-            # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
-            self._comm.average_parameters(self.module)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -247,3 +247,13 @@ def revert(model: nn.Module) -> nn.Module:
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, BatchNormBase) for m in model.modules())
+
+
+def backward_collectives(module: nn.Module) -> list[str]:
+    """Names of the submodules that issue collectives inside backward: SyncBatchNorm, and any module whose
+    class sets ``communicates_in_backward = True`` (lightning_solo's SyncBN does; so can yours)."""
+    return [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, nn.SyncBatchNorm) or getattr(m, "communicates_in_backward", False)
+    ]

@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_solo.batch_size import per_device_batch_size
 from lightning_solo.decision import Decision
 from lightning_solo.syncbn.layer import convert, has_batchnorm, revert
-from lightning_solo.validate import check_int
+from lightning_solo.validate import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -23,10 +23,7 @@ _OPTIONS = (True, False, "auto")
 
 def validate(option: Any, threshold: Any) -> None:
     """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
-    if not any(
-        option is accepted or (isinstance(option, str) and option == accepted) for accepted in _OPTIONS
-    ):
-        raise ValueError(f"sync_batchnorm={option!r} is not one of {_OPTIONS}")
+    check_choice("sync_batchnorm", option, _OPTIONS)
     check_int("sync_batchnorm_threshold", threshold)  # a per-device batch size
 
 
