@@ -100,13 +100,17 @@ def launch(spec: dict, world: int, timeout: float) -> dict:
     }
 
 
-def interleave(contenders: dict[str, tuple[dict, int]], rounds: int, timeout: float) -> dict[str, list[dict]]:
-    """Each round runs every contender once, in an order rotated by one per round; results per round."""
+def interleave(
+    contenders: dict[str, tuple[dict, int]], rounds: int, timeout: float, pause: float = 0.0
+) -> dict[str, list[dict]]:
+    """Each round runs every contender once, in an order rotated by one per round; results per round.
+    ``pause``: seconds of idle before each run, so that one run's teardown does not slow the next."""
     names = list(contenders)
     results: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             spec, world = contenders[name]
+            time.sleep(pause)
             results[name].append(launch(spec, world, timeout))
             got = results[name][-1]
             print(
@@ -185,7 +189,7 @@ def section_main(args: argparse.Namespace) -> str:
         'stock Lightning "ddp"': ({**spec, "kind": "stock"}, w),
         "SoloDDP()": ({**spec, "kind": "solo"}, w),
     }
-    res = interleave(contenders, args.rounds, args.timeout)
+    res = interleave(contenders, args.rounds, args.timeout, args.pause)
     ceiling, raw, stock, solo = contenders
     lines = [
         "### The four contenders",
@@ -245,7 +249,7 @@ def section_variants(args: argparse.Namespace) -> str:
         "gradient_as_bucket_view=False": ({**spec, "solo": {"gradient_as_bucket_view": False}}, w),
         'stock Lightning "ddp" (views off)': ({**spec, "kind": "stock"}, w),
     }
-    res = interleave(contenders, args.rounds, args.timeout)
+    res = interleave(contenders, args.rounds, args.timeout, args.pause)
     default = next(iter(contenders))
     lines = [
         "### SoloDDP variants",
@@ -273,7 +277,7 @@ def section_scaling(args: argparse.Namespace) -> str:
     for n in sizes:
         contenders[f"raw DDP × {n}"] = ({**spec, "kind": "raw"}, n)
         contenders[f"SoloDDP × {n}"] = ({**spec, "kind": "solo"}, n)
-    res = interleave(contenders, args.rounds, args.timeout)
+    res = interleave(contenders, args.rounds, args.timeout, args.pause)
     cores = os.cpu_count() or 1
     lines = [
         "### Scaling: 1, 2, 4 processes",
@@ -345,7 +349,7 @@ def section_comm(args: argparse.Namespace) -> str:
         "bucket_cap_mb=1": ({**solo, "solo": {"bucket_cap_mb": 1}}, w),
         "bucket_cap_mb=100": ({**solo, "solo": {"bucket_cap_mb": 100}}, w),
     }
-    res = interleave(contenders, args.rounds, args.timeout)
+    res = interleave(contenders, args.rounds, args.timeout, args.pause)
     exact = "SoloDDP() exact"
     exact_loss = statistics.median(run["loss"] for run in res[exact])
     lines = [
@@ -473,7 +477,7 @@ def section_costs(args: argparse.Namespace) -> str:
         'stock Lightning "ddp"': ({**spec, "kind": "stock"}, w),
         "hand-written torch DDP": ({**spec, "kind": "raw"}, w),
     }
-    res = interleave(contenders, args.rounds, args.timeout)
+    res = interleave(contenders, args.rounds, args.timeout, args.pause)
     default = "SoloDDP()"
     batches = spec["batches"]
     step_s = 1 / statistics.median(sps(res[default])) * spec["batch"] * w
@@ -565,6 +569,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--costs-batch", type=int, default=32)
     p.add_argument("--costs-batches", type=int, default=200)
     p.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
+    p.add_argument("--pause", type=float, default=0.0, help="idle seconds before each measurement")
     p.add_argument("--tiny", action="store_true", help="smallest sizes: checks the harness, measures nothing")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     args = p.parse_args(argv)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "post_local_sgd, period 4": ({**solo, "solo": {**local, "local_sgd_period": 4}}, 2),
     }
-    res = compare.interleave(contenders, args.rounds, args.timeout)
+    res = compare.interleave(contenders, args.rounds, args.timeout, args.pause)
     print(compare.machine_line())
     print("| run | samples/s | CPU ms per batch |\n|---|---|---|")
     for name in contenders:

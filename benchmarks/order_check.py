@@ -6,6 +6,7 @@ per-round ratios split by order show how much of a gap is the position in the ro
 Usage::
 
     python -m benchmarks.order_check            # 6 rounds, ~10 min on 2 cores
+    python -m benchmarks.order_check --pause 20 # the same with 20 s of idle before each run
 """
 
 import statistics
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     args = compare.parse_args(["--rounds", "6", *(argv if argv is not None else sys.argv[1:])])
     spec = compare.base_spec(args)
     contenders = {STOCK: ({**spec, "kind": "stock"}, 2), SOLO: ({**spec, "kind": "solo"}, 2)}
-    res = compare.interleave(contenders, args.rounds, args.timeout)
+    res = compare.interleave(contenders, args.rounds, args.timeout, args.pause)
     print(compare.machine_line())
     print("| contender | samples/s | CPU ms per batch |\n|---|---|---|")
     for name in contenders:
