@@ -16,34 +16,12 @@ import lightning as L
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
+from user_model import QUIET, Tiny, mlp
 
 from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
 from lightning_solo.checkpoint import resolve_ckpt_path
 from lightning_solo.consolidate import consolidate
 from lightning_solo.strategy import SoloFSDP
-
-
-def plain_net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-
-
-class Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = plain_net()
-        self.first_lr = None
-
-    def on_train_start(self):
-        self.start_step = self.trainer.global_step
-
-    def training_step(self, batch, batch_idx):
-        if self.first_lr is None:
-            self.first_lr = self.optimizers().param_groups[0]["lr"]
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.4, momentum=0.9)
 
 
 def fit(out: Path, max_steps: int, resume: bool):
@@ -55,9 +33,9 @@ def fit(out: Path, max_steps: int, resume: bool):
     strategy = SoloFSDP(min_num_params=100)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, callbacks=[lr, ckpt], max_steps=max_steps,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        default_root_dir=out, **QUIET,
     )  # fmt: skip
-    model = Tiny()
+    model = Tiny(mlp(hidden=32), lr=0.4, momentum=0.9)
     ckpt_path = resolve_ckpt_path("auto", out / "ckpt") if resume else None
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer, model, lr, ckpt
@@ -70,7 +48,7 @@ def main(out: Path) -> None:
     if trainer.global_rank != 0:
         return
     manifest = consolidate(ckpt.last_model_path, out / "consolidated.ckpt")
-    net = plain_net()
+    net = mlp(hidden=32)
     state = torch.load(out / "consolidated.ckpt", weights_only=True)["state_dict"]
     net.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
     same = all(torch.equal(net.state_dict()[k.removeprefix("net.")], v) for k, v in full.items())

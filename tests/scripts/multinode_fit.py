@@ -13,25 +13,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from user_model import QUIET, Tiny
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import WarmupScaledLR
-
-
-class Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-        self.first_lr = None
-
-    def training_step(self, batch, batch_idx):
-        if self.first_lr is None:
-            self.first_lr = self.optimizers().param_groups[0]["lr"]
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.8)
 
 
 def main(out: Path) -> None:
@@ -45,12 +30,10 @@ def main(out: Path) -> None:
         strategy=SoloDDP(),
         callbacks=[lr],
         max_epochs=1,
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
-    model = Tiny()
+    model = Tiny(lr=0.8)
     trainer.fit(model, DataLoader(data, batch_size=8))
     record = {
         "global_rank": trainer.global_rank,

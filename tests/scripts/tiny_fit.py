@@ -11,24 +11,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from user_model import QUIET, Tiny
 
 import lightning_solo
 from lightning_solo import SoloDDP
-
-
-# A user's own module in a user's script (not tests.helpers' TinyModule: the script runs as a file, from
-# which tests/ is not importable).
-class Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def main(mode: str, out: Path) -> None:
@@ -40,10 +26,8 @@ def main(mode: str, out: Path) -> None:
         devices=2,
         strategy=strategy,
         max_epochs=2,
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     model = Tiny()
     trainer.fit(model, DataLoader(data, batch_size=8))
