@@ -332,20 +332,20 @@ def section_comm(args: argparse.Namespace) -> str:
         ),
         "accumulate 4 batches": ({**solo, "accumulate": 4}, w),
         "accumulate 4, lr × 4": ({**solo, "accumulate": 4, "lr": 4 * spec["lr"]}, w),
-        "post_local_sgd, period 4": (
-            {
-                **solo,
-                "solo": {"comm_hook": "post_local_sgd", "local_sgd_warmup": start, "local_sgd_period": 4},
-            },
-            w,
-        ),
-        "post_local_sgd, period 16": (
-            {
-                **solo,
-                "solo": {"comm_hook": "post_local_sgd", "local_sgd_warmup": start, "local_sgd_period": 16},
-            },
-            w,
-        ),
+        **{
+            f"post_local_sgd, period {period}": (
+                {
+                    **solo,
+                    "solo": {
+                        "comm_hook": "post_local_sgd",
+                        "local_sgd_warmup": start,
+                        "local_sgd_period": period,
+                    },
+                },
+                w,
+            )
+            for period in (4, 8, 16)
+        },
         "bucket_cap_mb=1": ({**solo, "solo": {"bucket_cap_mb": 1}}, w),
         "bucket_cap_mb=100": ({**solo, "solo": {"bucket_cap_mb": 100}}, w),
     }

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from lightning_solo import SoloDDP
 from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.comm import hooks as hooks_module
 from lightning_solo.comm.powersgd_state import read_shard, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
@@ -232,12 +233,19 @@ def _recorder(out: Path) -> RankRecorder:
     )
 
 
-def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **strategy_kwargs) -> list[dict]:
+def fit(
+    out: Path,
+    max_epochs: int = 1,
+    ckpt_path=None,
+    save: bool = False,
+    trainer: dict | None = None,
+    **strategy_kwargs,
+) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     callbacks = [_recorder(out)]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1))
-    trainer = L.Trainer(
+    L_trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=SoloDDP(start_method="fork", **strategy_kwargs),
@@ -247,10 +255,11 @@ def fit(out: Path, max_epochs: int = 1, ckpt_path=None, save: bool = False, **st
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **(trainer or {}),
     )
     # make_net's layers and init, under MSE on seeded random data
     model = TinyModule((8, 16, 16, 4), init_seed=0, loss="mse", samples=64, batch_size=4, data_seed=1, lr=0.1)
-    trainer.fit(model, ckpt_path=ckpt_path)
+    L_trainer.fit(model, ckpt_path=ckpt_path)
     return read_rank_records(out, suffix=".pt")
 
 
@@ -318,6 +327,46 @@ def test_post_local_sgd_averages_with_configured_period(tmp_path):
     # torch's PostLocalSGDState counts only up to the end of the warm-up; the averager counts every step
     assert saved == {"hook": "post_local_sgd", "iter": warmup, "averager_step": steps}
     assert json.dumps(r0["decisions"]["comm_hook"])  # recorded for the run summary
+
+
+HOOK_CALLS = {"last_bucket": 0}  # post_localSGD_hook's calls on the last bucket, in this (forked) rank
+_torch_post_local_sgd_hook = hooks_module.post_local.post_localSGD_hook
+
+
+def _counted_post_local_sgd_hook(state, bucket):
+    HOOK_CALLS["last_bucket"] += bucket.is_last()
+    return _torch_post_local_sgd_hook(state, bucket)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_post_local_sgd_local_steps_skip_the_reducer_and_match_torchs_hook(tmp_path, monkeypatch):
+    # After the warm-up SoloDDP runs the local steps outside DDP's reducer; torch's hook on every step is the
+    # reference. With accumulation (Lightning's own no_sync around the first micro-batch) and two epochs.
+    monkeypatch.setattr(hooks_module.post_local, "post_localSGD_hook", _counted_post_local_sgd_hook)
+    monkeypatch.setattr(RankRecorder, "on_fit_end", _with_hook_calls(RankRecorder.on_fit_end))
+    opts = dict(comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=3)
+    trainer = {"accumulate_grad_batches": 2}
+    fast = fit(tmp_path / "fast", max_epochs=2, trainer=trainer, **opts)
+    monkeypatch.setattr(CommHook, "local_step", property(lambda self: False))
+    reference = fit(tmp_path / "hook", max_epochs=2, trainer=trainer, **opts)
+
+    assert len(fast[0]["steps"]) == 16  # 8 optimizer steps of 2 micro-batches, 2 epochs
+    for rank in range(2):
+        assert fast[rank]["hook_calls"] == 2  # the warm-up's exact steps only
+        assert reference[rank]["hook_calls"] == 8
+        for a, b in zip(fast[rank]["steps"], reference[rank]["steps"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(fast[0]["steps"][-2], fast[1]["steps"][-2])  # local steps: the replicas differ
+    assert torch.equal(fast[0]["final"], fast[1]["final"])  # and are averaged at the end
+
+
+def _with_hook_calls(on_fit_end):
+    def recorded(self, trainer, module):
+        self.record["hook_calls"] = HOOK_CALLS["last_bucket"]
+        return on_fit_end(self, trainer, module)
+
+    return recorded
 
 
 def test_hydra_parallelism_group_reaches_the_hook(tmp_path):

@@ -18,7 +18,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from lightning_solo import SoloDDP
 from lightning_solo.testing import run_ranks
-from tests.helpers.equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err
+from tests.helpers.equivalence import (
+    Net,
+    assert_ranks_identical,
+    fit,
+    local_sgd_reference,
+    make_data,
+    max_rel_err,
+)
 
 TOL = 1e-5
 STEPS = 16
@@ -223,11 +230,37 @@ def test_torch_powersgd_state_with_auto_is_refused_before_training():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("hook", ["powersgd", "post_local_sgd"])
-def test_comm_hook_state_survives_a_late_switch(tmp_path, hook):
-    # Post-local-SGD: local steps from step 2, so at the switch (step 10) the ranks' parameters differ; a
-    # re-wrap that broadcast rank 0's would replace the model average. PowerSGD: error feedback carried over.
+def test_powersgd_state_survives_a_late_switch(tmp_path):
+    # The error feedback is carried over the re-wraps (the fast path, then True after the late step).
     torch.manual_seed(0)
-    options = dict(comm_hook=hook, powersgd_start_iter=2, local_sgd_warmup=2, local_sgd_period=4)
-    runs = compare_with_true(tmp_path, Combo(make_data(STEPS, branch_off=LATE)), **options)
+    runs = compare_with_true(tmp_path, Combo(make_data(STEPS, branch_off=LATE)), comm_hook="powersgd",
+                             powersgd_start_iter=2)  # fmt: skip
     assert runs["auto"][0]["wrappers"] == 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case",
+    [
+        # An averaging step leaves the branch without a gradient on rank 1 only: every rank must still average it.
+        pytest.param(dict(accumulate=2, branch_off={10: (1,)}), id="unused_on_one_rank_with_accumulation"),
+        # Frozen at step 8 while the replicas differ: the re-wrap must not broadcast rank 0's copy, and the
+        # final average must still take the trunk, frozen or not.
+        pytest.param(dict(freeze_at=8), id="layer_frozen_mid_fit"),
+    ],
+)
+def test_post_local_sgd_equals_two_replicas_averaged(tmp_path, case):
+    # Local steps from step 2 (outside DDP's reducer), averages after steps 2, 6, 10, 14 and at the end.
+    torch.manual_seed(0)
+    accumulate, freeze_at = case.get("accumulate", 1), case.get("freeze_at")
+    net = Combo(make_data(STEPS, accumulate, branch_off=case.get("branch_off")))
+    strategy = SoloDDP(
+        start_method="fork", comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=4
+    )
+    callbacks = [_FreezeAt(step=freeze_at)] if freeze_at is not None else []
+    records = fit(tmp_path, net, strategy, accumulate=accumulate, callbacks=callbacks)
+    assert_ranks_identical(records)
+    expected = local_sgd_reference(net, warmup=2, period=4, accumulate=accumulate, freeze_at=freeze_at)
+    assert max_rel_err(records[0], expected) <= TOL
+    assert records[0]["wrappers"] == (2 if freeze_at is not None else 1)

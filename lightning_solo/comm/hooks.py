@@ -102,6 +102,7 @@ class CommHook:
         self.state: Any = None
         self.hook: Any = None
         self.averager: Any = None
+        self._trained_locally: dict[int, torch.Tensor] = {}  # id -> parameter, every one a local step updated
         self._saved: dict[str, Any] = {}
         self._saved_path: Any = None
 
@@ -109,6 +110,22 @@ class CommHook:
     def averaging_period(self) -> int | None:
         """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
         return self.local_sgd_period if self.name == "post_local_sgd" else None
+
+    @property
+    def local_step(self) -> bool:
+        """True once post-local-SGD's warm-up is over on one node: each rank keeps its own gradients.
+
+        torch's hook would then have DDP copy every gradient into buckets only to hand each bucket back
+        unchanged; SoloDDP runs such steps outside DDP's reducer instead (``require_backward_grad_sync=False``,
+        as ``no_sync`` does), which gives the same gradients without the bucketing and the per-step checks.
+        Across nodes the hook still all-reduces within each node, so it stays in the step."""
+        state = self.state
+        return (
+            self.name == "post_local_sgd"
+            and state is not None
+            and not state.post_local_gradient_allreduce
+            and state.iter >= state.start_localSGD_iter
+        )
 
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
@@ -200,9 +217,21 @@ class CommHook:
         self._apply_saved()
         return self.averager
 
+    def average_after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Post-local-SGD, after every optimizer step, on every rank: the averager's schedule over every trainable
+        parameter ``optimizer`` holds, with a gradient this step or not, so that every rank averages the same
+        tensors (collective on averaging steps)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self.local_step:
+            self._trained_locally.update((id(p), p) for p in params)
+        self.averager.average_parameters(params)
+
     def average_parameters(self, module: torch.nn.Module) -> None:
-        """Average ``module``'s trainable parameters over all ranks now (collective)."""
-        average_in_place([p for p in module.parameters() if p.requires_grad])
+        """Average ``module``'s trainable parameters over all ranks now (collective), and those frozen since a
+        local step trained them: the ranks' copies may differ."""
+        average_in_place(
+            [p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally]
+        )
 
     def state_dict(self, checkpoint_path: Any = None) -> dict[str, Any]:
         """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.

@@ -1,5 +1,6 @@
 """SoloDDP's gradient-communication hooks: the comm hook registered on every device, post-local-SGD's averager
-(in place, its step restored on resume) and the final average, and ``comm_hook="auto"``'s step timing.
+(in place, its step restored on resume), its local steps outside DDP's reducer and the final average, and
+``comm_hook="auto"``'s step timing.
 
 The hooks themselves (fp16, bf16, PowerSGD, post-local-SGD, "auto") are :mod:`lightning_solo.comm`.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
@@ -44,8 +47,21 @@ class GradientCommHooks(SoloStrategyBase):
         self._model_averager = self._comm.attach_averager(self._model_averager)  # type: ignore[arg-type]
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # the resume point is taken there (resume_hooks)
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
+            # Post-local-SGD's local steps skip DDP's reducer, as no_sync does (see CommHook.local_step). Only
+            # ever set False: Lightning's accumulation restores the flag it found when its no_sync ends.
+            self.model.require_backward_grad_sync = False
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Strategy's step without DDPStrategy's: its post-local-SGD average takes only the parameters that have a
+        # gradient, and after a local step a parameter one rank did not use has none there, so the ranks would
+        # average different tensors. CommHook.average_after_step takes every trainable one instead.
+        output = super(DDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        if self._model_averager is not None:
+            self._comm.average_after_step(optimizer)
         self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
         return output
 

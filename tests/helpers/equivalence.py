@@ -154,6 +154,55 @@ def reference(net: Net, accumulate: int = 1, steps: int = STEPS) -> dict[str, to
     return {n: p.detach().flatten() for n, p in net.named_parameters()}
 
 
+def local_sgd_reference(
+    net: Net, warmup: int, period: int, steps: int = STEPS, accumulate: int = 1, freeze_at: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Post-local-SGD in one process: two replicas, each on its rank's samples (loss / accumulate). For the first
+    ``warmup`` steps their gradients are averaged (a missing one counts as zero; missing on both stays missing),
+    then each keeps its own. After step k >= warmup with (k - warmup) % period == 0 the trainable parameters
+    are averaged, and at the end every parameter a local step trained. ``freeze_at``: the trunk is frozen from
+    that step on."""
+    replicas = [copy.deepcopy(net) for _ in range(2)]
+    x, y = net.data
+    optimizers = [
+        torch.optim.SGD([p for p in r.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+        for r in replicas
+    ]
+    trained: set[str] = set()
+
+    def average(names) -> None:
+        with torch.no_grad():
+            for (name, a), b in zip(replicas[0].named_parameters(), replicas[1].parameters()):
+                if name in names:
+                    a.copy_((a + b) / 2)
+                    b.copy_(a)
+
+    for step in range(steps):
+        if step == freeze_at:
+            for r in replicas:
+                r.trunk.requires_grad_(False)
+        for rank, r in enumerate(replicas):
+            for micro in range(accumulate):
+                first = (step * accumulate + micro) * BATCH
+                idx = [2 * j + rank for j in range(first, first + BATCH)]  # DistributedSampler(shuffle=False)
+                (F.mse_loss(r(x[idx]), y[idx]) / accumulate).backward()
+        if step < warmup:
+            for pair in zip(replicas[0].parameters(), replicas[1].parameters()):
+                if grads := [p.grad for p in pair if p.grad is not None]:
+                    for p in pair:
+                        p.grad = sum(grads) / 2
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        trainable = {n for n, p in replicas[0].named_parameters() if p.requires_grad}
+        if step >= warmup:
+            trained |= trainable
+            if (step - warmup) % period == 0:
+                average(trainable)
+    average(trained | {n for n, p in replicas[0].named_parameters() if p.requires_grad})
+    return {n: p.detach().flatten() for n, p in replicas[0].named_parameters()}
+
+
 def max_rel_err(record: dict, expected: dict[str, torch.Tensor]) -> float:
     errors = []
     for name, want in expected.items():
