@@ -245,7 +245,7 @@ def fit(
     callbacks = [_recorder(out)]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1))
-    L_trainer = L.Trainer(
+    trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=SoloDDP(start_method="fork", **strategy_kwargs),
@@ -255,11 +255,10 @@ def fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **(trainer or {}),
     )
     # make_net's layers and init, under MSE on seeded random data
     model = TinyModule((8, 16, 16, 4), init_seed=0, loss="mse", samples=64, batch_size=4, data_seed=1, lr=0.1)
-    L_trainer.fit(model, ckpt_path=ckpt_path)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return read_rank_records(out, suffix=".pt")
 
 
@@ -338,35 +337,87 @@ def _counted_post_local_sgd_hook(state, bucket):
     return _torch_post_local_sgd_hook(state, bucket)
 
 
+class _ValidatedWithBatchNorm(TinyModule):
+    """TinyModule with BatchNorm, validated inside the epoch; each rank keeps its own validation losses (they
+    depend on its running statistics, which DDP broadcasts from rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            (8, 16, 16, 4),
+            batchnorm=True,
+            init_seed=0,
+            loss="mse",
+            samples=64,
+            batch_size=4,
+            data_seed=1,
+            lr=0.1,
+        )
+        self.val_losses: list[float] = []
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self.batch_loss(batch).item())
+
+
+def _post_local_sgd_fit(out: Path) -> list[dict]:
+    out.mkdir(parents=True)
+    recorder = RankRecorder(
+        out,
+        on_train_batch_end={"steps": "params"},
+        on_fit_end={
+            "state": "state",  # buffers too
+            "val": lambda trainer, module: module.val_losses,
+            "hook_calls": lambda trainer, module: HOOK_CALLS["last_bucket"],
+        },
+        suffix=".pt",
+    )
+    strategy = SoloDDP(
+        start_method="fork",
+        sync_batchnorm=False,
+        comm_hook="post_local_sgd",
+        local_sgd_warmup=2,
+        local_sgd_period=3,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, accumulate_grad_batches=2,
+        val_check_interval=4, limit_val_batches=2, callbacks=[recorder], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(_ValidatedWithBatchNorm())
+    return read_rank_records(out, suffix=".pt")
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_post_local_sgd_local_steps_skip_the_reducer_and_match_torchs_hook(tmp_path, monkeypatch):
     # After the warm-up SoloDDP runs the local steps outside DDP's reducer; torch's hook on every step is the
-    # reference. With accumulation (Lightning's own no_sync around the first micro-batch) and two epochs.
+    # reference: the same parameters at every micro-batch, the same buffers (BatchNorm statistics broadcast
+    # from rank 0 as DDP does) and validation losses on every rank. With accumulation (Lightning's own no_sync
+    # around the first micro-batch), validation inside the epoch, and two epochs.
     monkeypatch.setattr(hooks_module.post_local, "post_localSGD_hook", _counted_post_local_sgd_hook)
-    monkeypatch.setattr(RankRecorder, "on_fit_end", _with_hook_calls(RankRecorder.on_fit_end))
-    opts = dict(comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=3)
-    trainer = {"accumulate_grad_batches": 2}
-    fast = fit(tmp_path / "fast", max_epochs=2, trainer=trainer, **opts)
+    fast = _post_local_sgd_fit(tmp_path / "fast")
     monkeypatch.setattr(CommHook, "local_step", property(lambda self: False))
-    reference = fit(tmp_path / "hook", max_epochs=2, trainer=trainer, **opts)
+    reference = _post_local_sgd_fit(tmp_path / "hook")
 
     assert len(fast[0]["steps"]) == 16  # 8 optimizer steps of 2 micro-batches, 2 epochs
+    assert len(fast[0]["val"]) == 10  # the sanity check, then 2 validations per epoch, 2 batches each
     for rank in range(2):
         assert fast[rank]["hook_calls"] == 2  # the warm-up's exact steps only
         assert reference[rank]["hook_calls"] == 8
         for a, b in zip(fast[rank]["steps"], reference[rank]["steps"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(fast[rank]["state"], reference[rank]["state"], rtol=0, atol=0)
+        assert fast[rank]["val"] == reference[rank]["val"]
     assert not torch.equal(fast[0]["steps"][-2], fast[1]["steps"][-2])  # local steps: the replicas differ
-    assert torch.equal(fast[0]["final"], fast[1]["final"])  # and are averaged at the end
-
-
-def _with_hook_calls(on_fit_end):
-    def recorded(self, trainer, module):
-        self.record["hook_calls"] = HOOK_CALLS["last_bucket"]
-        return on_fit_end(self, trainer, module)
-
-    return recorded
+    final = [
+        torch.cat(
+            [t.flatten() for k, t in r["state"].items() if "running" not in k and "num_batches" not in k]
+        )
+        for r in fast
+    ]
+    assert torch.equal(*final)  # and are averaged at the end
 
 
 def test_hydra_parallelism_group_reaches_the_hook(tmp_path):

@@ -62,6 +62,10 @@ class GradientCommHooks(SoloStrategyBase):
         output = super(DDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
         if self._model_averager is not None:
             self._comm.average_after_step(optimizer)
+        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
+            # As after a synchronised step, the next forward (training or validation) broadcasts rank 0's buffers
+            # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
+            self.model.require_forward_param_sync = True
         self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
         return output
 
