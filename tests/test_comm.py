@@ -20,7 +20,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from lightning_solo import SoloDDP
 from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
 from lightning_solo.comm import hooks as hooks_module
-from lightning_solo.comm.powersgd_state import read_shard, shard_dir
+from lightning_solo.comm.rank_shards import read, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
 from tests.helpers.modules import TinyModule
@@ -238,7 +238,7 @@ def fit(
     max_epochs: int = 1,
     ckpt_path=None,
     save: bool = False,
-    trainer: dict | None = None,
+    momentum: float = 0.0,
     **strategy_kwargs,
 ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +257,16 @@ def fit(
         enable_model_summary=False,
     )
     # make_net's layers and init, under MSE on seeded random data
-    model = TinyModule((8, 16, 16, 4), init_seed=0, loss="mse", samples=64, batch_size=4, data_seed=1, lr=0.1)
+    model = TinyModule(
+        (8, 16, 16, 4),
+        init_seed=0,
+        loss="mse",
+        samples=64,
+        batch_size=4,
+        data_seed=1,
+        lr=0.1,
+        momentum=momentum,
+    )
     trainer.fit(model, ckpt_path=ckpt_path)
     return read_rank_records(out, suffix=".pt")
 
@@ -300,13 +309,15 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
 
     # Self-verifying: a damaged or missing shard is a clear error naming the rank, not a silent zero.
-    assert read_shard(ckpt, saved["shards"], 1).keys() == errors[1].keys()  # memory-mapped, this rank's only
+    assert (
+        read(ckpt, saved["shards"], 1, "PowerSGD error feedback").keys() == errors[1].keys()
+    )  # memory-mapped, this rank's only
     shards[1].write_bytes(shards[1].read_bytes()[:-8] + b"damaged!")
     with pytest.raises(RuntimeError, match="rank 1 .* does not match the sha256"):
-        read_shard(ckpt, saved["shards"], 1)
+        read(ckpt, saved["shards"], 1, "PowerSGD error feedback")
     shards[0].unlink()
     with pytest.raises(RuntimeError, match="rank 0 .* is missing"):
-        read_shard(ckpt, saved["shards"], 0)
+        read(ckpt, saved["shards"], 0, "PowerSGD error feedback")
 
 
 @pytest.mark.multiproc
@@ -324,6 +335,7 @@ def test_post_local_sgd_averages_with_configured_period(tmp_path):
     assert torch.equal(r0["final"], r1["final"])  # averaged once more at the end of fit
     saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)[CHECKPOINT_KEY]
     # torch's PostLocalSGDState counts only up to the end of the warm-up; the averager counts every step
+    assert saved.pop("replicas")["dir"] == "epoch=0.ckpt.local_sgd"  # saved after a local step
     assert saved == {"hook": "post_local_sgd", "iter": warmup, "averager_step": steps}
     assert json.dumps(r0["decisions"]["comm_hook"])  # recorded for the run summary
 
@@ -335,6 +347,33 @@ _torch_post_local_sgd_hook = hooks_module.post_local.post_localSGD_hook
 def _counted_post_local_sgd_hook(state, bucket):
     HOOK_CALLS["last_bucket"] += bucket.is_last()
     return _torch_post_local_sgd_hook(state, bucket)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_post_local_sgd_resume_between_averages_continues_every_replica(tmp_path):
+    # 8 steps an epoch; averages after steps 2, 6, 10, 14: the checkpoint after step 7 holds differing replicas,
+    # each with its own momentum. A resume from rank 0's model alone would not continue like the full run.
+    opts = dict(comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=4, momentum=0.9)
+    full = fit(tmp_path / "full", max_epochs=2, **opts)
+    first = fit(tmp_path / "first", max_epochs=1, save=True, **opts)
+    ckpt = tmp_path / "first" / "epoch=0.ckpt"
+    assert not torch.equal(first[0]["steps"][-1], first[1]["steps"][-1])  # saved between averages
+    saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
+    shards = list(Path(shard_dir(ckpt, "local_sgd")).glob("rank*.pt"))
+    assert len(saved["replicas"]["sha256"]) == len(shards) == 2
+    resumed = fit(tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt), **opts)
+
+    for rank in range(2):  # every replica continued as if never interrupted
+        for a, b in zip(resumed[rank]["steps"], full[rank]["steps"][8:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(resumed[rank]["final"], full[rank]["final"], rtol=1e-6, atol=1e-7)
+
+    # Without its shards the checkpoint is refused with the rank named, not silently resumed from rank 0's model.
+    for shard in Path(shard_dir(ckpt, "local_sgd")).glob("rank1.*.pt"):
+        shard.unlink()
+    with pytest.raises(Exception, match="post-local-SGD replica .* of rank 1 .* is missing"):
+        fit(tmp_path / "broken", max_epochs=2, ckpt_path=str(ckpt), **opts)
 
 
 class _ValidatedWithBatchNorm(TinyModule):

@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import socket
 import tempfile
 import time
@@ -37,7 +36,7 @@ from lightning_solo.checkpoint.manifest import (
     read_manifest,
     verify,
 )
-from lightning_solo.comm.powersgd_state import shard_dir
+from lightning_solo.comm import rank_shards
 from lightning_solo.validate import check_bool
 
 log = logging.getLogger(__name__)
@@ -143,7 +142,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
     def remove_checkpoint(self, path) -> None:
         if not lightning_compat.is_local_path(path):
             return super().remove_checkpoint(path)
-        shutil.rmtree(shard_dir(path), ignore_errors=True)  # its PowerSGD shards, if any
+        rank_shards.remove(path)  # its per-rank shards (PowerSGD, post-local-SGD), if any
         try:
             os.remove(path)
         except FileNotFoundError:

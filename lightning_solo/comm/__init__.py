@@ -1,9 +1,11 @@
-"""Gradient communication for DDP, in five parts:
+"""Gradient communication for DDP, in six parts:
 
 - :mod:`~lightning_solo.comm.hooks`: :class:`CommHook`, a DDP comm hook chosen by name (exact, fp16/bf16,
   PowerSGD, post-local-SGD), registered on every backend, with checkpointable state;
 - :mod:`~lightning_solo.comm.powersgd_state`: PowerSGD's state across bucket rebuilds and checkpoint/resume
   (error feedback as one shard file per rank beside the checkpoint);
+- :mod:`~lightning_solo.comm.rank_shards`: state that differs per rank (PowerSGD's error feedback, post-local-SGD's
+  replicas between averages) as one verified file per rank beside the checkpoint;
 - :mod:`~lightning_solo.comm.averaging`: post-local-SGD's in-place parameter averaging and per-node groups;
 - :mod:`~lightning_solo.comm.barrier`: a barrier that names the ranks that did not arrive, and its gloo side
   group under NCCL;
@@ -23,7 +25,8 @@ from lightning_solo.comm.hooks import (
     bf16_compress_any_build_hook,
     check_bucket_cap_mb,
 )
-from lightning_solo.comm.powersgd_state import resumable_powerSGD_hook, shard_dir
+from lightning_solo.comm.powersgd_state import resumable_powerSGD_hook
+from lightning_solo.comm.rank_shards import shard_dir
 
 __all__ = [
     "AUTO_CANDIDATES",

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
-from lightning_solo.comm import powersgd_state
+from lightning_solo.comm import powersgd_state, rank_shards
 from lightning_solo.comm.averaging import InPlaceAverager, average_in_place, node_groups
 from lightning_solo.comm.barrier import backend_for
 from lightning_solo.decision import Decision
@@ -103,6 +103,7 @@ class CommHook:
         self.hook: Any = None
         self.averager: Any = None
         self._trained_locally: dict[int, torch.Tensor] = {}  # id -> parameter, every one a local step updated
+        self._replica: dict[str, Any] | None = None  # this rank's, read from a post-local-SGD checkpoint
         self._saved: dict[str, Any] = {}
         self._saved_path: Any = None
 
@@ -233,20 +234,34 @@ class CommHook:
             [p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally]
         )
 
-    def state_dict(self, checkpoint_path: Any = None) -> dict[str, Any]:
-        """The hook's state for a checkpoint. A collective for PowerSGD: call it on every rank.
+    def state_dict(
+        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The hook's state for a checkpoint. A collective for PowerSGD, and for post-local-SGD given a
+        ``replica``: call it on every rank.
 
-        PowerSGD's error feedback differs per rank and is as large as the gradients, so it is never gathered:
-        with ``checkpoint_path``, each rank writes its own atomically into :func:`~lightning_solo.comm.powersgd_state.shard_dir` beside it and
-        the result (for rank 0's checkpoint) records every shard's sha256; without, it holds this rank's
-        own, for this rank's :meth:`load_state_dict`. Q memory and counters are the same on all ranks.
+        State that differs per rank is never gathered: with ``checkpoint_path``, each rank writes its own
+        atomically beside it (:mod:`~lightning_solo.comm.rank_shards`) and the result (for rank 0's checkpoint)
+        records every shard's sha256. PowerSGD: its error feedback, as large as the gradients (without
+        ``checkpoint_path``, this rank's own, for this rank's :meth:`load_state_dict`); Q memory and counters
+        are the same on all ranks. Post-local-SGD after its warm-up: ``replica``, this rank's model and
+        optimizer state (the checkpoint's ``state_dict`` and ``optimizer_states``), which differ between averages.
         """
         if self.state is None:
             return {}
         if self.name == "post_local_sgd":
             step = self.averager.step if self.averager is not None else None
-            return {"hook": self.name, "iter": self.state.iter, "averager_step": step}
+            saved = {"hook": self.name, "iter": self.state.iter, "averager_step": step}
+            if self.local_step and replica is not None and checkpoint_path is not None:
+                saved["replicas"] = rank_shards.write(checkpoint_path, "local_sgd", replica)
+            return saved
         return powersgd_state.state_dict(self.state, checkpoint_path)
+
+    def take_replica(self) -> dict[str, Any] | None:
+        """After :meth:`load_state_dict` of a post-local-SGD checkpoint saved between averages: this rank's own
+        model and optimizer state, to resume from instead of rank 0's (once; None otherwise)."""
+        replica, self._replica = self._replica, None
+        return replica
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
         """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
@@ -271,7 +286,17 @@ class CommHook:
         if saved.pop("_resolved", False):
             return saved
         world, rank = dist.get_world_size(), dist.get_rank()
-        if saved.get("world_size", world) != world:
+        if "replicas" in saved:  # post-local-SGD between averages
+            if len(saved["replicas"]["sha256"]) == world:
+                what = "post-local-SGD replica (model and optimizer state)"
+                self._replica = rank_shards.read(checkpoint_path, saved["replicas"], rank, what, mmap=False)
+            else:
+                warnings.warn(
+                    f"post-local-SGD replicas were saved with {len(saved['replicas']['sha256'])} ranks and this run "
+                    f"has {world}: every rank resumes from rank 0's",
+                    stacklevel=3,
+                )
+        elif saved.get("world_size", world) != world:
             warnings.warn(
                 f"PowerSGD error feedback was saved with {saved['world_size']} ranks and this run has {world}: it "
                 "restarts from zero",
@@ -279,7 +304,9 @@ class CommHook:
             )
             saved["error"] = None
         elif "shards" in saved:
-            saved["error"] = powersgd_state.read_shard(checkpoint_path, saved["shards"], rank)
+            saved["error"] = rank_shards.read(
+                checkpoint_path, saved["shards"], rank, "PowerSGD error feedback"
+            )
         elif isinstance(
             saved.get("error"), list
         ):  # every rank's, gathered (a notebook's next fit, older files)

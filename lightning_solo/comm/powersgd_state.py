@@ -6,10 +6,6 @@ rank beside it) and puts them back on resume, whatever DDP's bucket layout is th
 """
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
-import glob
-import hashlib
-import io
-import os
 import warnings
 from math import prod
 from typing import Any
@@ -19,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo.comm import rank_shards
 from lightning_solo.rng import numpy_state, set_numpy_state
 
 # DDP rebuilds its buckets once, at the start of its second iteration (later with static_graph); follow the
@@ -98,10 +95,7 @@ def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, 
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {**saved, "error": gathered}
-    digests: list[Any] = [None] * dist.get_world_size()
-    stem = os.path.join(shard_dir(checkpoint_path), f"rank{dist.get_rank()}")
-    dist.all_gather_object(digests, _write_shard(stem, mine))
-    return {**saved, "shards": {"dir": os.path.basename(shard_dir(checkpoint_path)), "sha256": digests}}
+    return {**saved, "shards": rank_shards.write(checkpoint_path, "powersgd", mine)}
 
 
 def apply_saved(state: _PowerSGDState, saved: dict[str, Any]) -> None:
@@ -216,59 +210,3 @@ def _assemble(state: _PowerSGDState, index: int, ids: tuple[int, ...], device, d
         # P is overwritten before it is read; it only has to exist so that torch warm-starts from Q.
         p_length = sum(p for _, _, p in order)
         state.p_memory_dict[index] = torch.empty(p_length, device=device, dtype=dtype)
-
-
-# PowerSGD error feedback, one file per rank: <checkpoint>.powersgd/rank<r>.<sha256 prefix>.pt. The digest in
-# the name keeps the files a checkpoint references intact while the same path is saved again (last.ckpt).
-_SHARD_SUFFIX = ".powersgd"
-
-
-def shard_dir(checkpoint_path: Any) -> str:
-    """The folder of a checkpoint's PowerSGD shards; remove it with the checkpoint:
-    ``shutil.rmtree(shard_dir(path), ignore_errors=True)``."""
-    return os.fspath(checkpoint_path) + _SHARD_SUFFIX
-
-
-def _write_shard(stem: str, errors: dict[str, torch.Tensor]) -> str:
-    """Write atomically (temporary file, fsync, rename) and return the sha256 of the bytes."""
-    buffer = io.BytesIO()
-    torch.save(errors, buffer)
-    data = buffer.getbuffer()
-    digest = hashlib.sha256(data).hexdigest()
-    os.makedirs(os.path.dirname(stem), exist_ok=True)
-    path = f"{stem}.{digest[:16]}.pt"
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    # This rank's shards of earlier saves to this path: the newest stays, the checkpoint file on disk may
-    # still be that save's until rank 0 has replaced it.
-    older = sorted((p for p in glob.glob(f"{glob.escape(stem)}.*.pt") if p != path), key=os.path.getmtime)
-    for stale in older[:-1]:
-        os.remove(stale)
-    return digest
-
-
-def read_shard(checkpoint_path: Any, record: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
-    if checkpoint_path is None:
-        raise ValueError("this PowerSGD state keeps its error feedback in shard files: pass checkpoint_path")
-    # Beside the file itself (last.ckpt may be a link), under the name recorded when it was saved (or copied).
-    folder = os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), record["dir"])
-    digest = record["sha256"][rank]
-    path = os.path.join(folder, f"rank{rank}.{digest[:16]}.pt")
-    problem = None
-    if not os.path.isfile(path):
-        problem = "is missing"
-    else:
-        with open(path, "rb") as f:
-            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
-                problem = "does not match the sha256 the checkpoint recorded (damaged or from another save)"
-    if problem:
-        raise RuntimeError(
-            f"PowerSGD error feedback of rank {rank} for {os.fspath(checkpoint_path)!r}: {path!r} {problem}. "
-            f"Each rank's shard is written beside the checkpoint, in {record['dir']!r}; copy that folder with "
-            "the checkpoint, or resume from another checkpoint."
-        )
-    return torch.load(path, mmap=True, weights_only=True)

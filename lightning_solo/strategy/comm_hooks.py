@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -39,6 +40,20 @@ class GradientCommHooks(SoloStrategyBase):
             # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
             self._ddp_comm_state = self._comm.state
             self._model_averaging_period = self._comm.averaging_period
+
+    _own_replica_restored: bool = False  # set by ExactResumeHooks.load_checkpoint
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        if not self._own_replica_restored:
+            return super()._setup_model(model)
+        # Each rank resumed its own post-local-SGD replica: DDP must not broadcast rank 0's over it.
+        self._own_replica_restored = False
+        kwargs, self._ddp_kwargs = self._ddp_kwargs, {**self._ddp_kwargs, "init_sync": False}
+        try:
+            return super()._setup_model(model)
+        finally:
+            self._ddp_kwargs = kwargs
 
     @override
     def _enable_model_averaging(self) -> None:

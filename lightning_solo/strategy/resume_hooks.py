@@ -95,9 +95,13 @@ class ExactResumeHooks(SoloStrategyBase):
             # Inside an accumulation cycle the forwards since the step moved buffers (BatchNorm's running
             # statistics) that the resume replays: save them as of the step, like everything else.
             resume.rewind_buffers(checkpoint, trainer, last_step, getattr(self, "_step_buffers", None))
-        # A full checkpoint. PowerSGD's state is a collective (rank 0 records every rank's shard): only with all.
+        # A full checkpoint. Per-rank shards are a collective (rank 0 records every rank's): only with all.
         if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
-            if hook_state := self._comm.state_dict(filepath):  # each rank writes its PowerSGD shard beside it
+            # Post-local-SGD between averages: each rank's own model and optimizer state, beside the checkpoint.
+            replica = (
+                {key: checkpoint[key] for key in ("state_dict", "optimizer_states")} if collective else None
+            )
+            if hook_state := self._comm.state_dict(filepath, replica):  # each rank writes its shard beside it
                 checkpoint[comm.CHECKPOINT_KEY] = hook_state
 
     @override
@@ -116,8 +120,13 @@ class ExactResumeHooks(SoloStrategyBase):
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_record = checkpoint.get(resume.RESUME_KEY)
-        # Applied when the hook is registered; each rank reads its own PowerSGD shard beside the checkpoint.
+        # Applied when the hook is registered; each rank reads its own shard beside the checkpoint.
         self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
+        if (replica := self._comm.take_replica()) is not None:
+            # Post-local-SGD saved between averages: this rank resumes its own model and optimizer state, which
+            # Lightning restores from here (the model before DDP wraps it: see GradientCommHooks._setup_model).
+            checkpoint.update(replica)
+            self._own_replica_restored = True
         return checkpoint
 
     def _choose_auto_checkpoint(self) -> str | None:

@@ -84,9 +84,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         skip_lr_on_overflow: hold step-interval LR schedulers on a step skipped for inf/nan gradients.
         comm_hook: gradient communication, registered on every device (gloo/CPU too, unlike Lightning):
             ``None`` (exact all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` (its state is checkpointed and
-            restored), or ``"post_local_sgd"`` (local steps, parameters averaged every ``local_sgd_period``
-            steps after ``local_sgd_warmup`` synchronous ones; the model is averaged once more at the end of
-            fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
+            restored), or ``"post_local_sgd"`` (local steps outside DDP's reducer, parameters averaged every
+            ``local_sgd_period`` steps after ``local_sgd_warmup`` synchronous ones; every rank resumes its own
+            replica; the model is averaged once more at the end of fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
             :mod:`lightning_solo.comm.auto`). See :class:`lightning_solo.comm.CommHook`. Lightning's
             ``ddp_comm_hook=`` callables are also registered on every device.
         powersgd_rank: PowerSGD's matrix approximation rank.
