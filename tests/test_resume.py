@@ -315,12 +315,22 @@ class DefaultsNet(RealNet):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("bn", [True, False], ids=["syncbn", "fast_path"])
-def test_resume_with_every_default_on_is_exact(tmp_path, bn):
+@pytest.mark.parametrize(
+    "bn, local_sgd",
+    [(True, False), (False, False), (True, True)],
+    ids=["syncbn", "fast_path", "post_local_sgd"],
+)
+def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     """The defaults together, as a real run meets them: auto unused parameters (a late one-rank skip), auto
     SyncBN, bf16 autocast, WarmupScaledLR, SoloCheckpoint, loader workers with augmentation, validation inside
-    the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical."""
+    the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical. With
+    post-local-SGD (local steps from step 2, never averaged before the end) the checkpoint holds differing
+    replicas, and every rank must resume its own."""
     from lightning_solo.callbacks import WarmupScaledLR
+
+    local = (
+        {"comm_hook": "post_local_sgd", "local_sgd_warmup": 2, "local_sgd_period": 1000} if local_sgd else {}
+    )
 
     def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> dict:
         return _fit_real(
@@ -328,7 +338,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn):
             crash_at_batch,
             resume,
             make_model=lambda log_dir, crash: DefaultsNet(log_dir, crash, bn=bn),
-            strategy={"precision": "bf16-mixed"},
+            strategy={"precision": "bf16-mixed", **local},
             callbacks=(WarmupScaledLR(reference_batch_size=8, warmup_steps=2),),
             accumulate_grad_batches=2,
         )
