@@ -233,6 +233,10 @@ def _recorder(out: Path) -> RankRecorder:
     )
 
 
+# make_net's layers and init, under MSE on seeded random data
+TINY = dict(widths=(8, 16, 16, 4), init_seed=0, loss="mse", samples=64, batch_size=4, data_seed=1, lr=0.1)
+
+
 def fit(
     out: Path,
     max_epochs: int = 1,
@@ -256,18 +260,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    # make_net's layers and init, under MSE on seeded random data
-    model = TinyModule(
-        (8, 16, 16, 4),
-        init_seed=0,
-        loss="mse",
-        samples=64,
-        batch_size=4,
-        data_seed=1,
-        lr=0.1,
-        momentum=momentum,
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    trainer.fit(TinyModule(**TINY, momentum=momentum), ckpt_path=ckpt_path)
     return read_rank_records(out, suffix=".pt")
 
 
@@ -381,16 +374,7 @@ class _ValidatedWithBatchNorm(TinyModule):
     depend on its running statistics, which DDP broadcasts from rank 0)."""
 
     def __init__(self) -> None:
-        super().__init__(
-            (8, 16, 16, 4),
-            batchnorm=True,
-            init_seed=0,
-            loss="mse",
-            samples=64,
-            batch_size=4,
-            data_seed=1,
-            lr=0.1,
-        )
+        super().__init__(**TINY, batchnorm=True)
         self.val_losses: list[float] = []
 
     def val_dataloader(self):
