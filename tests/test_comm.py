@@ -20,6 +20,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from lightning_solo import SoloDDP
 from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
 from lightning_solo.comm import hooks as hooks_module
+from lightning_solo.comm.hooks import post_local
 from lightning_solo.comm.rank_shards import read, shard_dir
 from tests.distributed import run_ranks
 from tests.helpers import composed
@@ -441,6 +442,16 @@ def test_post_local_sgd_local_steps_skip_the_reducer_and_match_torchs_hook(tmp_p
         for r in fast
     ]
     assert torch.equal(*final)  # and are averaged at the end
+
+
+def test_post_local_sgd_save_without_the_other_ranks_says_it_keeps_rank_0s_replica_only():
+    hook = CommHook("post_local_sgd", local_sgd_warmup=0)
+    hook.state = post_local.PostLocalSGDState(
+        None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False
+    )
+    with pytest.warns(UserWarning, match="holds rank 0's replica only"):
+        saved = hook.state_dict("last.ckpt", replica=None)  # the exception path: no collective
+    assert "replicas" not in saved
 
 
 def test_hydra_parallelism_group_reaches_the_hook(tmp_path):

@@ -252,8 +252,15 @@ class CommHook:
         if self.name == "post_local_sgd":
             step = self.averager.step if self.averager is not None else None
             saved = {"hook": self.name, "iter": self.state.iter, "averager_step": step}
-            if self.local_step and replica is not None and checkpoint_path is not None:
-                saved["replicas"] = rank_shards.write(checkpoint_path, "local_sgd", replica)
+            if self.local_step and checkpoint_path is not None:
+                if replica is not None:
+                    saved["replicas"] = rank_shards.write(checkpoint_path, "local_sgd", replica)
+                else:  # a save that cannot wait for the other ranks (an exception)
+                    warnings.warn(
+                        f"{checkpoint_path}: saved between post-local-SGD averages without the other ranks, so it "
+                        "holds rank 0's replica only; a resume from it starts every rank from that one",
+                        stacklevel=2,
+                    )
             return saved
         return powersgd_state.state_dict(self.state, checkpoint_path)
 
