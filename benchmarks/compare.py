@@ -49,6 +49,7 @@ from benchmarks.compare_worker import RESULT
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("main", "variants", "scaling", "comm", "allreduce", "costs")
+MALLOC_CEILING = "ceiling, with SoloDDP's malloc setting"
 
 
 # ------------------------------------------------------------------ measuring
@@ -93,6 +94,7 @@ def launch(spec: dict, world: int, timeout: float) -> dict:
     return {
         "samples_per_s": world * ranks[0]["samples"] / max(r["seconds"] for r in ranks),
         "cpu_ms": statistics.mean(r["cpu_ms_per_batch"] for r in ranks),
+        "faults": statistics.mean(r["page_faults_per_batch"] for r in ranks),
         "peak_rss_mb": [round(r["peak_rss_mb"]) for r in ranks],
         "grad_mb": ranks[0]["grad_mb"],
         "loss": ranks[0]["loss"],
@@ -115,7 +117,7 @@ def interleave(
             got = results[name][-1]
             print(
                 f"  round {r + 1}/{rounds}  {name:<34} {got['samples_per_s']:9.1f} samples/s  "
-                f"CPU {got['cpu_ms']:8.1f} ms/batch  "
+                f"CPU {got['cpu_ms']:8.1f} ms/batch  {got['faults']:7.0f} faults/batch  "
                 f"peak RSS {got['peak_rss_mb']} MB" + (f"  loss {got['loss']:.4f}" if got["loss"] else ""),
                 file=sys.stderr,
                 flush=True,
@@ -135,6 +137,10 @@ def sps(runs: list[dict]) -> list[float]:
 
 def ratios(results: dict[str, list[dict]], a: str, b: str) -> list[float]:
     return [x / y for x, y in zip(sps(results[a]), sps(results[b]))]
+
+
+def faults(runs: list[dict]) -> list[float]:
+    return [run["faults"] for run in runs]
 
 
 def cpu(runs: list[dict]) -> list[float]:
@@ -188,25 +194,30 @@ def section_main(args: argparse.Namespace) -> str:
         "hand-written torch DDP": ({**spec, "kind": "raw"}, w),
         'stock Lightning "ddp"': ({**spec, "kind": "stock"}, w),
         "SoloDDP()": ({**spec, "kind": "solo"}, w),
+        MALLOC_CEILING: ({**spec, "kind": "ceiling", "cpu_malloc_reuse": True}, w),
     }
     res = interleave(contenders, args.rounds, args.timeout, args.pause)
-    ceiling, raw, stock, solo = contenders
+    ceiling, raw, stock, solo, like_ceiling = contenders
     lines = [
         "### The four contenders",
         "",
-        workload_line(args, w, spec),
+        workload_line(args, w, spec)
+        + " The fifth row is the ceiling with SoloDDP's allocator setting (`lightning_solo.cpu_malloc`).",
         "",
-        "| contender | samples/s median (min–max) | CPU ms per batch (mean of ranks) | per-rank peak RSS MB |",
-        "|---|---|---|---|",
+        "| contender | samples/s median (min–max) | CPU ms per batch (mean of ranks) | page faults per batch | "
+        "per-rank peak RSS MB |",
+        "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {name} | {spread(sps(res[name]))} | {spread(cpu(res[name]))} | {rss(res[name])} |"
+        f"| {name} | {spread(sps(res[name]))} | {spread(cpu(res[name]))} | {spread(faults(res[name]), '{:.0f}')} "
+        f"| {rss(res[name])} |"
         for name in contenders
     ]
     pairs = [
         ("SoloDDP / raw", solo, raw),
         ("SoloDDP / stock", solo, stock),
         ("SoloDDP / ceiling", solo, ceiling),
+        ("SoloDDP / ceiling with the same malloc setting", solo, like_ceiling),
         ("raw / ceiling", raw, ceiling),
         ("stock / raw", stock, raw),
     ]
@@ -322,6 +333,7 @@ def section_comm(args: argparse.Namespace) -> str:
     start = max(2, spec["warmup"])
     contenders = {
         "no-communication ceiling": ({**spec, "kind": "ceiling"}, w),
+        MALLOC_CEILING: ({**spec, "kind": "ceiling", "cpu_malloc_reuse": True}, w),
         "hand-written torch DDP": ({**spec, "kind": "raw"}, w),
         "SoloDDP() exact": (solo, w),
         "comm_hook=fp16": ({**solo, "solo": {"comm_hook": "fp16"}}, w),
@@ -360,14 +372,16 @@ def section_comm(args: argparse.Namespace) -> str:
         f"at step {start}. Loss: cross-entropy on 512 held-out samples after the run (the same samples seen by "
         "every lever; post-local-SGD's replicas averaged at the end).",
         "",
-        "| lever | samples/s | vs exact DDP (per round) | CPU ms per batch | held-out loss | Δ loss vs exact |",
-        "|---|---|---|---|---|---|",
+        "| lever | samples/s | vs exact DDP (per round) | CPU ms per batch | page faults per batch | "
+        "held-out loss | Δ loss vs exact |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in contenders:
         loss = statistics.median(run["loss"] for run in res[name])
         lines.append(
             f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, exact), '{:.2f}')} | "
-            f"{spread(cpu(res[name]))} | {loss:.4f} | {100 * (loss - exact_loss) / exact_loss:+.1f} % |"
+            f"{spread(cpu(res[name]))} | {statistics.median(faults(res[name])):.0f} | {loss:.4f} | "
+            f"{100 * (loss - exact_loss) / exact_loss:+.1f} % |"
         )
     lines += ["", f"Gradients: {res[exact][0]['grad_mb']:.1f} MB per rank (fp32)."]
     return "\n".join(lines)

@@ -6,7 +6,7 @@ contender (the raw loops and both Lightning strategies) runs in fresh processes 
 rank's peak RSS belongs to that contender alone. Prints one line ``RESULT {json}``.
 
 Contenders (``spec["kind"]``): ``raw`` (a hand-written DDP loop), ``ceiling`` (the same loop without DDP: no
-communication at all), ``stock`` (``Trainer(strategy="ddp")``), ``solo`` (``Trainer(strategy=SoloDDP(**solo))``,
+communication at all; either with ``cpu_malloc_reuse``: SoloDDP's malloc setting), ``stock`` (``Trainer(strategy="ddp")``), ``solo`` (``Trainer(strategy=SoloDDP(**solo))``,
 optionally with ``ablate`` switching one of its per-step pieces off, or ``profile`` timing them).
 """
 
@@ -94,19 +94,23 @@ class Window:
 
     CPU time (``time.process_time``: every thread of this process) counts the work a contender does and not the
     time it waits, for the other rank or for a core another job holds, so it is far steadier on a shared machine.
+    Minor page faults count the pages the allocator took fresh from the kernel (a first touch each).
     """
 
     def __init__(self, warmup: int, batches: int) -> None:
         self.warmup, self.last = warmup, batches - 1
         self.start = self.end = self.cpu_start = self.cpu_end = None
+        self.faults_start = self.faults_end = 0
 
     def batch_start(self, i: int) -> None:
         if i == self.warmup:
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
+            self.faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def batch_end(self, i: int) -> None:
         if i == self.last:
             self.end, self.cpu_end = time.perf_counter(), time.process_time()
+            self.faults_end = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     @property
     def seconds(self) -> float:
@@ -121,6 +125,10 @@ class Window:
 
 
 def run_raw(spec: dict, net: nn.Module, data: TensorDataset, window: Window) -> nn.Module:
+    if spec.get("cpu_malloc_reuse"):  # the same allocator setting as SoloDDP's, for a like-for-like bound
+        from lightning_solo import cpu_malloc
+
+        cpu_malloc.decide(reuse=True)
     dist.init_process_group("gloo")
     model = nn.parallel.DistributedDataParallel(net) if spec["kind"] == "raw" else net
     sampler = DistributedSampler(data, shuffle=True, seed=0)
@@ -278,6 +286,7 @@ def main(spec: dict) -> dict:
         "rank": rank,
         "seconds": window.seconds,
         "cpu_ms_per_batch": window.cpu_seconds / timed * 1e3,
+        "page_faults_per_batch": (window.faults_end - window.faults_start) / timed,
         "samples": timed * spec["batch"],
         "peak_rss_mb": peak_rss_mb(),
         "baseline_rss_mb": baseline,

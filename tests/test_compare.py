@@ -12,7 +12,13 @@ import pytest
 from benchmarks import compare
 from tests.helpers import REPO
 
-CONTENDERS = ("no-communication ceiling", "hand-written torch DDP", 'stock Lightning "ddp"', "SoloDDP()")
+CONTENDERS = (
+    "no-communication ceiling",
+    "hand-written torch DDP",
+    'stock Lightning "ddp"',
+    "SoloDDP()",
+    compare.MALLOC_CEILING,
+)
 
 
 @pytest.mark.multiproc
@@ -40,11 +46,17 @@ def test_tiny_comparison_runs_four_contenders_in_real_processes(tmp_path):
     text = out.read_text()
     assert "nproc" in text and "python -m benchmarks.compare --tiny" in text
     for name in CONTENDERS:
-        row = re.search(rf"^\| {re.escape(name)} \| ([\d.]+) \| ([\d.]+) \| (\d+) \(", text, re.M)
+        cells = r" \| ".join([r"([\d.]+)(?: \([^)]*\))?"] * 3 + [r"(\d+) \("])  # one round: no (min–max)
+        row = re.search(rf"^\| {re.escape(name)} \| {cells}", text, re.M)
         assert row, f"no row for {name}:\n{text}"
-        samples_per_s, cpu_ms, rss_mb = float(row.group(1)), float(row.group(2)), int(row.group(3))
-        assert samples_per_s > 0 and cpu_ms > 0 and 300 < rss_mb < 10_000
-    for ratio in ("SoloDDP / raw", "SoloDDP / stock", "SoloDDP / ceiling"):
+        samples_per_s, cpu_ms, faults, rss_mb = map(float, row.groups())
+        assert samples_per_s > 0 and cpu_ms > 0 and faults >= 0 and 300 < rss_mb < 10_000
+    for ratio in (
+        "SoloDDP / raw",
+        "SoloDDP / stock",
+        "SoloDDP / ceiling",
+        "SoloDDP / ceiling with the same malloc setting",
+    ):
         assert re.search(rf"^\| {re.escape(ratio)} \| [\d.]+ \| [\d.]+ \|", text, re.M), ratio
     for kind in ("fp32 all-reduce", "bf16 all-reduce (collective alone)", "bf16 hook"):
         assert re.search(rf"^\| {re.escape(kind)} \| [\d.]+ \| [\d.]+×", text, re.M), kind
@@ -58,6 +70,7 @@ def _fake_launch(spec: dict, world: int, timeout: float) -> dict:
     return {
         "samples_per_s": speed,
         "cpu_ms": 1000 * world / speed,
+        "faults": 10.0,
         "peak_rss_mb": [1000 + world] * world,
         "grad_mb": 44.7,
         "loss": 1.0 + 0.01 * spec.get("accumulate", 1),

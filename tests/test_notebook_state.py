@@ -124,6 +124,7 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     assert len(model.losses) == steps
     assert trainer.strategy.decisions["process_group_backend"].value == "gloo"
     assert "cpu_threads" in trainer.strategy.decisions
+    assert trainer.strategy.decisions["cpu_malloc"].value == "reuse freed memory"
     # The logger's version is the workers' one, so the parent's log_dir is where the metrics are.
     assert (tmp_path / "first" / "version_0" / "metrics.csv").exists()
     assert trainer.logger.version == 0

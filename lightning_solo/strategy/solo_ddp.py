@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_solo import cluster, comm, syncbn
+from lightning_solo import cluster, comm, cpu_malloc, syncbn
 from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO
@@ -44,7 +44,7 @@ from lightning_solo.strategy.eval_hooks import ExactEvalHooks
 from lightning_solo.strategy.resume_hooks import ExactResumeHooks
 from lightning_solo.strategy.unused_hooks import UnusedParameterHooks
 from lightning_solo.unused import Phase, UnusedParameters
-from lightning_solo.validate import check_number
+from lightning_solo.validate import check_bool, check_number
 
 
 class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCommHooks):
@@ -96,6 +96,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         exact_eval: validate/test/predict loaders evaluate every sample exactly once, every rank the same number
             of batches (padded rows only for sets too small to split, flagged by ``eval_rows``); see
             :mod:`lightning_solo.evaluation`. ``False``: Lightning's ``DistributedSampler`` (repeats samples).
+        cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
+            faulting fresh pages in every step (process-wide; left alone where jemalloc/tcmalloc is preloaded or
+            glibc's malloc is set in the environment): :mod:`lightning_solo.cpu_malloc`.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -127,6 +130,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         local_sgd_warmup: int = 100,
         gloo_side_group: bool = True,
         exact_eval: bool = True,
+        cpu_malloc_reuse: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -179,6 +183,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
+        self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         if self._exact_eval:
             quiet_padding_warning()  # Lightning's warning that eval repeats samples: not true here
         self._barrier_group = None  # the monitored barrier's and the side channel's group; None: world
@@ -248,6 +253,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             self._decide(
                 Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes")
             )
+            self._decide(cpu_malloc.decide(reuse=self._cpu_malloc_reuse))
         self._decide(
             Decision("process_group_backend", self.process_group_backend, "nccl on CUDA, gloo otherwise")
         )

@@ -1,0 +1,91 @@
+"""SoloDDP's malloc setting on CPU (:mod:`lightning_solo.cpu_malloc`): a real two-process fit with every default
+on stops faulting fresh pages in at every batch; an allocator the user chose is left alone."""
+
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from lightning_solo import SoloDDP, cpu_malloc
+from tests.helpers import REPO
+
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def run(script: str, *args: str, out) -> list[dict]:
+    # Fresh processes, so glibc's malloc starts as it does for a user (this process may have been set already).
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args, str(out)], cwd=out.parent,
+                          capture_output=True, text=True, timeout=170)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def steady_faults(record: dict, after: int) -> float:
+    """Page faults of a median step once the heap has grown to the step's working set."""
+    return statistics.median(record["faults"][after:])
+
+
+@pytest.mark.timeout(120)
+def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
+    # DDP with bucket views, steps under no_sync (accumulation, post-local-SGD): glibc as it starts hands the
+    # 16 MiB gradients back to the kernel and faults them in again every step; after decide(), never.
+    ranks = run("malloc_steps.py", out=tmp_path)
+
+    def refaulting(key: str) -> int:
+        """Steps 2-11 of both ranks that faulted in at least a quarter of the gradients' pages."""
+        return sum(f >= rank["grad_pages"] / 4 for rank in ranks for f in rank[key][2:])
+
+    # glibc's adaptive threshold settles now and then on one rank; with reuse, the heap may grow once more.
+    assert refaulting("default") >= 8, [r["default"] for r in ranks]
+    assert refaulting("reuse") <= 2, [r["reuse"] for r in ranks]
+    assert all(rank["decision"]["value"] == "reuse freed memory" for rank in ranks), ranks[0]["decision"]
+
+
+@pytest.mark.timeout(120)
+def test_solo_ddp_fit_with_every_default_reuses_freed_memory(tmp_path):
+    # SoloDDP's defaults, post-local-SGD's local steps, accumulation 2, loader workers, validation inside the
+    # epoch: after the warm-up batches (heap growth, re-wrap, the validation worker's fork) a batch faults
+    # almost no page in.
+    for rank in run("malloc_fit.py", "on", out=tmp_path):
+        assert rank["decision"]["value"] == "reuse freed memory", rank["decision"]
+        assert steady_faults(rank, 12) < rank["grad_pages"] / 40, rank["faults"]
+
+
+def test_reuse_off_is_recorded_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(ctypes, "CDLL", no_mallopt)
+    assert cpu_malloc.decide(reuse=False).as_dict() == {
+        "setting": "cpu_malloc", "value": "unchanged", "reason": "cpu_malloc_reuse=False"
+    }  # fmt: skip
+
+
+def no_mallopt(*args):
+    raise AssertionError("mallopt must not be called")
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+        {"LD_PRELOAD": "libtcmalloc_minimal.so.4"},
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+    ],
+)
+def test_an_allocator_the_user_chose_is_left_alone(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(ctypes, "CDLL", no_mallopt)
+    decision = cpu_malloc.decide(reuse=True)
+    assert decision.value == "unchanged"
+    assert any(
+        word in decision.reason
+        for word in ("jemalloc", "tcmalloc", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    )
+
+
+def test_cpu_malloc_reuse_must_be_a_bool():
+    with pytest.raises(ValueError, match="cpu_malloc_reuse must be True or False"):
+        SoloDDP(cpu_malloc_reuse="yes")
