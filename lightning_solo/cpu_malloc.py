@@ -21,9 +21,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
+from typing import Any
 
 from lightning_solo.decision import Decision
 
@@ -35,13 +37,22 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 _GLIBC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
+def glibc() -> Any:
+    """This process's glibc (``mallopt``, ``malloc_trim``), or ``None`` where malloc is not glibc's."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    with contextlib.suppress(OSError):
+        libc = ctypes.CDLL(None)  # the C library this process runs on
+        if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
+            return libc
+    return None
+
+
 def decide(reuse: bool) -> Decision:
     """``reuse``: keep freed blocks up to 32 MiB in glibc's heap for reuse (see the module docstring). Returns
     the record of what was done, or why the allocator was left alone."""
     if not reuse:
         return Decision(SETTING, "unchanged", "cpu_malloc_reuse=False")
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return Decision(SETTING, "unchanged", "not glibc's malloc: left alone")
     if preloaded := [name for name in _PRELOADED if name in os.environ.get("LD_PRELOAD", "")]:
         return Decision(SETTING, "unchanged", f"{preloaded[0]} is preloaded: the user's allocator")
     knobs = [k for k in _GLIBC_KNOBS if k in os.environ]
@@ -49,7 +60,8 @@ def decide(reuse: bool) -> Decision:
         return Decision(
             SETTING, "unchanged", f"glibc's malloc set by the user ({', '.join(knobs) or 'GLIBC_TUNABLES'})"
         )
-    libc = ctypes.CDLL(None)  # the C library this process runs on
+    if (libc := glibc()) is None:
+        return Decision(SETTING, "unchanged", "not glibc's malloc: left alone")
     if not (
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     ):

@@ -23,8 +23,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import math
 import threading
@@ -35,17 +33,9 @@ from typing import Any
 import psutil
 import torch
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+from lightning_solo import cpu_malloc
+
 _SMALL_MMAP = 128 * 1024  # glibc's initial threshold: every larger block is mapped, and unmapped when freed
-_LARGE_MMAP = 32 * 1024 * 1024  # glibc's dynamic ceiling (64-bit)
-
-
-def _libc() -> Any:
-    with contextlib.suppress(OSError, TypeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
-            return libc
-    return None
 
 
 def _status_bytes(field: str) -> int | None:
@@ -125,7 +115,7 @@ class MemoryProbe:
             )
         self.cap_bytes = int(cap_bytes)
         self.kind = "the GPU's memory" if self.cuda else "the CPU budget (resident memory growth)"
-        self._libc = None if self.cuda else _libc()
+        self._libc = None if self.cuda else cpu_malloc.glibc()
         self._warm = False
 
     @contextlib.contextmanager
@@ -135,7 +125,7 @@ class MemoryProbe:
         training = pl_module.training
         devices = [self.device] if self.cuda else []
         if self._libc is not None:
-            self._libc.mallopt(_M_MMAP_THRESHOLD, _SMALL_MMAP)
+            self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, _SMALL_MMAP)
         try:
             with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # self.log without a loop, outside the fit
@@ -148,7 +138,7 @@ class MemoryProbe:
             pl_module.load_state_dict(snapshot)
             pl_module.zero_grad(set_to_none=True)
             if self._libc is not None:
-                self._libc.mallopt(_M_MMAP_THRESHOLD, _LARGE_MMAP)
+                self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
         """The peak of the second of two training steps on ``batch``, as a fraction of the budget."""

@@ -28,6 +28,7 @@ def steady_faults(record: dict, after: int) -> float:
     return statistics.median(record["faults"][after:])
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
     # DDP with bucket views, steps under no_sync (accumulation, post-local-SGD): glibc as it starts hands the
@@ -44,6 +45,7 @@ def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
     assert all(rank["decision"]["value"] == "reuse freed memory" for rank in ranks), ranks[0]["decision"]
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_solo_ddp_fit_with_every_default_reuses_freed_memory(tmp_path):
     # SoloDDP's defaults, post-local-SGD's local steps, accumulation 2, loader workers, validation inside the

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from lightning_solo import cpu_malloc
+
 
 def node_groups(nodes: list[Any]) -> list[list[int]]:
     """The ranks of each node, given each rank's node (``nodes[rank]``), in order of first appearance."""
@@ -20,15 +22,41 @@ def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
     """Average ``params`` over ``group`` (a collective), writing into each parameter's own storage.
 
     torch's ``average_parameters`` makes every ``p.data`` a view of one flat buffer: ``channels_last`` weights
-    turn contiguous, convolutions re-layout on every call and DDP warns about mismatched strides.
+    turn contiguous, convolutions re-layout on every call and DDP warns about mismatched strides. Here a
+    contiguous parameter of ``CHUNK_BYTES`` or more is all-reduced in place; the others go through flat
+    buffers below that size, which glibc's heap keeps for the next average (:mod:`lightning_solo.cpu_malloc`;
+    one buffer of all parameters would be mapped and faulted in afresh at every average on CPU).
     """
-    if not params:
-        return
-    flat = torch.cat([p.detach().reshape(-1) for p in params])  # one all-reduce; reshape copies each once
-    flat /= dist.get_world_size(group)
-    dist.all_reduce(flat, group=group)
-    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
-        p.detach().copy_(chunk.view(p.shape))  # copy_ honours p's strides
+    world = dist.get_world_size(group)
+    for chunk in _chunks(params):
+        if len(chunk) == 1 and chunk[0].is_contiguous():
+            flat = chunk[0].detach()
+            flat /= world
+            dist.all_reduce(flat, group=group)
+            continue
+        flat = torch.cat([p.detach().reshape(-1) for p in chunk])  # reshape copies each once
+        flat /= world
+        dist.all_reduce(flat, group=group)
+        for p, part in zip(chunk, flat.split([p.numel() for p in chunk])):
+            p.detach().copy_(part.view(p.shape))  # copy_ honours p's strides
+
+
+CHUNK_BYTES = cpu_malloc.MMAP_THRESHOLD // 2
+
+
+def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` in order, grouped so that a group's bytes stay under ``CHUNK_BYTES`` (a larger parameter is a
+    group of its own)."""
+    chunks: list[list[torch.Tensor]] = []
+    size = CHUNK_BYTES
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > CHUNK_BYTES or nbytes >= CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += nbytes
+    return chunks
 
 
 class InPlaceAverager(PeriodicModelAverager):
