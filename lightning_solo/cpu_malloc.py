@@ -4,8 +4,9 @@ Tensors on CPU come from glibc's ``malloc``. It hands freed blocks back to the k
 (adaptive) mmap threshold at once, and the heap's free top once it exceeds the trim threshold. A training step
 frees and re-allocates the same tensor sizes every step, so every step then first-touches fresh zeroed pages,
 about 2 µs per 4 KiB page. Measured on this project's CPU benchmarks (``benchmarks/RESULTS.md``): SoloDDP on
-ResNet-18 took ~42,000 page faults per batch (gradient bucket views shift the allocation pattern), stock
-Lightning ~3,600; a DDP-wrapped wide MLP outside DDP's reducer ~12,300 per step, the same model unwrapped none.
+ResNet-18 took ~34,000 page faults per batch (gradient bucket views shift the allocation pattern), stock
+Lightning ~7,400, and ~350 with this setting; a DDP-wrapped wide MLP outside DDP's reducer faulted all its
+~12,300 gradient pages every step, the same model unwrapped none.
 
 :func:`decide` sets the mmap threshold to glibc's ceiling (32 MiB on 64-bit) and the trim threshold
 to 1 GiB: blocks up to 32 MiB stay in the heap and are reused. It is process-wide and lasts for the process

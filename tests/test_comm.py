@@ -182,6 +182,9 @@ def test_hooks_registered_on_cpu_and_close_to_exact_allreduce(tmp_path):
 def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)  # every rank starts from different parameters: the average is visible
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
+    net.append(
+        nn.Linear(2048, 2100)
+    )  # a 17 MB weight: averaged on its own, in place (the rest in one buffer)
     start = [p.detach().clone() for p in net.parameters()]
     ddp = nn.parallel.DistributedDataParallel(net)  # broadcasts rank 0's parameters
     for p, mine in zip(net.parameters(), start):
@@ -189,6 +192,7 @@ def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
     hook = CommHook("post_local_sgd", local_sgd_period=2, local_sgd_warmup=0)
     decision = hook.register(ddp, node=f"node{rank % 2}")  # SLURM's cyclic layout: nodes 0,1,0,1
     averager = hook.attach_averager(PeriodicModelAverager(period=2, warmup_steps=0))
+    storage = [p.data_ptr() for p in net.parameters()]
     averager.average_parameters(iter(list(net.parameters())))  # step 0: averages
     expected = []
     for mine in start:
@@ -199,6 +203,7 @@ def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
         "subgroup": dist.get_process_group_ranks(hook.state.subgroup),
         "decision": decision.reason,
         "channels_last": net[0].weight.is_contiguous(memory_format=torch.channels_last),
+        "same_storage": storage == [p.data_ptr() for p in net.parameters()],
         "avg_err": max((p - e).abs().max().item() for p, e in zip(net.parameters(), expected)),
     }
 
@@ -208,7 +213,7 @@ def test_post_local_sgd_groups_by_real_node_and_averages_in_place():
     for rank, out in enumerate(run_ranks(_post_local_sgd_nodes_and_layout, 4)):
         assert out["subgroup"] == [rank % 2, rank % 2 + 2], out
         assert "within each of 2 nodes (2 ranks)" in out["decision"]
-        assert out["channels_last"] and out["avg_err"] < 1e-6, out
+        assert out["channels_last"] and out["same_storage"] and out["avg_err"] < 1e-6, out
 
 
 # ---------------------------------------------------------------- through Lightning (fork launcher)

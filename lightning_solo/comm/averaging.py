@@ -48,10 +48,10 @@ def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` in order, grouped so that a group's bytes stay under ``CHUNK_BYTES`` (a larger parameter is a
     group of its own)."""
     chunks: list[list[torch.Tensor]] = []
-    size = CHUNK_BYTES
+    size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if size + nbytes > CHUNK_BYTES or nbytes >= CHUNK_BYTES:
+        if not chunks or size + nbytes > CHUNK_BYTES:
             chunks.append([])
             size = 0
         chunks[-1].append(p)

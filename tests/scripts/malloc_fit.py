@@ -1,5 +1,6 @@
 """Fit a wide MLP on 2 CPU processes (popen launcher: fresh processes, so glibc's malloc starts untouched) with
-SoloDDP's defaults, accumulation 2, loader workers and validation inside the epoch; count each training batch's page faults.
+SoloDDP's defaults, accumulation 2, loader workers and validation inside the epoch; count each training
+batch's page faults.
 
     python tests/scripts/malloc_fit.py on|off OUT_DIR     # SoloDDP(cpu_malloc_reuse=True|False)
 
