@@ -48,11 +48,14 @@ def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_solo_ddp_fit_with_every_default_reuses_freed_memory(tmp_path):
-    # SoloDDP's defaults, post-local-SGD's local steps, accumulation 2, loader workers, validation inside the
-    # epoch: after the warm-up batches (heap growth, re-wrap, the validation worker's fork) a batch faults
-    # almost no page in.
+    # SoloDDP's defaults with WarmupScaledLR and SoloCheckpoint, post-local-SGD's local steps, accumulation 2,
+    # loader workers with random augmentation, validation inside the epoch: after the warm-up batches (heap
+    # growth, re-wrap) a batch faults almost no page in.
     for rank in run("malloc_fit.py", "on", out=tmp_path):
         assert rank["decision"]["value"] == "reuse freed memory", rank["decision"]
+        # 0.01 scaled to the global batch 32 (reference 16) after 4 warm-up steps
+        assert rank["lrs"][0] < 0.02 and rank["lrs"][-1] == pytest.approx(0.02), rank["lrs"]
+        assert "last.ckpt" in rank["checkpoints"] and len(rank["checkpoints"]) == 2, rank["checkpoints"]
         assert steady_faults(rank, 12) < rank["grad_pages"] / 40, rank["faults"]
 
 

@@ -1,6 +1,6 @@
 """Fit a wide MLP on 2 CPU processes (popen launcher: fresh processes, so glibc's malloc starts untouched) with
-SoloDDP's defaults, accumulation 2, loader workers and validation inside the epoch; count each training
-batch's page faults.
+SoloDDP's defaults, WarmupScaledLR, SoloCheckpoint every 4 steps, accumulation 2, loader workers with random
+augmentation and validation inside the epoch; count each training batch's page faults.
 
     python tests/scripts/malloc_fit.py on|off OUT_DIR     # SoloDDP(cpu_malloc_reuse=True|False)
 
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from user_model import QUIET, Tiny
 
 from lightning_solo import SoloDDP
+from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
 
 WIDTH = 2048  # three 16 MiB weight matrices: blocks glibc hands back to the kernel by default
 
@@ -33,12 +34,28 @@ def faults() -> int:
 class CountFaults(L.Callback):
     def __init__(self) -> None:
         self.per_batch: list[int] = []
+        self.lrs: list[float] = []  # each batch's, as WarmupScaledLR (before this callback) applied it
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.start = faults()
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.per_batch.append(faults() - self.start)
+
+
+class Jittered(Dataset):
+    """Random augmentation in the loader workers: Gaussian jitter on every sample."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        return x + 0.1 * torch.randn_like(x), y
 
 
 class Validated(Tiny):
@@ -57,6 +74,8 @@ def main(mode: str, out: Path) -> None:
         torch.nn.Linear(WIDTH, 2),
     )  # fmt: skip
     data = TensorDataset(torch.randn(384, 8), torch.randint(0, 2, (384,)))  # 24 batches per rank
+    lr = WarmupScaledLR(reference_batch_size=16, warmup_steps=4, log_lr=False)
+    ckpt = SoloCheckpoint(dirpath=out / "ckpt", every_n_train_steps=4, keep_last_k=1)
     count = CountFaults()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -72,20 +91,20 @@ def main(mode: str, out: Path) -> None:
         val_check_interval=6,
         limit_val_batches=2,
         num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        callbacks=[count],
+        callbacks=[lr, ckpt, count],
         **QUIET,
     )
     model = Validated(net, lr=0.01, momentum=0.9)
     # Persistent workers: a worker forked during the fit makes the parent copy-on-write every page it writes next.
     loaders = [
-        DataLoader(data, batch_size=8, shuffle=s, num_workers=1, persistent_workers=True)
-        for s in (True, False)
+        DataLoader(d, batch_size=8, shuffle=s, num_workers=1, persistent_workers=True)
+        for d, s in ((Jittered(data), True), (data, False))
     ]
     trainer.fit(model, *loaders)
     grad_pages = sum(p.numel() * p.element_size() for p in net.parameters()) // 4096
     decision = trainer.strategy.decisions["cpu_malloc"].as_dict()
-    record = {"faults": count.per_batch, "grad_pages": grad_pages, "decision": decision}
+    record = {"faults": count.per_batch, "grad_pages": grad_pages, "decision": decision,
+              "checkpoints": sorted(f.name for f in (out / "ckpt").glob("*.ckpt")), "lrs": count.lrs}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
