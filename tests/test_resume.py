@@ -323,23 +323,28 @@ class DefaultsNet(RealNet):
 def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     """The defaults together, as a real run meets them: auto unused parameters (a late one-rank skip), auto
     SyncBN, bf16 autocast, WarmupScaledLR, SoloCheckpoint, loader workers with augmentation, validation inside
-    the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical. With
-    post-local-SGD (local steps from step 2, never averaged before the end) the checkpoint holds differing
-    replicas, and every rank must resume its own."""
-    from lightning_solo.callbacks import WarmupScaledLR
+    the epoch and accumulation; crash, ``fit(ckpt_path="auto")``: the weights end bit-identical, and so does
+    LossWatch's trend. With post-local-SGD (local steps from step 2, never averaged before the end) the
+    checkpoint holds differing replicas, and every rank must resume its own."""
+    from lightning_solo.callbacks import LossWatch, TrainingDoctor, WarmupScaledLR
 
     local = (
         {"comm_hook": "post_local_sgd", "local_sgd_warmup": 2, "local_sgd_period": 1000} if local_sgd else {}
     )
 
     def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> dict:
+        watch = LossWatch(window=2, spread_every_n_steps=2)
         return _fit_real(
             run_dir,
             crash_at_batch,
             resume,
             make_model=lambda log_dir, crash: DefaultsNet(log_dir, crash, bn=bn),
             strategy={"precision": "bf16-mixed", **local},
-            callbacks=(WarmupScaledLR(reference_batch_size=8, warmup_steps=2),),
+            callbacks=(
+                WarmupScaledLR(reference_batch_size=8, warmup_steps=2),
+                # Judging from step 2, so the resume falls in its span; on the fast path the doctor drives it.
+                watch if bn else TrainingDoctor(warmup_steps=0, chart=None, loss_watch=watch),
+            ),
             accumulate_grad_batches=2,
         )
 
@@ -352,3 +357,12 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
         assert torch.equal(resumed[name], value), (
             f"{name}: {(resumed[name] - value).abs().max()} after resuming"
         )
+
+    def loss_trend(run_dir) -> dict:
+        checkpoint = torch.load(os.path.join(run_dir, "ckpt", "last.ckpt"), weights_only=True)
+        state = checkpoint["callbacks"]["LossWatch" if bn else "TrainingDoctor"]
+        return (state if bn else state["loss_watch"])["trend"]
+
+    trend = loss_trend(tmp_path / "reference")
+    assert trend["count"] == 6 and trend["lowest"] is not None, trend  # every step, and judged from step 2
+    assert loss_trend(run) == trend

@@ -165,6 +165,16 @@ class TrainingDoctor(DecisionLog, L.Callback):
         if trainer.training:
             self._timer.skip_gap()
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # The loss watch this doctor drives keeps its trend over a resume, as a LossWatch callback does.
+        return {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_watch is not None and "loss_watch" in state_dict:
+            self.loss_watch.load_state_dict(state_dict["loss_watch"])
+
     @property
     def advice(self) -> list[str]:
         """The loss watch's advice, when this doctor drives it (the run summary prints it)."""

@@ -9,6 +9,10 @@ Every ``spread_every_n_steps`` steps one all-gather of each rank's mean and vari
 ranks that see differently distributed data. The step counts agree on every rank, so every rank runs the same
 collectives.
 
+A checkpoint keeps the trend (computed from all-reduced losses, so the same on every rank) and the advice given,
+so a resumed run judges its steps as the uninterrupted run would. The rank-spread window starts afresh at the
+resumed step: its losses are each rank's own, and the checkpoint is rank 0's.
+
 Example::
 
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[LossWatch()])
@@ -19,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning as L
 import torch
@@ -74,11 +79,15 @@ class LossWatch(DecisionLog, L.Callback):
         self.decisions: dict[str, Decision] = {}
         self._advice: dict[str, str] = {}
         self.trend = LossTrend(window=window, spike_factor=spike_factor, rise=rise)
+        self._restored: dict[str, Any] | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trend = LossTrend(window=self.window, spike_factor=self.spike_factor, rise=self.rise)
         self._advice = {}
+        if self._restored is not None:  # loaded from the checkpoint before this hook
+            self.trend.load_state_dict(self._restored["trend"])
+            self._advice, self._restored = dict(self._restored["advice"]), None
         has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         self._grad_check = self._decide(decide_grad_check(self.check_grad_norm, has_scaler)).value
         self._step_loss: torch.Tensor | None = None
@@ -118,6 +127,16 @@ class LossWatch(DecisionLog, L.Callback):
             self._losses.append(local)
         if self.spread_every_n_steps and (step + 1 - self._spread_start) >= self.spread_every_n_steps:
             self._check_spread(trainer, step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # As of the last optimizer step (the trend moves only there): a save inside an accumulation cycle holds
+        # no half-summed step loss, and the resume replays that cycle's batches.
+        return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
 
     def _grad_norm(self, optimizer, device: torch.device) -> torch.Tensor:
         # Sharded gradients (FSDP's DTensors): this rank's shard; a non-finite value shows on its own rank and the

@@ -52,6 +52,20 @@ class LossTrend:
     _last_dev: float = 0.0
     _climbing: bool = False
 
+    # The running state, as opposed to the settings above (a resumed run may change those).
+    STATE = ("mean", "var", "lag_cov", "count", "lowest", "events", "_last_dev", "_climbing")
+
+    def state_dict(self) -> dict:
+        """The running averages and the events seen: plain numbers, loadable with ``weights_only=True``."""
+        state = {name: getattr(self, name) for name in self.STATE}
+        return {**state, "events": {kind: list(seen) for kind, seen in self.events.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self.STATE:
+            setattr(self, name, state[name])
+        self.events = {kind: [tuple(e) for e in seen] for kind, seen in state["events"].items()}
+        self.lowest = tuple(self.lowest) if self.lowest is not None else None
+
     def update(self, step: int, loss: float) -> str | None:
         """Fold in one step's loss; the kind of event it shows (``"spike"``, ``"climb"``, ``"seesaw"``) or ``None``."""
         if not math.isfinite(loss):
