@@ -196,6 +196,15 @@ def ablate(what: str) -> None:
     elif what == "no_rng_capture":  # no RNG state / buffer snapshot after every optimizer step
         replace_everywhere(resume.rng_state, lambda: None)
         replace_everywhere(resume.step_buffers, lambda trainer: None)
+    elif what in ("lightning_sigterm_check", "no_sigterm_check"):
+        # Lightning's per-batch broadcast instead of SoloDDP's agreement; or no check at all (the bound for any).
+        from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+        from lightning_solo.sigterm import SigtermAgreement
+
+        SigtermAgreement.install = lambda self, trainer: Decision("sigterm_check", "lightning", "ablated")
+        if what == "no_sigterm_check":
+            _TrainingEpochLoop._broadcast_sigterm_tensor = lambda self: None
     elif what == "plain_barrier":
         replace_everywhere(comm.monitored_barrier, lambda name, timeout, group: dist.barrier())
     else:

@@ -346,6 +346,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
                 watch if bn else TrainingDoctor(warmup_steps=0, chart=None, loss_watch=watch),
             ),
             accumulate_grad_batches=2,
+            default_root_dir=run_dir,  # the doctor's report
         )
 
     reference = fit(str(tmp_path / "reference"))

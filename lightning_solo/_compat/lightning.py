@@ -13,10 +13,12 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.utils.data import SequentialSampler
@@ -35,6 +37,9 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     DDPStrategy: ("_configure_launcher", "_register_ddp_hooks", "_setup_model", "_enable_model_averaging"),
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
+    # Replaced on one trainer's instances by lightning_solo.sigterm (absent: Lightning's check is kept).
+    _TrainingEpochLoop: ("_broadcast_sigterm_tensor",),
+    _SignalConnector: ("_sigterm_notifier_fn",),
 }
 # DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
 # SoloDDP turns into a property.

@@ -39,6 +39,7 @@ from lightning_solo.decision import Decision
 from lightning_solo.evaluation import quiet_padding_warning
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
+from lightning_solo.sigterm import SigtermAgreement
 from lightning_solo.strategy.comm_hooks import GradientCommHooks
 from lightning_solo.strategy.eval_hooks import ExactEvalHooks
 from lightning_solo.strategy.resume_hooks import ExactResumeHooks
@@ -233,6 +234,11 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
             self._decide(self._unused.decision)
         super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
+        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            # Before Lightning registers its signal handlers. Every rank alike: the side channel is made once.
+            if (group := self._side_channel()) is not None:
+                self._sigterm = SigtermAgreement(group)
+                self._decide(self._sigterm.install(trainer))
 
     @override
     def setup_environment(self) -> None:
@@ -277,9 +283,13 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
 
+    _sigterm: SigtermAgreement | None = None
+
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._sigterm is not None:
+            self._sigterm.close()
         self._unused.finish(self.wrapped)
         self._decide(self._unused.decision)
         if isinstance(self.model, DistributedDataParallel):
