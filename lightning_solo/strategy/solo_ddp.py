@@ -50,7 +50,8 @@ from lightning_solo.validate import check_bool, check_number
 
 class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCommHooks):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
-    nccl on CUDA and gloo on CPU.
+    nccl on CUDA and gloo on CPU. A SIGTERM on any rank stops every rank at the same batch, without Lightning's
+    per-batch broadcast (:mod:`lightning_solo.sigterm`).
 
     Args:
         gradient_as_bucket_view: let gradients alias DDP's buckets (saves one copy of the gradients).
