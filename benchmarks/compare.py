@@ -22,7 +22,8 @@ Sections (``--sections``, comma-separated):
   held-out loss after the same number of samples beside the speed.
 * ``allreduce``: the all-reduce alone, fp32 vs bf16 (and the bf16 hook's cast + all-reduce + cast back).
 * ``costs``: where SoloDDP's own per-step time goes: each piece timed where it is called, and ablations that
-  switch one piece off (resumable loader, per-step RNG capture, the unused-parameter policy, monitored barrier).
+  switch one piece off (resumable loader, per-step RNG capture, the unused-parameter policy, monitored barrier),
+  or put Lightning's per-batch SIGTERM broadcast back in place of SoloDDP's asynchronous agreement.
 
 Usage::
 
@@ -488,6 +489,8 @@ def section_costs(args: argparse.Namespace) -> str:
         "no per-step RNG capture": ({**spec, "ablate": ["no_rng_capture"]}, w),
         "find_unused_parameters=False (no policy)": ({**spec, "solo": {"find_unused_parameters": False}}, w),
         "plain barrier": ({**spec, "ablate": ["plain_barrier"]}, w),
+        "Lightning's per-batch SIGTERM broadcast": ({**spec, "ablate": ["lightning_sigterm_check"]}, w),
+        "no SIGTERM check at all": ({**spec, "ablate": ["no_sigterm_check"]}, w),
         'stock Lightning "ddp"': ({**spec, "kind": "stock"}, w),
         "hand-written torch DDP": ({**spec, "kind": "raw"}, w),
     }

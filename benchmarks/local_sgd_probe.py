@@ -1,5 +1,6 @@
 """Where post-local-SGD's time goes on the communication-bound MLP of ``compare --sections comm``: the same
-runs with no averaging at all (period 10⁶), with the unused-parameter policy off, and with period 4.
+runs with no averaging at all (period 10⁶), with Lightning's per-batch SIGTERM broadcast instead of SoloDDP's
+asynchronous agreement, with the unused-parameter policy off, and with period 4.
 
 Usage::
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
         "no-communication ceiling": ({**spec, "kind": "ceiling"}, 2),
         "SoloDDP() exact": (solo, 2),
         "post_local_sgd, never averaging": ({**solo, "solo": {**local, "local_sgd_period": 10**6}}, 2),
+        "… with Lightning's per-batch SIGTERM broadcast": (
+            {**solo, "solo": {**local, "local_sgd_period": 10**6}, "ablate": ["lightning_sigterm_check"]},
+            2,
+        ),
         "… and find_unused_parameters=False": (
             {**solo, "solo": {**local, "local_sgd_period": 10**6, "find_unused_parameters": False}},
             2,

@@ -109,6 +109,7 @@ def test_every_section_builds_its_table(monkeypatch):
     assert "| bf16 all-reduce (collective alone) | 21.0 | 0.60× | 40 % |" in compare.section_allreduce(args)
     costs = compare.section_costs(args)
     assert "| SeededDataset.__getitems__ |" in costs and "no per-step RNG capture" in costs
+    assert "| Lightning's per-batch SIGTERM broadcast |" in costs and "| no SIGTERM check at all |" in costs
     assert "monitored barrier (SoloDDP) 2.00 ms" in costs
 
 
@@ -118,7 +119,8 @@ def test_every_ablation_and_the_profiler_find_what_they_patch():
     patch modules), so a refactor that moves a piece breaks this test rather than the benchmark."""
     script = (
         "from benchmarks.compare_worker import ablate, profile_pieces\n"
-        "for what in ('no_resumable_loader', 'no_sample_seeding', 'no_rng_capture', 'plain_barrier'):\n"
+        "for what in ('no_resumable_loader', 'no_sample_seeding', 'no_rng_capture', 'plain_barrier',\n"
+        "             'lightning_sigterm_check', 'no_sigterm_check'):\n"
         "    ablate(what)\n"
         "from lightning_solo.resumable_loader import SeededDataset\n"
         "import torch\n"
@@ -143,4 +145,16 @@ def test_the_order_check_and_the_local_sgd_probe_report_every_run(monkeypatch, c
     assert "SoloDDP/stock by samples/s: all rounds 0.988" in out and "second [0.988, 0.988]" in out
     local_sgd_probe.main(["--tiny"])
     out = capsys.readouterr().out
-    assert out.count("\n| ") == 6 and "| post_local_sgd, period 4 | 336.0 |" in out  # header + 5 runs
+    assert out.count("\n| ") == 7 and "| post_local_sgd, period 4 | 336.0 |" in out  # header + 6 runs
+
+
+def test_the_local_sgd_loss_simulation_reports_every_run(monkeypatch, capsys):
+    from benchmarks import local_sgd_loss
+
+    monkeypatch.setattr(local_sgd_loss, "SPEC", {**local_sgd_loss.SPEC, "width": 16, "batches": 24, "warmup": 4})
+    local_sgd_loss.main(["--orders", "0", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(local_sgd_loss.RUNS)
+    assert rows[0].endswith("| +0.0 %, +0.0 % | +0.0 % |")  # exact DDP against itself
+    assert all(re.search(r"\| [\d.]+, [\d.]+ \|", row) for row in rows)  # a held-out loss per order
