@@ -151,7 +151,9 @@ def test_the_order_check_and_the_local_sgd_probe_report_every_run(monkeypatch, c
 def test_the_local_sgd_loss_simulation_reports_every_run(monkeypatch, capsys):
     from benchmarks import local_sgd_loss
 
-    monkeypatch.setattr(local_sgd_loss, "SPEC", {**local_sgd_loss.SPEC, "width": 16, "batches": 24, "warmup": 4})
+    monkeypatch.setattr(
+        local_sgd_loss, "SPEC", {**local_sgd_loss.SPEC, "width": 16, "batches": 24, "warmup": 4}
+    )
     local_sgd_loss.main(["--orders", "0", "1"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
