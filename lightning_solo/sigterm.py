@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class SigtermAgreement:
-    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training."""
+    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training,
+    :meth:`uninstall` at teardown."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -40,10 +41,10 @@ class SigtermAgreement:
     def install(self, trainer: Any) -> Decision:
         """Take over ``trainer``'s per-batch check and its SIGTERM notifier; before its signal handlers are
         registered (``Strategy.setup`` is)."""
+        self._trainer = trainer
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
         if not (hasattr(loop, "_broadcast_sigterm_tensor") and hasattr(connector, "_sigterm_notifier_fn")):
             return Decision("sigterm_check", "lightning", "this Lightning has no per-batch SIGTERM broadcast")
-        self._trainer = trainer
         loop._broadcast_sigterm_tensor = self.check  # instance attributes: this trainer only
         connector._sigterm_notifier_fn = self.note
         return Decision(
@@ -73,6 +74,12 @@ class SigtermAgreement:
                 self.close()
                 self._trainer._signal_connector.received_sigterm = True  # Lightning's own later checks agree
                 raise SIGTERMException()
+
+    def uninstall(self) -> None:
+        """Give the trainer Lightning's check and notifier back (a later ``validate`` on it uses them)."""
+        for owner, name in ((self._trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"),
+                            (self._trainer._signal_connector, "_sigterm_notifier_fn")):  # fmt: skip
+            vars(owner).pop(name, None)
 
     def close(self) -> None:
         """Wait for the agreement in flight (every rank started it); only where every rank gets here."""

@@ -136,13 +136,16 @@ def test_every_ablation_and_the_profiler_find_what_they_patch():
 
 
 def test_the_order_check_and_the_local_sgd_probe_report_every_run(monkeypatch, capsys):
-    from benchmarks import local_sgd_probe, order_check
+    from benchmarks import local_sgd_probe, order_check, sigterm_check
 
     monkeypatch.setattr(compare, "launch", _fake_launch)
     order_check.main(["--tiny", "--rounds", "4"])
     out = capsys.readouterr().out
     assert "| SoloDDP() | 168.0 " in out  # the fake: 84 samples/s per rank
     assert "SoloDDP/stock by samples/s: all rounds 0.988" in out and "second [0.988, 0.988]" in out
+    sigterm_check.main(["--tiny", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "| Lightning's per-batch SIGTERM broadcast | " in out and "| no SIGTERM check at all | " in out
     local_sgd_probe.main(["--tiny"])
     out = capsys.readouterr().out
     assert out.count("\n| ") == 7 and "| post_local_sgd, period 4 | 336.0 |" in out  # header + 6 runs

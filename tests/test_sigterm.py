@@ -30,9 +30,10 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path):
     for rank in stopped:
         assert rank["ended"] == "SIGTERMException", rank
         assert rank["decision"]["value"] == "any rank, asynchronous", rank["decision"]
+        assert rank["given_back"], rank
     assert stopped[0]["last_batch"] == stopped[1]["last_batch"] in (6, 7), stopped  # within two batches
     assert stopped[0]["global_step"] == stopped[1]["global_step"], stopped
     verify(tmp_path / "ckpt" / "on_exception.ckpt")
     # resume=auto passes over the exception-time save for the newest regular one, and the fit completes.
     for rank in fit(tmp_path, "resume"):
-        assert rank["ended"] == "normally" and rank["global_step"] == 8, rank
+        assert rank["ended"] == "normally" and rank["global_step"] == 8 and rank["given_back"], rank

@@ -240,6 +240,10 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             if (group := self._side_channel()) is not None:
                 self._sigterm = SigtermAgreement(group)
                 self._decide(self._sigterm.install(trainer))
+            else:
+                self._decide(
+                    Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast")
+                )
 
     @override
     def setup_environment(self) -> None:
@@ -296,6 +300,13 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         if isinstance(self.model, DistributedDataParallel):
             self.advice = ddp_advice(self.model, self._unused)
             rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
+
+    @override
+    def teardown(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.uninstall()
+            self._sigterm = None
+        super().teardown()
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
