@@ -18,8 +18,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
-from user_model import QUIET, Tiny
+from torch.utils.data import TensorDataset
+from user_model import QUIET, Validated, real_loaders
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
@@ -42,26 +42,6 @@ class CountFaults(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.per_batch.append(faults() - self.start)
-
-
-class Jittered(Dataset):
-    """Random augmentation in the loader workers: Gaussian jitter on every sample."""
-
-    def __init__(self, data: TensorDataset) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        x, y = self.data[i]
-        return x + 0.1 * torch.randn_like(x), y
-
-
-class Validated(Tiny):
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
 
 def main(mode: str, out: Path) -> None:
@@ -95,11 +75,7 @@ def main(mode: str, out: Path) -> None:
         **QUIET,
     )
     model = Validated(net, lr=0.01, momentum=0.9)
-    # Persistent workers: a worker forked during the fit makes the parent copy-on-write every page it writes next.
-    loaders = [
-        DataLoader(d, batch_size=8, shuffle=s, num_workers=1, persistent_workers=True)
-        for d, s in ((Jittered(data), True), (data, False))
-    ]
+    loaders = real_loaders(data)
     trainer.fit(model, *loaders)
     grad_pages = sum(p.numel() * p.element_size() for p in net.parameters()) // 4096
     decision = trainer.strategy.decisions["cpu_malloc"].as_dict()

@@ -17,30 +17,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
-from user_model import QUIET, Tiny, mlp
+from torch.utils.data import TensorDataset
+from user_model import QUIET, Validated, mlp, real_loaders
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
 from lightning_solo.checkpoint import resolve_ckpt_path
-
-
-class Jittered(Dataset):
-    def __init__(self, data: TensorDataset) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        x, y = self.data[i]
-        return x + 0.1 * torch.randn_like(x), y
-
-
-class Validated(Tiny):
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
 
 class SigtermAt(L.Callback):
@@ -70,10 +52,7 @@ def main(rank: int, batch: int, out: Path, resume: bool) -> None:
         ],
         default_root_dir=out, **QUIET,
     )  # fmt: skip
-    loaders = [
-        DataLoader(d, batch_size=8, shuffle=s, num_workers=1, persistent_workers=True)
-        for d, s in ((Jittered(data), True), (data, False))
-    ]
+    loaders = real_loaders(data)
     try:
         trainer.fit(
             Validated(mlp(), lr=0.05),
