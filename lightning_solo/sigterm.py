@@ -71,8 +71,7 @@ class SigtermAgreement:
             agreed, work = previous
             work.wait()
             if agreed.item() > 0:
-                self.close()
-                self._trainer._signal_connector.received_sigterm = True  # Lightning's own later checks agree
+                self.close()  # sets trainer.received_sigterm: Lightning's own later checks agree
                 raise SIGTERMException()
 
     def uninstall(self) -> None:
@@ -82,7 +81,12 @@ class SigtermAgreement:
             vars(owner).pop(name, None)
 
     def close(self) -> None:
-        """Wait for the agreement in flight (every rank started it); only where every rank gets here."""
+        """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
+        late for the batches to act on (the fit's last ones) lets the fit end, and ``trainer.received_sigterm``
+        says so."""
         if self._pending is not None:
-            self._pending[1].wait()
+            agreed, work = self._pending
+            work.wait()
             self._pending = None
+            if agreed.item() > 0 or self.noted:
+                self._trainer._signal_connector.received_sigterm = True

@@ -63,12 +63,13 @@ def main(rank: int, batch: int, out: Path, resume: bool) -> None:
         record = {
             **watch.record,
             "global_step": trainer.global_step,
+            "received_sigterm": trainer.received_sigterm,
             "decision": trainer.strategy.decisions["sigterm_check"].as_dict(),
             # After teardown the trainer has Lightning's own check and notifier back.
             "given_back": not {"_broadcast_sigterm_tensor", "_sigterm_notifier_fn"}
             & {*vars(trainer.fit_loop.epoch_loop), *vars(trainer._signal_connector)},
         }
-        name = f"rank{trainer.global_rank}{'.resumed' if resume else ''}.json"
+        name = f"rank{trainer.global_rank}{'.resumed' if resume else ''}.batch{batch}.json"
         (out / name).write_text(json.dumps(record))
 
 
