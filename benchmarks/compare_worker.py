@@ -40,9 +40,12 @@ def peak_rss_mb() -> float:
 # ------------------------------------------------------------------ workloads
 
 
-def build_workload(spec: dict) -> tuple[nn.Module, TensorDataset, TensorDataset | None]:
-    """The network (same initial weights on every rank) and the training (and held-out) data."""
-    world, batch = int(os.environ["WORLD_SIZE"]), spec["batch"]
+def build_workload(
+    spec: dict, world: int | None = None
+) -> tuple[nn.Module, TensorDataset, TensorDataset | None]:
+    """The network (same initial weights on every rank) and the training (and held-out) data, for ``world``
+    ranks (default: ``WORLD_SIZE``)."""
+    world, batch = world or int(os.environ["WORLD_SIZE"]), spec["batch"]
     n = world * batch * spec["batches"]  # exactly the batches the run takes: one epoch
     gen = torch.Generator().manual_seed(1234)
     held_out = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 
 import torch
@@ -39,8 +38,7 @@ def held_out_loss(
 ) -> float:
     """``period`` None: exact DDP (gradients averaged every step). ``outer``: (outer lr, outer momentum) applied to
     each average's move from the previous average."""
-    os.environ["WORLD_SIZE"] = "2"
-    net, data, held_out = build_workload(SPEC)
+    net, data, held_out = build_workload(SPEC, world=2)
     x, y = data.tensors
     idx, batch = shards(len(y), order), SPEC["batch"]
     replicas = [copy.deepcopy(net) for _ in range(2)]
@@ -101,7 +99,6 @@ def main(argv: list[str] | None = None) -> None:
         "--orders", type=int, nargs="+", default=[0, 1, 2], help="data orders (sampler seeds)"
     )
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
     losses = {name: [] for name in RUNS}
     for order in args.orders:
         for name, run in RUNS.items():
@@ -119,4 +116,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(2)
     main()

@@ -17,9 +17,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(MULTIPROC_TIMEOUT_S))
 
 
+# What makes Lightning believe torchrun or SLURM started this process: a test must leave them as it found them.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_processes():
+    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     yield
+    leaked = {name: os.environ.get(name) for name in LAUNCH_VARIABLES if os.environ.get(name) != before[name]}
+    for name, value in before.items():  # put back first, so that one leak fails one test only
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assert not leaked, f"the test left launcher variables set: {leaked}"
     import multiprocessing
 
     import torch.distributed as dist
