@@ -153,6 +153,14 @@ def cpu_ratios(results: dict[str, list[dict]], a: str, b: str) -> list[float]:
     return [y / x for x, y in zip(cpu(results[a]), cpu(results[b]))]
 
 
+def versus(results: dict[str, list[dict]], name: str, default: str) -> str:
+    """One table row's middle cells: samples/s, its per-round ratio to ``default``, CPU ms per batch, its ratio."""
+    return (
+        f"{spread(sps(results[name]))} | {spread(ratios(results, name, default), '{:.3f}')} | "
+        f"{spread(cpu(results[name]))} | {spread(cpu_ratios(results, name, default), '{:.3f}')}"
+    )
+
+
 def rss(runs: list[dict]) -> str:
     every = [mb for run in runs for mb in run["peak_rss_mb"]]
     return f"{statistics.median(every):.0f} ({min(every)}–{max(every)})"
@@ -274,9 +282,7 @@ def section_variants(args: argparse.Namespace) -> str:
     ]
     for name in contenders:
         lines.append(
-            f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, default), '{:.3f}')} | "
-            f"{spread(cpu(res[name]))} | {spread(cpu_ratios(res, name, default), '{:.3f}')} | "
-            f"{rss(res[name])} | {_rss_delta(res[name], res[default]):+.0f} |"
+            f"| {name} | {versus(res, name, default)} | {rss(res[name])} | {_rss_delta(res[name], res[default]):+.0f} |"
         )
     lines += ["", f"Gradients: {res[default][0]['grad_mb']:.1f} MB per rank (fp32)."]
     return "\n".join(lines)
@@ -475,11 +481,16 @@ def _barrier_rank(rank: int, world: int, iters: int) -> dict:
     return times
 
 
-def section_costs(args: argparse.Namespace) -> str:
-    spec = {
+def costs_spec(args: argparse.Namespace) -> dict:
+    """SoloDDP() on the costs workload: short steps, where a per-step cost shows."""
+    return {
         **base_spec(args, workload=args.costs_workload, batch=args.costs_batch, batches=args.costs_batches),
         "kind": "solo",
     }
+
+
+def section_costs(args: argparse.Namespace) -> str:
+    spec = costs_spec(args)
     w = args.world_size
     contenders = {
         "SoloDDP() (pieces timed)": ({**spec, "profile": True}, w),
@@ -507,10 +518,7 @@ def section_costs(args: argparse.Namespace) -> str:
         "|---|---|---|---|---|",
     ]
     for name in contenders:
-        lines.append(
-            f"| {name} | {spread(sps(res[name]))} | {spread(ratios(res, name, default), '{:.3f}')} | "
-            f"{spread(cpu(res[name]))} | {spread(cpu_ratios(res, name, default), '{:.3f}')} |"
-        )
+        lines.append(f"| {name} | {versus(res, name, default)} |")
     pieces: dict[str, list[float]] = {}
     for run in res["SoloDDP() (pieces timed)"]:
         for name, (seconds, _calls) in (run["pieces"] or {}).items():

@@ -16,12 +16,7 @@ SOLO = "SoloDDP()"
 
 def main(argv: list[str] | None = None) -> None:
     args = compare.parse_args(["--rounds", "8", *(argv if argv is not None else sys.argv[1:])])
-    spec = {
-        **compare.base_spec(
-            args, workload=args.costs_workload, batch=args.costs_batch, batches=args.costs_batches
-        ),
-        "kind": "solo",
-    }
+    spec = compare.costs_spec(args)
     contenders = {
         SOLO: (spec, args.world_size),
         "Lightning's per-batch SIGTERM broadcast": (
@@ -36,11 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| contender | samples/s | vs SoloDDP() (per round) | CPU ms per batch | vs SoloDDP() by CPU |")
     print("|---|---|---|---|---|")
     for name in contenders:
-        print(
-            f"| {name} | {compare.spread(compare.sps(res[name]))} | "
-            f"{compare.spread(compare.ratios(res, name, SOLO), '{:.3f}')} | {compare.spread(compare.cpu(res[name]))} | "
-            f"{compare.spread(compare.cpu_ratios(res, name, SOLO), '{:.3f}')} |"
-        )
+        print(f"| {name} | {compare.versus(res, name, SOLO)} |")
 
 
 if __name__ == "__main__":

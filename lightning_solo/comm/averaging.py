@@ -29,16 +29,13 @@ def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
     """
     world = dist.get_world_size(group)
     for chunk in _chunks(params):
-        if len(chunk) == 1 and chunk[0].is_contiguous():
-            flat = chunk[0].detach()
-            flat /= world
-            dist.all_reduce(flat, group=group)
-            continue
-        flat = torch.cat([p.detach().reshape(-1) for p in chunk])  # reshape copies each once
+        in_place = len(chunk) == 1 and chunk[0].is_contiguous()
+        flat = chunk[0].detach() if in_place else torch.cat([p.detach().reshape(-1) for p in chunk])
         flat /= world
         dist.all_reduce(flat, group=group)
-        for p, part in zip(chunk, flat.split([p.numel() for p in chunk])):
-            p.detach().copy_(part.view(p.shape))  # copy_ honours p's strides
+        if not in_place:
+            for p, part in zip(chunk, flat.split([p.numel() for p in chunk])):
+                p.detach().copy_(part.view(p.shape))  # copy_ honours p's strides
 
 
 CHUNK_BYTES = cpu_malloc.MMAP_THRESHOLD // 2
