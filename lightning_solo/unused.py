@@ -65,6 +65,13 @@ def check_find_unused(value: Any) -> FindUnused:
     return check_choice("find_unused_parameters", value, FIND_UNUSED_VALUES, hint)
 
 
+def _position(params: list[Parameter], param: Parameter | None) -> int:
+    """``param``'s index in ``params`` by identity (-1: absent). Not ``list.index``: it compares tensors with
+    ``==``, which fails on a multi-element parameter before it (one defined on the LightningModule itself) and
+    matches a one-element parameter that merely equals it."""
+    return next((i for i, p in enumerate(params) if p is param), -1)
+
+
 class UnusedParameters:
     """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP` (see the module docstring).
 
@@ -97,8 +104,7 @@ class UnusedParameters:
             self.decision = Decision(
                 "find_unused_parameters",
                 "auto",
-                f"deciding from the first {window} steps (on True meanwhile, so DDP may warn once that it found "
-                "no unused parameter: expected)",
+                f"deciding from the first {window} steps (on True meanwhile)",
             )
         self.initial = self.find_unused
         self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
@@ -115,6 +121,11 @@ class UnusedParameters:
     def fresh(self) -> UnusedParameters:
         """A policy with the same settings and no evidence: every fit decides from its own steps."""
         return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
+
+    @property
+    def searching(self) -> bool:
+        """DDP searches for unused parameters (``True``) because "auto" put it there."""
+        return self.phase in (Phase.WINDOW, Phase.SEARCHING)
 
     # ----------------------------------------------------------------------------------------- hooks
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
@@ -145,7 +156,7 @@ class UnusedParameters:
                 signal_early=self.phase is Phase.FAST,
                 sentinel=sentinel,
                 ddp=ddp,
-                sentinel_index=(reducer_parameters or []).index(sentinel) if sentinel is not None else -1,
+                sentinel_index=_position(reducer_parameters or [], sentinel),
             )
         return ddp
 
@@ -158,10 +169,25 @@ class UnusedParameters:
         rank, with no collective of its own, whether the step needs the usage map. A comm hook may compress
         or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
         module = self.unwrap(ddp, keep_grads)
+        if self.phase is Phase.WINDOW:
+            return self.wrap(module, build, group, probe=exact_allreduce)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
             return self.bind(build(module), group)
         new, sentinel, params = build_with_sentinel(module, build)
         return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
+
+    def wrap(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
+             probe: bool = True) -> DistributedDataParallel:  # fmt: skip
+        """``build(module)`` and bind it. In the evidence window DDP gets a one-element probe parameter that no
+        forward uses: DDP's search then always finds an unused parameter, and so never prints its warning that
+        find_unused_parameters=True found none (the window's expected outcome, on every rank, naming a setting
+        the user did not choose). The probe is not the model's: never in its state_dict or optimizer. Like the
+        fast path's sentinel, only with ``probe`` (no comm hook: PowerSGD keys its state to the model's
+        parameters)."""
+        if self.phase is not Phase.WINDOW or not probe:
+            return self.bind(build(module), group)
+        new, _, params = build_with_sentinel(module, build)
+        return self.bind(new, group, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
         """A collective will run inside this step's backward (e.g. a gradient-carrying ``all_gather``). Called

@@ -43,6 +43,8 @@ class UsageWindow:
         never = torch.zeros(params, dtype=torch.bool)
         varying = torch.zeros(params, dtype=torch.bool)
         for reducer_index, ours in enumerate(to_ours):
+            if ours < 0:  # not the model's (the window's probe)
+                continue
             never[ours] = counts[reducer_index] == 0
             varying[ours] = counts[reducer_index] < world
         self._never = never if self._never is None else self._never & never

@@ -12,13 +12,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import MeanMetric
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks.predictions import OrderedPredictions
 from lightning_solo.data import SyntheticDataModule
-from lightning_solo.evaluation import ExactEvalBatchSampler, gather_rows, write_predictions
+from lightning_solo.evaluation import gather_rows, rank_order, write_predictions
 from lightning_solo.models import ImageClassifier
 from tests.distributed import run_ranks
 
@@ -26,24 +26,20 @@ SAMPLES = 101
 
 
 @pytest.mark.parametrize(
-    ("total", "world", "batch"),
-    list(itertools.product([0, 1, 2, 3, 5, 17, 24, 25, 101], [1, 2, 3, 4], [1, 2, 8])),
+    ("total", "world"), list(itertools.product([1, 2, 3, 5, 17, 24, 25, 101], [1, 2, 3, 4]))
 )
-def test_every_sample_once_and_the_same_number_of_batches_on_every_rank(total, world, batch):
-    shards = [ExactEvalBatchSampler(range(total), world, rank, batch) for rank in range(world)]
-    steps = math.ceil(total / (world * batch))
-    assert [len(s) for s in shards] == [steps] * world
-    real = []
-    for s in shards:
-        for j, indices in enumerate(s):
-            rows = s.rows(j)
-            assert rows.indices.tolist() == indices and 1 <= len(indices) <= batch
-            real += rows.indices[rows.valid].tolist()
-    assert real == list(range(total))  # contiguous blocks, in order: each index once
-    padded = sum(s.num_padded for s in shards)
-    # Padding only where W·K non-empty batches cannot be made of N samples, and then the least possible.
-    assert padded == max(0, world * steps - total)
-    assert padded == 0 or total < world or batch == 1
+def test_rank_order_names_every_padding_repeat_of_lightnings_sampler(total, world):
+    """Lightning's DistributedSampler, as it builds it for validate/test: every sample valid on exactly one rank,
+    interleaved (rank r: r, r+W, ...), every rank the same length, at most W-1 repeats, each a rank's last row."""
+    dataset = range(total)
+    orders = [rank_order(DistributedSampler(dataset, world, rank, shuffle=False)) for rank in range(world)]
+    assert len({len(indices) for indices, _ in orders}) == 1
+    real = sorted(i for indices, valid in orders for i, ok in zip(indices, valid) if ok)
+    assert real == list(range(total))
+    for rank, (indices, valid) in enumerate(orders):
+        assert [i for i, ok in zip(indices, valid) if ok] == list(range(rank, total, world))
+        assert all(valid[:-1])
+    assert sum(not ok for _, valid in orders for ok in valid) == math.ceil(total / world) * world - total
 
 
 def test_gather_rows_on_one_process_sorts_and_refuses_repeats(tmp_path):
@@ -89,6 +85,10 @@ class _Classifier(ImageClassifier):
             "test/rows_step", float(len(batch[1])), on_step=True, on_epoch=False, sync_dist=True, batch_size=1
         )
         self.rows_seen(torch.tensor(float(len(batch[1]))))
+        sampler = (
+            self.trainer.test_dataloaders.sampler
+        )  # Lightning's own, untouched (its tests and users read it)
+        self.test_sampler = [type(sampler).__name__, sampler.num_replicas]
         return super().test_step(batch, batch_idx)
 
 
@@ -107,8 +107,7 @@ def _evaluate(rank, world_size, directory):
     val = trainer.validate(model, data, verbose=False)[0]
     test = trainer.test(model, data, verbose=False)[0]
     trainer.predict(model, data, return_predictions=False)
-    decisions = {k: v.reason for k, v in trainer.strategy.decisions.items() if k.startswith("exact_eval")}
-    return val, test, decisions, dict(predictions.counts)
+    return val, test, model.test_sampler, dict(predictions.counts)
 
 
 def _reference():
@@ -137,7 +136,7 @@ def test_evaluation_on_n_ranks_equals_one_process(tmp_path, world_size):
             assert metrics[f"{stage}/samples"] == SAMPLES
             assert round(metrics[f"{stage}/acc"] * SAMPLES) == correct, (stage, metrics, correct)
             assert metrics[f"{stage}/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
-        assert "padded" not in decisions["exact_eval_val"] and "padded row" in decisions["exact_eval_test"]
+        assert decisions == ["DistributedSampler", world_size]
     assert results[0][3] == {"val": SAMPLES, "test": SAMPLES, "predict": SAMPLES}
     for stage in ("val", "test", "predict"):
         indices, classes = _read(tmp_path / f"predictions_{stage}.csv")

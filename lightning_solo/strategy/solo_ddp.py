@@ -36,7 +36,6 @@ from lightning_solo import precision as amp
 from lightning_solo.advice import ddp_advice
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.decision import Decision
-from lightning_solo.evaluation import quiet_padding_warning
 from lightning_solo.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.preflight import gloo_interface_warning
 from lightning_solo.sigterm import SigtermAgreement
@@ -95,9 +94,11 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: steps between parameter averages.
         local_sgd_warmup: post-local-SGD: synchronous steps before local steps start.
-        exact_eval: validate/test/predict loaders evaluate every sample exactly once, every rank the same number
-            of batches (padded rows only for sets too small to split, flagged by ``eval_rows``); see
-            :mod:`lightning_solo.evaluation`. ``False``: Lightning's ``DistributedSampler`` (repeats samples).
+        exact_eval: ``sync_dist`` epoch means count the samples exactly (Lightning averages the integer sample
+            counts with truncation: 101 samples on 2 ranks count as 50). The evaluation loaders stay Lightning's
+            (``DistributedSampler``: every rank the same batches, up to ``W - 1`` padding repeats), and
+            :func:`lightning_solo.evaluation.eval_rows` names the repeats for a module to drop. ``False``:
+            Lightning's means.
         cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
             faulting fresh pages in every step (process-wide; left alone where jemalloc/tcmalloc is preloaded or
             glibc's malloc is set in the environment): :mod:`lightning_solo.cpu_malloc`.
@@ -186,8 +187,16 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
-        if self._exact_eval:
-            quiet_padding_warning()  # Lightning's warning that eval repeats samples: not true here
+        self._decide(
+            Decision(
+                "exact_eval",
+                self._exact_eval,
+                "sync_dist epoch means average the sample counts in float (Lightning truncates them); eval "
+                "loaders are Lightning's, their padding repeats named by eval_rows"
+                if self._exact_eval
+                else "set by the user: Lightning's integer-truncated sync_dist means",
+            )
+        )
         self._barrier_group = None  # the monitored barrier's and the side channel's group; None: world
         self._barrier_made = False
         self._unused = unused
@@ -254,8 +263,10 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             )  # torchrun / SLURM started the processes, not the start method chosen above
         # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
         # ranks, a collective). Nothing uses the plugin before this.
+        # Lightning's own tests call this without a LightningModule: Trainer(precision=...) is then unknown.
+        trainer = getattr(self.lightning_module, "_trainer", None)
         self.precision_plugin, decisions = amp.decide_precision_plugin(
-            self.precision_plugin, self._precision_options, self.module.trainer, self.root_device
+            self.precision_plugin, self._precision_options, trainer, self.root_device
         )
         for decision in decisions:
             self._decide(decision)

@@ -15,9 +15,11 @@ from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.advice import explain_reducer_error
+from lightning_solo.decision import Decision
 from lightning_solo.strategy.base import SoloStrategyBase
 from lightning_solo.unused import Phase
 from lightning_solo.unused_sync import all_gather_grad_on
+from lightning_solo.unused_watch import search_safe_checkpointing, watch_collectives
 
 
 class UnusedParameterHooks(SoloStrategyBase):
@@ -40,7 +42,8 @@ class UnusedParameterHooks(SoloStrategyBase):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        return self._unused.bind(super()._setup_model(model), self._side_channel())
+        exact_allreduce = self._comm.name is None and self._ddp_comm_hook is None
+        return self._unused.wrap(model, super()._setup_model, self._side_channel(), probe=exact_allreduce)
 
     def _rewrap(self) -> None:
         self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
@@ -60,13 +63,38 @@ class UnusedParameterHooks(SoloStrategyBase):
         self._register_ddp_hooks()
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._unused.searching:
+            return super().training_step(*args, **kwargs)
+        # "auto" has DDP searching for unused parameters: what the search cannot follow is handled here
+        # (lightning_solo.unused_watch).
+        with search_safe_checkpointing(self._note_reentrant):
+            return super().training_step(*args, **kwargs)
+
+    def _note_reentrant(self) -> None:
+        if "reentrant_checkpoint" not in self.decisions:
+            self._decide(
+                Decision(
+                    "reentrant_checkpoint",
+                    "non-reentrant while DDP searches",
+                    "reentrant activation checkpointing fails DDP's unused-parameter search ('marked as ready "
+                    "twice'); while find_unused_parameters='auto' searches, those calls run torch's non-reentrant "
+                    "checkpointing (same values and gradients); find_unused_parameters=False: as stock",
+                )
+            )
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Strategy.backward, with the unused-parameter step right after backward and before on_after_backward:
         # a collective there (self.log(..., sync_dist=True), say) must not meet a bucket DDP still holds back.
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.module)
         self._unused.before_backward(self.wrapped)
-        self.precision_plugin.backward(closure_loss, self.module, optimizer, *args, **kwargs)
+        if self._unused.phase is Phase.WINDOW:  # evidence: does anything communicate inside backward?
+            with watch_collectives(self._unused.note_backward_collective):
+                self.precision_plugin.backward(closure_loss, self.module, optimizer, *args, **kwargs)
+        else:
+            self.precision_plugin.backward(closure_loss, self.module, optimizer, *args, **kwargs)
         self._unused.after_backward(self.wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.module)
         self.post_backward(closure_loss)

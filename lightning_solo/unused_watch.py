@@ -1,0 +1,114 @@
+"""What DDP's unused-parameter search cannot see for itself, watched while ``find_unused_parameters="auto"``
+has it searching (``True``): reentrant activation checkpointing, and collectives inside backward.
+
+**Reentrant checkpointing.** DDP's search marks every parameter it cannot reach from the output as unused, and
+the parameters inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` are not reachable: their
+gradients come from a second, inner backward, so DDP sees their hooks fire after it marked them ready and fails
+with "marked as ready twice". Stock ``DDPStrategy`` (``find_unused_parameters=False``) never searches, so it
+trains. Within :func:`search_safe_checkpointing` such calls run through the non-reentrant implementation: the
+same forward values and gradients (both recompute under the saved RNG state), reachable by the search. A call
+none of whose inputs requires grad keeps the reentrant path, which gives its parameters no gradient; the search
+is then right to call them unused.
+
+**Collectives inside backward** (a contrastive ``GatherLayer``, ``torch.distributed.nn.functional.all_gather``,
+an MoE ``all_to_all``): on DDP's fast path a parameter unused on one rank makes DDP hold back buckets until
+after backward, so such a collective could pair with a bucket on another rank. Within
+:func:`watch_collectives` every ``torch.distributed`` collective called through the module is reported, so the
+evidence window can stay on ``True``, which never holds a bucket back.
+
+Example::
+
+    with search_safe_checkpointing(on_substitute=lambda: print("substituted")):
+        loss = ddp(batch).sum()       # the model calls checkpoint(block, x, use_reentrant=True) inside
+    with watch_collectives(lambda what: print(what, "inside backward")):
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import checkpoint as torch_checkpoint
+
+_substitutions: list[Callable[[], None]] = []  # the active blocks' callbacks, innermost last
+
+
+def _search_safe_apply(cls: type, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+    if (
+        _substitutions
+        and torch.is_grad_enabled()
+        and any(torch.is_tensor(a) and a.requires_grad for a in args)
+    ):
+        _substitutions[-1]()
+        return torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+        )
+    return super(torch_checkpoint.CheckpointFunction, cls).apply(function, preserve_rng_state, *args)
+
+
+@contextmanager
+def search_safe_checkpointing(on_substitute: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Within the block, reentrant checkpoint calls with a grad-requiring input run non-reentrantly, and
+    ``on_substitute`` is called at each. Restored on exit, whatever happens."""
+    if not _substitutions:
+        torch_checkpoint.CheckpointFunction.apply = classmethod(_search_safe_apply)  # type: ignore[method-assign,assignment]
+    _substitutions.append(on_substitute)
+    try:
+        yield
+    finally:
+        _substitutions.pop()
+        if not _substitutions:  # torch.autograd.Function.apply, which the class inherits, is what it was
+            del torch_checkpoint.CheckpointFunction.apply
+
+
+# Called through the module (`dist.all_reduce(...)`), as torch.distributed.nn and user code do.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
+    "gather", "scatter", "barrier", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+@contextmanager
+def watch_collectives(note: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, each ``torch.distributed`` collective called through its module calls
+    ``note("torch.distributed.<name>")`` first. Restored on exit, whatever happens."""
+    modules = (dist, dist.distributed_c10d)
+    originals = [(m, name, getattr(m, name)) for m in modules for name in COLLECTIVES if hasattr(m, name)]
+
+    def watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not _from_comm_hook():
+                note(f"torch.distributed.{name}")
+            return collective(*args, **kwargs)
+
+        return call
+
+    for module, name, collective in originals:
+        setattr(module, name, watched(name, collective))
+    try:
+        yield
+    finally:
+        for module, name, collective in originals:
+            setattr(module, name, collective)
+
+
+# DDP's comm hooks (torch's, and the pack's comm/) are DDP's own bucket communication, issued in bucket order.
+_COMM_HOOK_FILES = ("ddp_comm_hooks", os.path.join("lightning_solo", "comm"))
+
+
+def _from_comm_hook() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _COMM_HOOK_FILES):
+            return True
+        frame = frame.f_back
+    return False
