@@ -15,7 +15,7 @@ from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _register_ddp_comm_hook
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -35,6 +35,7 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher  # the popen launcher, whic
 # Methods the pack overrides, and calls through super() (checked on lightning 2.6.6).
 OVERRIDDEN: dict[type, tuple[str, ...]] = {
     DDPStrategy: ("_configure_launcher", "_register_ddp_hooks", "_setup_model", "_enable_model_averaging"),
+    ModelParallelStrategy: ("_configure_launcher",),
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
     # Replaced on one trainer's instances by lightning_solo.sigterm (absent: Lightning's check is kept).

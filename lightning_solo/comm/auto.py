@@ -10,6 +10,11 @@ such step (other jobs on the machine only ever add time), and every rank takes t
 numbers (:func:`decide_comm_hook`); a hook must beat exact all-reduce by ``min_gain`` to be kept, for the
 precision it costs. The trial changes the gradients' rounding for a few dozen steps at most.
 
+A checkpoint holds the choice, which a resume keeps without measuring again, or the trial's progress (the
+candidate, its step, its hook's state and the times so far), which a resume continues: either way the resumed
+run registers the hooks the uninterrupted one would have. With other candidates or another number of ranks
+the trial starts again.
+
 Example::
 
     strategy = SoloDDP(comm_hook="auto")
@@ -20,6 +25,7 @@ Example::
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -32,6 +38,7 @@ from lightning_solo.validate import check_int, check_number
 
 AUTO_CANDIDATES = (None, "fp16", "bf16", "powersgd")  # post-local-SGD changes the optimisation: never tried
 _TRIAL_POWERSGD_START = 2  # compress from the third step, so that the timed steps measure the compression
+_NOT_MEASURED_AGAIN = "; chosen before the checkpoint, not measured again"
 
 
 def label(name: str | None) -> str:
@@ -155,11 +162,60 @@ class AutoCommHook(CommHook):
         self.name, self.powersgd_start_iter = name, powersgd_start_iter
         self.state = self.hook = None  # a fresh hook on the next wrapper
 
-    def state_dict(self, checkpoint_path: Any = None) -> dict[str, Any]:
-        return super().state_dict(checkpoint_path) if self.decided else {}  # a trial's state is thrown away
+    def state_dict(
+        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """:meth:`CommHook.state_dict` of the hook running now (the one kept, or the candidate on trial), with
+        ``"auto"``: the choice and its measurement, or how far the trial got (this rank's times: a resume
+        gives every rank these, MAX-reduced at the trial's end all the same). Same arguments and collectives."""
+        saved = super().state_dict(checkpoint_path, replica)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        record: dict[str, Any] = {"world_size": world, "candidates": [label(n) for n in self.candidates]}
+        if self.decided:
+            record.update(decided=True, name=self.name, reason=self._decision.reason)
+            record["measured_ms"] = dict(self.measured_ms)
+        else:
+            record.update(decided=False, index=self._index, steps=self._steps, stepped=self._stepped)
+            record["times"] = [list(t) for t in self._times]
+        return {**saved, "auto": record}
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
-        if self.decided:
+        """Take back :meth:`state_dict`'s result: the choice, kept without measuring again, or the trial, from
+        the candidate and step it had reached, each with its hook's state. The trial starts again for a
+        checkpoint of another number of ranks or other candidates, or of a fixed hook (no ``"auto"``), whose
+        state is then applied if the same hook wins."""
+        saved = dict(saved or {})
+        record = saved.pop("auto", None)
+        if record is not None and self._resumable(record):
+            self._waiting = None
+            if record["decided"]:
+                reason = record["reason"]
+                if not reason.endswith(_NOT_MEASURED_AGAIN):
+                    reason += _NOT_MEASURED_AGAIN
+                self.measured_ms = dict(record["measured_ms"])
+                self._keep(Decision("comm_hook", record["name"], reason))
+            else:
+                self.decided, self._decision, self._started, self.measured_ms = False, None, None, {}
+                self._index, self._steps, self._stepped = record["index"], record["steps"], record["stepped"]
+                self._times = [list(t) for t in record["times"]]
+                self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
+            if saved:
+                super().load_state_dict(saved, checkpoint_path)
+        elif self.decided:
             super().load_state_dict(saved, checkpoint_path)
         elif saved:
             self._waiting = (saved, checkpoint_path)  # applied if the same hook wins again
+
+    def _resumable(self, record: dict[str, Any]) -> bool:
+        """Whether the checkpoint's choice or trial holds for this run: the same candidates and ranks."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        if record["candidates"] != [label(n) for n in self.candidates]:
+            why = f"other candidates ({', '.join(record['candidates'])})"
+        elif None not in (world, record["world_size"]) and world != record["world_size"]:
+            why = f"{record['world_size']} ranks, this run has {world}"
+        else:
+            return True
+        warnings.warn(
+            f"the checkpoint's comm_hook='auto' was measured with {why}: measuring again", stacklevel=3
+        )
+        return False

@@ -273,6 +273,8 @@ class CommHook:
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
         """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
         ``checkpoint_path``: the checkpoint it came from, beside which this rank's shard is read."""
+        # Without comm_hook="auto"'s record of its choice: a fixed hook takes the hook state only.
+        saved = {key: value for key, value in (saved or {}).items() if key != "auto"}
         if not saved:
             return
         if saved.get("hook") != self.name:

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.manifest import read_manifest, verify
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
@@ -134,6 +135,16 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         if cluster_environment is not None:
             self.cluster_environment = cluster_environment
         self.decisions: dict[str, Decision] = {}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # ModelParallelStrategy makes no launcher in a process another started (rank 0's popen launcher, torchrun),
+        # so such a rank skips the launcher's split of the CPU threads (OMP_NUM_THREADS, torch.set_num_threads)
+        # that rank 0 made, and the ranks differ. DDPStrategy always makes one; so does SoloFSDP.
+        assert self.cluster_environment is not None
+        self._launcher = lightning_compat.SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
 
     @override
     def setup_environment(self) -> None:

@@ -102,6 +102,8 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
             faulting fresh pages in every step (process-wide; left alone where jemalloc/tcmalloc is preloaded or
             glibc's malloc is set in the environment): :mod:`lightning_solo.cpu_malloc`.
+        sigterm_agreement: a SIGTERM on any rank stops every rank at the same batch, agreed asynchronously on a
+            gloo group (:mod:`lightning_solo.sigterm`); ``False``: Lightning's per-batch broadcast of rank 0's flag.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -134,6 +136,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         gloo_side_group: bool = True,
         exact_eval: bool = True,
         cpu_malloc_reuse: bool = True,
+        sigterm_agreement: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -187,6 +190,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
+        self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._decide(
             Decision(
                 "exact_eval",
@@ -246,7 +250,9 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             # Before Lightning registers its signal handlers. Every rank alike: the side channel is made once.
-            if (group := self._side_channel()) is not None:
+            if not self._sigterm_agreement:
+                self._decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
+            elif (group := self._side_channel()) is not None:
                 self._sigterm = SigtermAgreement(group)
                 self._decide(self._sigterm.install(trainer))
             else:

@@ -1,0 +1,1 @@
+"""The conformance corpus: SoloDDP() against stock DDPStrategy on ordinary Lightning code (issue 26)."""

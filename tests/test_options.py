@@ -1,0 +1,225 @@
+"""Every option the README documents runs on top of the runner's default config (small_cnn on the digits, 2 gloo
+processes, every default callback), as a user types it: ``python -m lightning_solo.run OPTION``, one epoch cut
+to a few batches, ending in a checkpoint. Each run also checks that its options are in force: the decisions in
+``summary.json``, the hook state in the checkpoint, the profiler's traces.
+
+Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
+``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
+``auto_batch_size=memory`` or ``logger=none``; ``parallelism=fsdp`` on CPU is the seventh. The runs start
+without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give every rank the same.
+Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from lightning_solo.comm import CHECKPOINT_KEY
+
+pytestmark = [pytest.mark.cli, pytest.mark.multiproc, pytest.mark.slow]
+
+# One epoch of the default run, cut short: 12 of its 23 training batches (profile=window records batches 7-9),
+# 2 validation batches. A run's own options come after these and override them.
+SHORT = [
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=12",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "hydra.run.dir=run",
+]
+SIDE_BY_SIDE = 2
+RUN_TIMEOUT_S = 240
+
+# Dropped from the test's environment: the launch variables (as run_cli does) and conftest's OMP_NUM_THREADS.
+NOT_INHERITED = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "OMP_NUM_THREADS",
+)
+
+Decided = dict[str, dict[str, Any]]
+
+
+def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m lightning_solo.run *args`` in its own session: on a timeout every rank goes (rank 0 starts
+    the others), and the result says so (exit status None)."""
+    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+    env.update(HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "lightning_solo.run", *args]
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+            return subprocess.CompletedProcess(command, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(
+                command, None, out, f"{err}\ntimed out after {RUN_TIMEOUT_S} s"
+            )
+
+
+def _strategy(**options: Any) -> list[str]:
+    return [f"parallelism.strategy.{key}={value}" for key, value in options.items()]
+
+
+def _hook_state(summary: dict) -> dict | None:
+    return torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True).get(CHECKPOINT_KEY)
+
+
+def _no_hook(run: Path, summary: dict, decided: Decided) -> None:
+    assert summary["precision"] == "32-true" and decided["precision"]["value"] == "32-true"
+    assert decided["comm_hook"]["value"] is None and _hook_state(summary) is None
+    assert decided["sync_batchnorm"]["value"] is True
+    assert decided["find_unused_parameters"]["value"] is True
+    assert decided["exact_eval"]["value"] is False
+    assert decided["per_device_batch_size"]["value"] == summary["per_device_batch"]
+
+
+def _fp16(run: Path, summary: dict, decided: Decided) -> None:
+    assert summary["precision"] == "16-mixed" and decided["precision"]["value"] == "16-mixed"
+    assert decided["comm_hook"]["value"] == "fp16"
+    assert decided["sync_batchnorm"]["value"] is False
+    assert decided["find_unused_parameters"]["value"] is False
+    assert decided["exact_eval"]["value"] is True
+
+
+def _bf16(run: Path, summary: dict, decided: Decided) -> None:
+    assert summary["precision"] == "32-true"  # auto, on CPU
+    assert decided["comm_hook"]["value"] == "bf16"
+    assert decided["sync_batchnorm"]["value"] is True  # auto: 16 per device is below the threshold (32)
+    assert decided["find_unused_parameters"]["value"] in (True, False)  # auto: decided from the evidence
+    assert {p.name for p in (run / "profile").iterdir()} >= {"trace_rank0.json", "trace_rank1.json"}
+
+
+def _powersgd(run: Path, summary: dict, decided: Decided) -> None:
+    assert summary["precision"] == "bf16-mixed"
+    assert decided["comm_hook"]["value"] == "powersgd"
+    state = _hook_state(summary)  # compressing since step 2: error feedback, one shard per rank
+    assert state["hook"] == "powersgd" and state["iter"] == 12 and len(state["shards"]["sha256"]) == 2
+
+
+def _post_local_sgd(run: Path, summary: dict, decided: Decided) -> None:
+    assert decided["comm_hook"]["value"] == "post_local_sgd"
+    state = _hook_state(summary)
+    # local steps since step 2, each rank's replica in its own shard: the checkpoint falls between averages
+    assert state["hook"] == "post_local_sgd" and state["averager_step"] == 12
+    assert len(state["replicas"]["sha256"]) == 2
+    assert not (run / "csv").exists()  # logger=none
+
+
+def _auto(run: Path, summary: dict, decided: Decided) -> None:
+    reason = decided["comm_hook"]["reason"]
+    assert reason.startswith("auto: ") and "measuring" not in reason, reason  # the trial ended, one hook kept
+    record = _hook_state(summary)["auto"]
+    assert record["decided"] and record["name"] == decided["comm_hook"]["value"]
+    assert list(record["measured_ms"]) == ["exact", "fp16", "bf16", "powersgd"]
+
+
+def _fsdp(run: Path, summary: dict, decided: Decided) -> None:
+    assert summary["strategy"] == "SoloFSDP" and summary["world_size"] == 2
+    assert decided["fsdp_state_dict"]["value"] == "sharded" and decided["preflight"]["value"] == "passed"
+
+
+class Run(NamedTuple):
+    options: list[str]
+    check: Callable[[Path, dict, Decided], None]
+
+
+RUNS = {
+    "no_hook-32_true-syncbn_true-unused_true-stock_eval-auto_batch_size": Run(
+        [
+            "parallelism.precision=32-true",
+            "auto_batch_size=memory",  # its batch (718) cuts the epoch to 2 steps: with no hook that needs more
+            *_strategy(
+                comm_hook="null", sync_batchnorm="true", find_unused_parameters="true", exact_eval="false"
+            ),
+        ],
+        _no_hook,
+    ),
+    "fp16-16_mixed-syncbn_false-unused_false-exact_eval": Run(
+        [
+            "parallelism.precision=16-mixed",
+            "trainer.limit_train_batches=3",  # real fp16 on CPU: ~35x slower than fp32 in small_cnn
+            *_strategy(
+                comm_hook="fp16", sync_batchnorm="false", find_unused_parameters="false", exact_eval="true"
+            ),
+        ],
+        _fp16,
+    ),
+    "bf16-auto_precision-syncbn_auto-unused_auto-profile_window": Run(
+        [
+            "parallelism.precision=auto",
+            "data.batch_size=16",
+            "profile=window",
+            *_strategy(comm_hook="bf16", sync_batchnorm="auto", find_unused_parameters="auto"),
+        ],
+        _bf16,
+    ),
+    "powersgd-bf16_mixed": Run(
+        ["parallelism.precision=bf16-mixed", *_strategy(comm_hook="powersgd", powersgd_start_iter=2)],
+        _powersgd,
+    ),
+    "post_local_sgd-no_logger": Run(
+        ["logger=none", *_strategy(comm_hook="post_local_sgd", local_sgd_warmup=2)], _post_local_sgd
+    ),
+    # 16 per device: 45 batches an epoch, of which 30; the trial (4 candidates × 7 steps) ends after step 28.
+    "auto": Run(
+        ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
+    ),
+    # Each rank splits the CPU threads alike (OMP_NUM_THREADS), or the preflight stops the run: SoloFSDP's
+    # launcher in every rank, as DDPStrategy's, not in rank 0 only (ModelParallelStrategy).
+    "fsdp_on_cpu": Run(["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2"], _fsdp),
+}
+
+
+@pytest.fixture(scope="module")
+def finished(request, tmp_path_factory) -> dict[str, tuple[Path, Any]]:
+    """The selected runs (``-k`` chooses), two at a time: name -> (its directory, its CompletedProcess)."""
+    names = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    dirs = {name: tmp_path_factory.mktemp(name[:40]) for name in names}
+
+    def launch(name: str) -> tuple[Path, Any]:
+        return dirs[name], _launch([*SHORT, *RUNS[name].options], dirs[name])
+
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        return dict(zip(names, pool.map(launch, names)))
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)  # the first test waits for every run
+@pytest.mark.parametrize("name", list(RUNS))
+def test_option_runs_with_the_runners_defaults_and_checkpoints(name, finished):
+    tmp_path, proc = finished[name]
+    options = RUNS[name].options
+    assert proc.returncode == 0, f"{options}: exit status {proc.returncode}\n{proc.stderr[-4000:]}"
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    last = Path(summary["checkpoint_last"])
+    assert last.exists() and last.parent == run / "checkpoints", summary["checkpoint_last"]
+    assert summary["epochs"] == 1 and summary["global_step"] > 0
+    RUNS[name].check(run, summary, {d["setting"]: d for d in summary["decisions"]})
