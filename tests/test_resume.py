@@ -11,8 +11,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, random_split
+from torch.utils.data import DataLoader, Dataset, Subset, WeightedRandomSampler, random_split
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
@@ -144,12 +146,14 @@ def test_resumable_sampler_skips_once_and_keeps_its_length():
     sampler = ResumableSampler(inner, batch_size=2)
     sampler.set_epoch(4)
     full = list(sampler)
-    calls = []
     sampler.set_epoch(0)
-    sampler.resume_once(4, 6, on_start=lambda: calls.append("rng"))
+    sampler.resume_once(4, lambda: 6)
     assert len(sampler) == len(inner) == 10
-    assert list(sampler) == full[6:] and calls == ["rng"]
+    assert list(sampler) == full[6:]
     assert list(sampler) == full  # only once: the next epoch is whole again
+    sampler.resume_once(0, 6)
+    sampler.set_epoch(4)  # Lightning setting the epoch after the resume was armed: its epoch wins
+    assert list(sampler) == full[6:]
 
 
 def test_cuda_rng_is_saved_and_restored_per_rank_across_device_layouts(monkeypatch):
@@ -241,21 +245,28 @@ def _fit_real(
     crash_at_batch: int | None = None,
     resume: bool = False,
     make_model: Any = RealNet,
-    strategy: dict[str, Any] | None = None,
+    strategy: dict[str, Any] | Strategy | None = None,
     callbacks: tuple[Any, ...] = (),
+    checkpoint: Any = None,
     **trainer_kwargs,
 ) -> dict:
+    """``strategy``: SoloDDP's options, or a strategy (stock DDP). ``checkpoint``: the checkpoint callback (default:
+    a SoloCheckpoint at each validation), built here as ``checkpoint(dirpath)``."""
     os.makedirs(run_dir, exist_ok=True)
     L.seed_everything(1234, verbose=False)
     model = make_model(run_dir, crash_at_batch)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SoloDDP(start_method="fork", **(strategy or {})),
+        strategy=strategy
+        if isinstance(strategy, Strategy)
+        else SoloDDP(start_method="fork", **(strategy or {})),
         max_epochs=2,
         val_check_interval=0.5,
         callbacks=[
-            SoloCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), keep_last_k=1),
+            (checkpoint or (lambda d: SoloCheckpoint(dirpath=d, keep_last_k=1)))(
+                os.path.join(run_dir, "ckpt")
+            ),
             _decisions(run_dir),
             *callbacks,
         ],
@@ -280,17 +291,10 @@ def test_resume_with_workers_augmentation_validation_and_accumulation_is_exact(t
     """Loader workers (persistent), augmentation from torch/Python/numpy RNGs in __getitem__, dropout, validation
     twice per epoch that draws random numbers, the checkpoint written at a validation (with accumulation: in the
     middle of a cycle), then a crash and ``fit(ckpt_path="auto")``: the weights end bit-identical."""
-    reference = _fit_real(str(tmp_path / "reference"), accumulate_grad_batches=accumulate)
-    run = str(tmp_path / "crash")
-    _fit_real(run, crash_at_batch=10, accumulate_grad_batches=accumulate)  # after epoch 1's first validation
-    manifest = verify(os.path.join(run, "ckpt", "last.ckpt"))
-    assert manifest["global_step"] == (9 if accumulate == 1 else 4)
-    resumed = _fit_real(run, resume=True, accumulate_grad_batches=accumulate)
-    for name, value in reference.items():
-        assert torch.equal(resumed[name], value), (
-            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
-        )
-    decisions = read_rank_records(run)[0]["decisions"]
+    # Crashed after epoch 1's first validation, where SoloCheckpoint saved (with accumulation: mid-cycle).
+    decisions = _resumed_equals_reference(
+        tmp_path, saved_at_step=9 if accumulate == 1 else 4, accumulate_grad_batches=accumulate
+    )
     consumed, reason = decisions["mid_epoch_resume"]["value"], decisions["mid_epoch_resume"]["reason"]
     assert consumed == (3 if accumulate == 1 else 2) and "RNG states restored" in reason
     assert ("accumulation cycle" in reason) == (accumulate == 2)
@@ -367,3 +371,104 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     trend = loss_trend(tmp_path / "reference")
     assert trend["count"] == 6 and trend["lowest"] is not None, trend  # every step, and judged from step 2
     assert loss_trend(run) == trend
+
+
+def _resumed_equals_reference(
+    tmp_path, crash_at_batch: int = 10, saved_at_step: int = 9, **fit_kwargs
+) -> dict:
+    """Fit uninterrupted, fit again crashing before ``crash_at_batch`` (its last checkpoint at ``saved_at_step``),
+    resume with ``ckpt_path="auto"``: the weights must end bit-identical. Returns rank 0's decisions of the
+    resumed fit."""
+    reference = _fit_real(str(tmp_path / "reference"), **fit_kwargs)
+    run = str(tmp_path / "crash")
+    _fit_real(run, crash_at_batch=crash_at_batch, **fit_kwargs)
+    assert verify(os.path.join(run, "ckpt", "last.ckpt"))["global_step"] == saved_at_step
+    resumed = _fit_real(run, resume=True, **fit_kwargs)
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), (
+            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
+        )
+    return read_rank_records(run)[0]["decisions"]
+
+
+def _every_3_steps(callback: type) -> Any:
+    return lambda dirpath: callback(dirpath=dirpath, every_n_train_steps=3, save_last=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("callback", [ModelCheckpoint, SoloCheckpoint])
+def test_resume_from_a_step_checkpoint_that_also_validates_is_exact(tmp_path, callback):
+    """``every_n_train_steps`` saves at ``on_train_batch_end``, before the validation of that same batch. On
+    resume Lightning does not run that validation again but fast-forwards it, building its loader (which draws
+    from the RNG) after the training loader's first indices: the RNG must still be the step's at the first
+    resumed batch (it was not, and dropout differed)."""
+    decisions = _resumed_equals_reference(tmp_path, checkpoint=_every_3_steps(callback))  # saved at step 9
+    decision = decisions["mid_epoch_resume"]
+    assert decision["value"] == 3 and "RNG states restored" in decision["reason"], decision
+
+
+class TwoLoaders(RealNet):
+    """RealNet on two training loaders at once (Lightning's default ``max_size_cycle``): its shuffled split with
+    2 workers, and a shorter one whose ``WeightedRandomSampler`` Lightning wraps for DDP (5 batches of 2 per rank,
+    so it starts over inside each epoch and draws a new order then)."""
+
+    def training_step(self, batch, batch_idx):
+        (x, i), (xb, ib) = batch["split"], batch["weighted"]
+        with open(os.path.join(self.log_dir, f"rank{self.global_rank}.txt"), "a") as f:
+            f.write(f"{' '.join(map(str, i.tolist()))} | {' '.join(map(str, ib.tolist()))}\n")
+        return self.batch_loss((x, i)) + self.batch_loss((xb, ib))
+
+    def train_dataloader(self):
+        weighted = WeightedRandomSampler(torch.linspace(0.1, 1.0, 20).double(), num_samples=20)
+        return {
+            "split": super().train_dataloader(),
+            "weighted": DataLoader(Subset(Augmented(), range(20)), batch_size=2, sampler=weighted),
+        }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_several_training_loaders_and_a_wrapped_weighted_sampler_resume_exactly(tmp_path):
+    """Each loader continues at its own position (the short one in its second pass of the epoch), and the
+    weighted sampler draws the order it drew in the uninterrupted run, from the RNG state its pass started at."""
+    decisions = _resumed_equals_reference(
+        tmp_path, make_model=TwoLoaders, checkpoint=_every_3_steps(ModelCheckpoint)
+    )
+    for rank in (0, 1):
+        expected, seen = _batches_of(tmp_path / "reference", rank), _batches_of(tmp_path / "crash", rank)
+        assert seen == expected, f"rank {rank}: the resumed batches differ"
+    assert decisions["resumable_data"]["value"] is True, decisions["resumable_data"]
+    assert (
+        "WeightedRandomSampler (in Lightning's DistributedSamplerWrapper)"
+        in decisions["resumable_data"]["reason"]
+    )
+    resumed = decisions["mid_epoch_resume"]
+    assert resumed["value"] == 3 and "2 loaders (max_size_cycle) at batches [3, 3]" in resumed["reason"], (
+        resumed
+    )
+
+
+def _batches_of(run_dir, rank: int) -> list[str]:
+    # The crashed fit's lines up to its last checkpoint, then the resumed fit's, are the uninterrupted run's.
+    lines = (run_dir / f"rank{rank}.txt").read_text().splitlines()
+    return lines[:9] + lines[-3:] if len(lines) > 12 else lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_exact_resume_false_keeps_lightnings_streams(tmp_path):
+    """``SoloDDP(exact_resume=False)`` is Lightning's loader and RNG streams: with loader workers, random
+    augmentation, dropout and validations inside the epoch that draw random numbers, the fit ends bit-identical
+    to stock DDP's (SoloDDP's default seeds samples from (seed, epoch, index) and isolates validations, which
+    its Decision says)."""
+    stock = _fit_real(str(tmp_path / "stock"), strategy=DDPStrategy(start_method="fork"))
+    solo = _fit_real(str(tmp_path / "solo"), strategy={"exact_resume": False})
+    for name, value in stock.items():
+        assert torch.equal(solo[name], value), f"{name}: {(solo[name] - value).abs().max()}"
+    decision = read_rank_records(tmp_path / "solo")[0]["decisions"]["resumable_data"]
+    assert decision["value"] is False and "exact_resume=False" in decision["reason"], decision
+    default = _fit_real(str(tmp_path / "default"))
+    assert not all(torch.equal(default[name], value) for name, value in stock.items())
+    decision = read_rank_records(tmp_path / "default")[0]["decisions"]["resumable_data"]
+    assert "(seed, epoch, index)" in decision["reason"] and "exact_resume=False" in decision["reason"]

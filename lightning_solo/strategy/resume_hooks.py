@@ -21,6 +21,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume, hpc_checkpoints
+from lightning_solo.decision import Decision
 from lightning_solo.resumable_loader import make_resumable
 from lightning_solo.strategy.base import SoloStrategyBase
 
@@ -35,9 +36,24 @@ _NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version
 
 
 class ExactResumeHooks(SoloStrategyBase):
-    """The checkpoint and loader hooks of :class:`~lightning_solo.strategy.SoloDDP` (not used on its own)."""
+    """The checkpoint and loader hooks of :class:`~lightning_solo.strategy.SoloDDP` (not used on its own).
 
-    # Exact mid-epoch resume (lightning_solo.resume): a resumable training loader, its position and every
+    With ``exact_resume=False`` (``self._exact_resume``) the training loaders and RNG streams stay Lightning's:
+    no loader wrap, no resume record, validation draws shift the training RNG as they do stock."""
+
+    _resume_record: dict[str, Any] | None = None
+    _resume_plan: resume.ResumePlan | None = None
+    _loaders_open = False  # True while Lightning hands over the training loaders of one request, one by one
+    _in_optimizer_step = False
+    _batch_end_rng: dict[str, Any] | None = None
+    _rng_before_first_batch: dict[str, Any] | None = None
+    _quiet_filter: Any = None  # the warning filter of a mid-epoch resume, until its first batch
+
+    @property
+    def _exact(self) -> bool:
+        return getattr(self, "_exact_resume", True)
+
+    # Exact mid-epoch resume (lightning_solo.resume): resumable training loaders, their position and every
     # rank's RNG as of the last optimizer step saved in each checkpoint (all ranks run save_checkpoint),
     # replayed after a restore.
     @override
@@ -46,33 +62,108 @@ class ExactResumeHooks(SoloStrategyBase):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.training:
             return dataloader
+        if not self._exact:
+            self._decide(Decision(
+                "resumable_data", False,
+                "exact_resume=False: Lightning's own training loader and RNG streams; a mid-epoch resume restarts"
+                " the epoch's data, as stock Lightning does",
+            ))  # fmt: skip
+            return dataloader
+        first = not self._loaders_open
+        if first:  # Lightning processes each training loader in turn, then builds their iterators
+            self._loaders_open, self._train_loaders, self._loader_decisions = True, [], []
+            record, self._resume_record = self._resume_record, None
+            self._resume_plan = (
+                resume.ResumePlan(record, trainer, self._decide) if record is not None else None
+            )
+            # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g.
+            # in a replayed accumulation cycle, must leave the RNG there too).
+            ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+            plan_rng = self._resume_plan.rng if self._resume_plan is not None else None
+            self._last_step = (plan_rng or resume.rng_state(), ready)
+            self._batch_end_rng = self._last_step[0]
+            self._step_buffers = resume.step_buffers(trainer)
         dataloader, decision = make_resumable(dataloader, seed=torch.initial_seed())
-        self._decide(decision)
-        self._train_loader = dataloader
-        record, self._resume_record = getattr(self, "_resume_record", None), None
-        if (planned := resume.decide(record, trainer, dataloader)) is not None:
-            self._decide(planned)
-        # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g. in
-        # a replayed accumulation cycle, must leave the RNG there too).
-        ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-        self._last_step = (resume.saved_rng(record) or resume.rng_state(), ready)
-        self._step_buffers = resume.step_buffers(trainer)
+        self._train_loaders.append(dataloader)
+        self._loader_decisions.append(decision)
+        self._decide(_combined_decision(self._loader_decisions))
+        if self._resume_plan is not None:
+            self._resume_plan.attach(dataloader)
         return dataloader
+
+    def _close_loaders(self) -> None:
+        """Every training loader of the request is in: the resume plan settles (if no loader's first index did)."""
+        if self._loaders_open:
+            self._loaders_open = False
+            plan = self._resume_plan
+            if plan is not None:
+                plan.settle()
+                self._rng_before_first_batch = plan.rng_before_first_batch
+                self._resume_plan = None
+                if plan.mid_epoch:
+                    self._quiet_filter = resume.quiet_not_resumable_warning()
+
+    @override
+    def on_train_start(self) -> None:
+        self._close_loaders()  # before the epoch loop reads the batch counters the plan rewinds
+        super().on_train_start()
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training and not trainer.sanity_checking:
+            self._close_loaders()  # (a reload of the loaders between epochs has no on_train_start)
+            self._drop_quiet_filter()
+            if (state := self._rng_before_first_batch) is not None:
+                # The first resumed batch starts from the RNG of the checkpoint's step, whatever Lightning did
+                # since the restore (e.g. it built the loader of the validation it fast-forwards).
+                self._rng_before_first_batch = None
+                resume.set_rng_state(state)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._exact and not self._in_optimizer_step:
+            # A batch that does not step (accumulation, manual optimization): where a validation after it must
+            # leave the RNG. (Inside an optimizer step, the step's own capture below is the batch's end.)
+            self._batch_end_rng = resume.rng_state()
+        return output
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
-        # The point a checkpoint's record describes, whenever the save happens before the next step.
-        trainer = self.module.trainer
-        self._last_step = (resume.rng_state(), int(trainer.fit_loop.epoch_loop.batch_progress.current.ready))
-        self._step_buffers = resume.step_buffers(trainer)
+        self._in_optimizer_step = True
+        try:
+            output = super().optimizer_step(*args, **kwargs)
+        finally:
+            self._in_optimizer_step = False
+        if self._exact:
+            # The point a checkpoint's record describes, whenever the save happens before the next step.
+            trainer = self.module.trainer
+            state = resume.rng_state()
+            self._last_step = (state, int(trainer.fit_loop.epoch_loop.batch_progress.current.ready))
+            self._batch_end_rng = state
+            self._step_buffers = resume.step_buffers(trainer)
         return output
+
+    @override
+    def teardown(self) -> None:
+        # A fit that failed while Lightning handed over its loaders must not leave them open for the next fit.
+        self._loaders_open, self._resume_plan, self._rng_before_first_batch = False, None, None
+        self._drop_quiet_filter()
+        super().teardown()
+
+    def _drop_quiet_filter(self) -> None:
+        if self._quiet_filter is not None:
+            resume.drop_filter(self._quiet_filter)
+            self._quiet_filter = None
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        if self.module.trainer.state.fn == TrainerFn.FITTING:
-            resume.validation_neutral(getattr(self, "_last_step", None))
+        trainer = self.module.trainer
+        if self._exact and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            resume.validation_neutral(self._batch_end_rng)
 
     @override
     def save_checkpoint(
@@ -87,10 +178,10 @@ class ExactResumeHooks(SoloStrategyBase):
         """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
         on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._exact:
             last_step = getattr(self, "_last_step", None)
             checkpoint[resume.RESUME_KEY] = resume.capture(
-                trainer, getattr(self, "_train_loader", None), last_step, collective
+                trainer, getattr(self, "_train_loaders", []), last_step, collective
             )
             # Inside an accumulation cycle the forwards since the step moved buffers (BatchNorm's running
             # statistics) that the resume replays: save them as of the step, like everything else.
@@ -119,7 +210,7 @@ class ExactResumeHooks(SoloStrategyBase):
             )
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume_record = checkpoint.get(resume.RESUME_KEY)
+        self._resume_record = checkpoint.get(resume.RESUME_KEY) if self._exact else None
         # Applied when the hook is registered; each rank reads its own shard beside the checkpoint.
         self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
         if (replica := self._comm.take_replica()) is not None:
@@ -147,3 +238,13 @@ class ExactResumeHooks(SoloStrategyBase):
             )
         lightning_compat.set_ckpt_path(trainer, decision.value)
         return decision.value
+
+
+def _combined_decision(decisions: list[Decision]) -> Decision:
+    """One ``resumable_data`` Decision for the training loaders: exact only if every one is."""
+    if len(decisions) == 1:
+        return decisions[0]
+    values = [d.value for d in decisions]
+    value = False if False in values else "approximate" if "approximate" in values else True
+    reasons = "; ".join(f"loader {i}: {d.reason}" for i, d in enumerate(decisions))
+    return Decision("resumable_data", value, f"{len(decisions)} training loaders, {reasons}")

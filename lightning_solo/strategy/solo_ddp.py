@@ -99,6 +99,11 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             (``DistributedSampler``: every rank the same batches, up to ``W - 1`` padding repeats), and
             :func:`lightning_solo.evaluation.eval_rows` names the repeats for a module to drop. ``False``:
             Lightning's means.
+        exact_resume: exact mid-epoch resume (default): training samples load with RNGs seeded from (seed, epoch,
+            index) (per batch for a dataset with ``__getitems__``), and a validation inside fit leaves the
+            training RNG as it found it, so random streams differ from stock Lightning's (the ``resumable_data``
+            decision says which). ``False``: Lightning's own training loader and RNG streams, and a mid-epoch
+            resume restarts the epoch's data as stock does.
         cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
             faulting fresh pages in every step (process-wide; left alone where jemalloc/tcmalloc is preloaded or
             glibc's malloc is set in the environment): :mod:`lightning_solo.cpu_malloc`.
@@ -135,6 +140,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         local_sgd_warmup: int = 100,
         gloo_side_group: bool = True,
         exact_eval: bool = True,
+        exact_resume: bool = True,
         cpu_malloc_reuse: bool = True,
         sigterm_agreement: bool = True,
         **ddp_kwargs: Any,
@@ -189,6 +195,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
+        self._exact_resume = check_bool("exact_resume", exact_resume)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._decide(

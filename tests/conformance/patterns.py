@@ -569,7 +569,10 @@ def dropout(trainer):
     return model
 
 
-@pattern()
+@pattern(
+    solo=dict(exact_resume=False),
+    why="exact_resume (documented): an in-fit validation leaves the training RNG as it found it",
+)
 def dropout_with_validation(trainer):
     model = DropoutNet()
     trainer(max_epochs=2, val_check_interval=0.5).fit(model, PointsData())
@@ -726,8 +729,8 @@ def sample_preview_callback(trainer):
 
 
 @pattern(
-    weights=False,
-    why="SoloDDP seeds each sample's augmentation from (seed, epoch, index), stock from the worker's stream",
+    solo=dict(exact_resume=False),
+    why="exact_resume (documented): SoloDDP seeds each sample's augmentation from (seed, epoch, index)",
 )
 def workers_with_augmentation(trainer):
     model = DropoutNet()
@@ -873,7 +876,7 @@ def predict_with_writer(trainer):
 
 
 @pattern(
-    solo=dict(exact_eval=False), why="exact_eval (documented): stock's sampler repeats one of the 101 samples"
+    solo=dict(exact_eval=False), why="exact_eval (documented): sync_dist epoch means count the samples in float"
 )
 def val_metric_uneven_set(trainer):
     model, t = Classifier(), trainer()
