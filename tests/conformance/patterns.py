@@ -876,7 +876,8 @@ def predict_with_writer(trainer):
 
 
 @pattern(
-    solo=dict(exact_eval=False), why="exact_eval (documented): sync_dist epoch means count the samples in float"
+    solo=dict(exact_eval=False),
+    why="exact_eval (documented): sync_dist epoch means count the samples in float",
 )
 def val_metric_uneven_set(trainer):
     model, t = Classifier(), trainer()
