@@ -10,8 +10,12 @@ weights, buffers, gradients and RNG are put back afterwards.
 * CPU: the growth of the process's resident memory during the steps over ``cap`` (default: the memory
   available now, split between this machine's processes). The peak is the kernel's high-water mark, reset
   through ``/proc/self/clear_refs`` (Linux), else the highest of psutil samples taken every millisecond.
-  During the probes glibc maps large blocks directly (``M_MMAP_THRESHOLD``), so freed memory leaves the
-  process and each probe starts from the same heap; afterwards the threshold is 32 MiB, glibc's own ceiling.
+  Before each probe ``malloc_trim(0)`` hands the free heap back, so that each probe starts from the same
+  resident memory. Where SoloDDP's malloc setting is in force (:mod:`lightning_solo.cpu_malloc`), glibc also maps
+  large blocks directly during the probes (``M_MMAP_THRESHOLD`` at its starting 128 KiB), so freed memory
+  leaves the process at once, and that setting is put back after them. Otherwise (``cpu_malloc_reuse=False``,
+  ``MALLOC_*``/``GLIBC_TUNABLES`` or another allocator chosen by the user, no fit) the thresholds are left as
+  they are: glibc's cannot be given back once set.
 
 Example::
 
@@ -34,8 +38,6 @@ import psutil
 import torch
 
 from lightning_solo import cpu_malloc
-
-_SMALL_MMAP = 128 * 1024  # glibc's initial threshold: every larger block is mapped, and unmapped when freed
 
 
 def _status_bytes(field: str) -> int | None:
@@ -124,11 +126,14 @@ class MemoryProbe:
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
         training = pl_module.training
         devices = [self.device] if self.cuda else []
-        if self._libc is not None:
-            self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, _SMALL_MMAP)
+        # Only the pack's own setting is tuned, and put back: a threshold glibc chose, or the user set, would be
+        # lost for good (see the module docstring).
+        tune = self._libc is not None and cpu_malloc.in_force()
+        if tune:
+            self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.START_MMAP_THRESHOLD)
         try:
             with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # self.log without a loop, outside the fit
+                warnings.simplefilter("ignore")  # self.log without a loop, outside the fit (this block only)
                 pl_module.trainer = None
                 pl_module.train()
                 yield
@@ -137,7 +142,7 @@ class MemoryProbe:
             pl_module.train(training)
             pl_module.load_state_dict(snapshot)
             pl_module.zero_grad(set_to_none=True)
-            if self._libc is not None:
+            if tune:
                 self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:

@@ -20,7 +20,6 @@ The loader side (:class:`ResumableSampler`, :class:`SeededDataset`, ``make_resum
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -149,21 +148,25 @@ def validation_neutral(state: dict[str, Any] | None) -> None:
 # continue from it
 
 
-def quiet_not_resumable_warning() -> Any:
-    """Silence Lightning's "your dataloader is not resumable" warning (about the loader it would restart; these
-    resume), which its epoch loop emits before the first resumed batch; the filter is returned for
-    :func:`drop_filter` (no process-wide filter outlives the resume)."""
-    warnings.filterwarnings(
-        "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
-    )
-    return warnings.filters[0]
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def drop_filter(entry: Any) -> None:
-    """Remove one filter that :func:`quiet_not_resumable_warning` added, leaving every other one."""
-    with contextlib.suppress(ValueError):
-        warnings.filters.remove(entry)
-        getattr(warnings, "_filters_mutated", lambda: None)()  # (what filterwarnings itself calls)
+def quiet_not_resumable_warning(trainer: Any) -> None:
+    """Lightning's "your dataloader is not resumable" warning (``_TrainingEpochLoop.reset``) is about the loader it
+    would restart; these resume. Silenced around that loop's next ``reset`` only, on this trainer: no filter
+    outside that call."""
+    loop = trainer.fit_loop.epoch_loop
+    if "reset" in vars(loop):
+        return
+    reset = loop.reset
+
+    def quiet_reset() -> None:
+        del loop.reset  # once: the class's own from here on
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
+            reset()
+
+    loop.reset = quiet_reset
 
 
 _COUNTERS = ("ready", "started", "processed", "completed")

@@ -66,6 +66,13 @@ def test_reuse_off_is_recorded_and_changes_nothing(monkeypatch):
     }  # fmt: skip
 
 
+def test_restore_undoes_only_what_decide_set(monkeypatch):
+    # Nothing set (reuse off, the user's allocator): nothing to undo, glibc untouched.
+    monkeypatch.setattr(ctypes, "CDLL", no_mallopt)
+    cpu_malloc.decide(reuse=False)
+    assert not cpu_malloc.in_force() and cpu_malloc.restore() is False
+
+
 def no_mallopt(*args):
     raise AssertionError("mallopt must not be called")
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -39,7 +41,9 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
     # Replaced on one trainer's instances by lightning_solo.sigterm (absent: Lightning's check is kept).
-    _TrainingEpochLoop: ("_broadcast_sigterm_tensor",),
+    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),
+    _EvaluationLoop: ("_evaluation_step",),
+    _FitLoop: ("on_advance_end",),
     _SignalConnector: ("_sigterm_notifier_fn",),
 }
 # DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``

@@ -77,6 +77,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
         self._signum: signals.Signals | None = None
         self._previous: Any = None
         self._received = False
+        self._pid = os.getpid()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -94,6 +95,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
             return
         previous = signals.getsignal(signum)
         self._signum, self._previous, self._received = signum, previous, False
+        self._pid = os.getpid()
         signals.signal(signum, self._flag)
         owner = getattr(previous, "__qualname__", None) if callable(previous) else None
         then = f"then {owner}" if owner else "then scontrol requeue"
@@ -102,8 +104,10 @@ class SlurmRequeue(DecisionLog, L.Callback):
         )
 
     def _flag(self, signum: int, frame: Any) -> None:
-        # Only a flag: a collective here would pair with whatever collective another rank is inside.
-        self._received = True
+        # Only a flag: a collective here would pair with whatever collective another rank is inside. SLURM signals
+        # every process of the step: a process forked from the rank (a loader worker) runs a copy, which is not it.
+        if os.getpid() == self._pid:
+            self._received = True
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:

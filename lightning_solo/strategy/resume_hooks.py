@@ -47,7 +47,6 @@ class ExactResumeHooks(SoloStrategyBase):
     _in_optimizer_step = False
     _batch_end_rng: dict[str, Any] | None = None
     _rng_before_first_batch: dict[str, Any] | None = None
-    _quiet_filter: Any = None  # the warning filter of a mid-epoch resume, until its first batch
 
     @property
     def _exact(self) -> bool:
@@ -101,7 +100,7 @@ class ExactResumeHooks(SoloStrategyBase):
                 self._rng_before_first_batch = plan.rng_before_first_batch
                 self._resume_plan = None
                 if plan.mid_epoch:
-                    self._quiet_filter = resume.quiet_not_resumable_warning()
+                    resume.quiet_not_resumable_warning(self.module.trainer)
 
     @override
     def on_train_start(self) -> None:
@@ -113,7 +112,6 @@ class ExactResumeHooks(SoloStrategyBase):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training and not trainer.sanity_checking:
             self._close_loaders()  # (a reload of the loaders between epochs has no on_train_start)
-            self._drop_quiet_filter()
             if (state := self._rng_before_first_batch) is not None:
                 # The first resumed batch starts from the RNG of the checkpoint's step, whatever Lightning did
                 # since the restore (e.g. it built the loader of the validation it fast-forwards).
@@ -150,13 +148,7 @@ class ExactResumeHooks(SoloStrategyBase):
     def teardown(self) -> None:
         # A fit that failed while Lightning handed over its loaders must not leave them open for the next fit.
         self._loaders_open, self._resume_plan, self._rng_before_first_batch = False, None, None
-        self._drop_quiet_filter()
         super().teardown()
-
-    def _drop_quiet_filter(self) -> None:
-        if self._quiet_filter is not None:
-            resume.drop_filter(self._quiet_filter)
-            self._quiet_filter = None
 
     @override
     def on_validation_end(self) -> None:

@@ -105,10 +105,14 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             decision says which). ``False``: Lightning's own training loader and RNG streams, and a mid-epoch
             resume restarts the epoch's data as stock does.
         cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
-            faulting fresh pages in every step (process-wide; left alone where jemalloc/tcmalloc is preloaded or
-            glibc's malloc is set in the environment): :mod:`lightning_solo.cpu_malloc`.
+            faulting fresh pages in every step, until the fit ends (glibc's starting thresholds after it; left
+            alone where jemalloc/tcmalloc is preloaded or glibc's malloc is set in the environment):
+            :mod:`lightning_solo.cpu_malloc`.
         sigterm_agreement: a SIGTERM on any rank stops every rank at the same batch, agreed asynchronously on a
             gloo group (:mod:`lightning_solo.sigterm`); ``False``: Lightning's per-batch broadcast of rank 0's flag.
+        sigterm_checkpoint: on that agreed stop every rank saves ``on_sigterm.ckpt`` in the checkpoint callback's
+            directory, which ``resume=auto`` and ``fit(ckpt_path="auto")`` pick up; ``False``: stop without saving,
+            as stock.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -143,6 +147,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         exact_resume: bool = True,
         cpu_malloc_reuse: bool = True,
         sigterm_agreement: bool = True,
+        sigterm_checkpoint: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -198,6 +203,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         self._exact_resume = check_bool("exact_resume", exact_resume)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
+        self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
         self._decide(
             Decision(
                 "exact_eval",
@@ -255,13 +261,15 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
             self._decide(self._unused.decision)
         super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
-        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+        if trainer.state.fn == TrainerFn.FITTING:
             # Before Lightning registers its signal handlers. Every rank alike: the side channel is made once.
+            group = self._side_channel() if self._sigterm_agreement and self.world_size > 1 else None
             if not self._sigterm_agreement:
                 self._decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
-            elif (group := self._side_channel()) is not None:
-                self._sigterm = SigtermAgreement(group)
+            elif self.world_size == 1 or group is not None:
+                self._sigterm = SigtermAgreement(group, checkpoint=self._sigterm_checkpoint)
                 self._decide(self._sigterm.install(trainer))
+                self._decide(self._sigterm.checkpoint_decision())
             else:
                 self._decide(
                     Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast")
@@ -315,6 +323,12 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
     _sigterm: SigtermAgreement | None = None
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        # Its workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.sigterm).
+        return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
+
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._sigterm is not None:
@@ -331,6 +345,7 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             self._sigterm.uninstall()
             self._sigterm = None
         super().teardown()
+        cpu_malloc.restore()  # the fit's malloc setting ends with it (lightning_solo.cpu_malloc)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,105 @@
+"""No process-wide setting outlives a fit: glibc's malloc (:mod:`lightning_solo.cpu_malloc`) is back at its
+starting values, with the heap the fit kept handed back, and the warning filters are the ones the process had, after
+a fit and a mid-epoch resume on two real ranks; the auto-batch-size memory probe leaves malloc alone where the pack
+does not tune it (``cpu_malloc_reuse=False``, the user's ``MALLOC_*`` settings).
+
+glibc's thresholds cannot be read back, so :mod:`tests.helpers.glibc_malloc` observes them: whether a 4 MiB block
+is mapped on its own (the mmap threshold is at or below it), whether a freed 8 MiB heap top goes back to the kernel
+(the trim threshold is below it), whether glibc still adapts its threshold (no ``mallopt`` call yet)."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.callbacks import SoloCheckpoint
+from tests.helpers import REPO, glibc_malloc
+
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+class _Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
+    os.environ["LOCAL_RANK"] = str(rank)
+    filters = list(warnings.filters)
+    data = TensorDataset(torch.randn(128, 8), torch.randint(0, 2, (128,)))  # 8 batches per rank
+    decisions = {}
+    for max_steps, ckpt_path in ((3, None), (6, f"{out}/step=3.ckpt")):  # the second resumes mid-epoch
+        L.seed_everything(0, verbose=False)
+        checkpoint = SoloCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=SoloDDP(), max_steps=max_steps,
+                            limit_val_batches=2, callbacks=[checkpoint], **QUIET)  # fmt: skip
+        trainer.fit(_Model(), DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=8),
+                    ckpt_path=ckpt_path)  # fmt: skip
+        decisions.update({k: str(v) for k, v in trainer.strategy.decisions.items()})
+    return {
+        "added_filters": [str(f) for f in warnings.filters if f not in filters],
+        "decisions": decisions,
+        "mapped_4m": glibc_malloc.mapped(4 * 2**20),
+        "trims": glibc_malloc.trims(),
+    }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_fit_and_a_resume_leave_no_process_wide_setting_behind(tmp_path):
+    # Before: glibc's mmap threshold stayed at 32 MiB and its trim threshold at 1 GiB for the rest of the process
+    # (a 4 MiB block came from the heap, a freed heap top stayed resident), and a mid-epoch resume added a
+    # process-wide filter for Lightning's "resuming ... before the epoch ended" warning.
+    from tests.distributed import run_ranks
+
+    for rank in run_ranks(_fit_resume_and_observe, 2, str(tmp_path), timeout=140):
+        assert "cpu_malloc = 'reuse freed memory'" in rank["decisions"]["cpu_malloc"], rank["decisions"]
+        assert rank["decisions"]["mid_epoch_resume"].startswith("mid_epoch_resume = 3"), rank["decisions"]
+        assert rank["mapped_4m"] and rank["trims"], rank
+        assert rank["added_filters"] == [], rank["added_filters"]
+
+
+def probe(mode: str, **env: str) -> dict:
+    """The memory probe's session in a fresh process (glibc as it starts; ``MALLOC_*`` are only read then)."""
+    script = REPO / "tests" / "scripts" / "malloc_scope.py"
+    proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, **env})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_the_memory_probe_leaves_malloc_alone_without_the_pack_setting():
+    # cpu_malloc_reuse=False: glibc still adapts its threshold after the probes (before, they fixed it at 32 MiB).
+    off = probe("off")
+    assert off["decision"]["value"] == "unchanged" and off["filters_kept"], off
+    assert off["adaptive"] is True, off
+    # The user's MALLOC_MMAP_THRESHOLD_ stays in force (before, the probes left 32 MiB behind).
+    user = probe("on", MALLOC_MMAP_THRESHOLD_="65536")
+    assert "MALLOC_MMAP_THRESHOLD_" in user["decision"]["reason"], user
+    assert user["after_probe"]["mapped_256k"] and not user["restored"], user
+    # The pack's setting: put back after the probes, and undone by restore().
+    on = probe("on")
+    assert on["decision"]["value"] == "reuse freed memory" and on["restored"], on
+    assert not on["after_probe"]["mapped_4m"] and not on["after_probe"]["trims"], on
+    assert on["after_restore"] == {"mapped_256k": True, "mapped_4m": True, "trims": True}, on
+    assert all(0 < m < 1 for m in off["measured"] + on["measured"]), (off, on)
