@@ -59,7 +59,8 @@ def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
         "added_filters": [str(f) for f in warnings.filters if f not in filters],
         "decisions": decisions,
         "mapped_4m": glibc_malloc.mapped(4 * 2**20),
-        "trims": glibc_malloc.trims(),
+        # Another thread (gloo's, torch's) may take a block above ours once: a kept 1 GiB threshold fails all three.
+        "trims": any(glibc_malloc.trims() for _ in range(3)),
     }
 
 
