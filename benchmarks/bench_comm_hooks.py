@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_solo.comm.hooks import CommHook
+from lightning_solo.ddp.comm.hooks import CommHook
 from lightning_solo.testing import run_ranks
 
 HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_solo.app.data import DigitsDataModule, SyntheticImages
 from lightning_solo.callbacks import WarmupScaledLR
-from lightning_solo.data import DigitsDataModule, SyntheticImages
 
 
 def materialize(n: int, seed: int, offset: int, noise: float, size: int, classes: int) -> TensorDataset:

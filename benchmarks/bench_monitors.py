@@ -27,9 +27,9 @@ import lightning as L
 import torch
 
 from lightning_solo import SoloDDP
+from lightning_solo.app.data import SyntheticDataModule
+from lightning_solo.app.models import ImageClassifier
 from lightning_solo.callbacks import LossWatch, ResourceMonitor
-from lightning_solo.data import SyntheticDataModule
-from lightning_solo.models import ImageClassifier
 
 SETTINGS = {
     "off": [],

@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> dict:
     from lightning.pytorch.plugins.precision import Precision
     from torch.utils.data import DataLoader, Dataset
 
-    from lightning_solo.precision import SoloMixedPrecision, to_channels_last
+    from lightning_solo.ddp.precision import SoloMixedPrecision, to_channels_last
 
     torch.manual_seed(0)
     tf32 = args.precision == "32-tf32"  # strict fp32 otherwise: cuDNN allows TF32 unless told not to

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from lightning_solo import syncbn
+from lightning_solo.ddp import syncbn
 from lightning_solo.testing import run_ranks
 
 

@@ -51,7 +51,7 @@ class _Run:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from lightning_solo.unused import UnusedParameters
+        from lightning_solo.ddp.unused.policy import UnusedParameters
 
         torch.manual_seed(0)
         self.model = _model(head)

@@ -211,7 +211,7 @@ def section_main(args: argparse.Namespace) -> str:
         "### The four contenders",
         "",
         workload_line(args, w, spec)
-        + " The fifth row is the ceiling with SoloDDP's allocator setting (`lightning_solo.cpu_malloc`).",
+        + " The fifth row is the ceiling with SoloDDP's allocator setting (`lightning_solo.core.cpu_malloc`).",
         "",
         "| contender | samples/s median (min–max) | CPU ms per batch (mean of ranks) | page faults per batch | "
         "per-rank peak RSS MB |",
@@ -466,7 +466,7 @@ def _barrier_rank(rank: int, world: int, iters: int) -> dict:
 
     import torch.distributed as dist
 
-    from lightning_solo import comm
+    from lightning_solo.ddp import comm
 
     kinds = {
         "dist.barrier": lambda: dist.barrier(),

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_solo  # noqa: F401 - same imports for every contender
-from lightning_solo.models import build_backbone
+from lightning_solo.app.models import build_backbone
 
 RESULT = "RESULT "
 
@@ -65,7 +65,7 @@ def build_workload(
         x = 0.1 * means[y] + torch.randn(n + 512, width, generator=gen)
         data, held_out = TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
     elif spec["workload"] == "digits":
-        from lightning_solo.data import DigitsDataModule
+        from lightning_solo.app.data import DigitsDataModule
 
         dm = DigitsDataModule()
         dm.setup("fit")
@@ -129,7 +129,7 @@ class Window:
 
 def run_raw(spec: dict, net: nn.Module, data: TensorDataset, window: Window) -> nn.Module:
     if spec.get("cpu_malloc_reuse"):  # the same allocator setting as SoloDDP's, for a like-for-like bound
-        from lightning_solo import cpu_malloc
+        from lightning_solo.core import cpu_malloc
 
         cpu_malloc.decide(reuse=True)
     dist.init_process_group("gloo")
@@ -186,8 +186,10 @@ def replace_everywhere(original: Any, replacement: Any) -> None:
 
 def ablate(what: str) -> None:
     """Switch one of SoloDDP's per-step pieces off, for this benchmark process only."""
-    from lightning_solo import comm, resumable_loader, resume
-    from lightning_solo.decision import Decision
+    from lightning_solo.core.decision import Decision
+    from lightning_solo.ddp import comm
+    from lightning_solo.ddp.resume import loader as resumable_loader
+    from lightning_solo.ddp.resume import record as resume
 
     if what == "no_resumable_loader":  # no ResumableSampler / SeededDataset around the training loader
         replace_everywhere(
@@ -203,7 +205,7 @@ def ablate(what: str) -> None:
         # Lightning's per-batch broadcast instead of SoloDDP's agreement; or no check at all (the bound for any).
         from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-        from lightning_solo.sigterm import SigtermAgreement
+        from lightning_solo.ddp.sigterm import SigtermAgreement
 
         SigtermAgreement.install = lambda self, trainer: Decision("sigterm_check", "lightning", "ablated")
         if what == "no_sigterm_check":
@@ -216,8 +218,9 @@ def ablate(what: str) -> None:
 
 def profile_pieces() -> dict[str, list[float]]:
     """Time SoloDDP's per-step pieces where they are called: ``{name: [seconds, calls]}``."""
-    from lightning_solo import resumable_loader, resume
-    from lightning_solo.unused import UnusedParameters
+    from lightning_solo.ddp.resume import loader as resumable_loader
+    from lightning_solo.ddp.resume import record as resume
+    from lightning_solo.ddp.unused.policy import UnusedParameters
 
     spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 

@@ -179,7 +179,7 @@ def _syncbn_rank(rank: int, world_size: int, device: str) -> dict:
     import torch
     from torch import nn
 
-    from lightning_solo import syncbn
+    from lightning_solo.ddp import syncbn
     from lightning_solo.testing import HostSyncRecorder
 
     if device == "cuda":
@@ -234,7 +234,7 @@ def check_syncbn(device: str) -> tuple[bool, str]:
 def check_rng(device: str) -> tuple[bool, str]:
     import torch
 
-    from lightning_solo import resume
+    from lightning_solo.ddp.resume import record as resume
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -668,8 +668,8 @@ def check_fsdp(device: str) -> tuple[bool, str]:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_solo.consolidate import consolidate
-    from lightning_solo.strategy import SoloFSDP
+    from lightning_solo.fsdp.consolidate import consolidate
+    from lightning_solo.fsdp.strategy import SoloFSDP
 
     class Net(L.LightningModule):
         def __init__(self):

@@ -1,21 +1,23 @@
 """lightning_solo: data-parallel training on 1..N GPUs that is correct and fast by default.
 
-Importing the package registers the strategy names ``"solo_ddp"`` and ``"solo_ddp_notebook"`` with
-Lightning, so ``Trainer(strategy="solo_ddp")`` works as well as ``Trainer(strategy=SoloDDP())``.
+The public API; the layout of the code is in docs/design.md. Importing the package registers the strategy
+names ``"solo_ddp"`` and ``"solo_ddp_notebook"`` with Lightning, so ``Trainer(strategy="solo_ddp")`` works as
+well as ``Trainer(strategy=SoloDDP())``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_solo._version import __version__
 from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
-from lightning_solo.comm.hooks import CommHook
-from lightning_solo.decision import Decision
-from lightning_solo.precision.plugin import SoloMixedPrecision
-from lightning_solo.strategy import SoloDDP, SoloFSDP
-from lightning_solo.syncbn.layer import SoloSyncBatchNorm
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.comm.hooks import CommHook
+from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
+from lightning_solo.ddp.strategy import SoloDDP
+from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
+from lightning_solo.fsdp.strategy import SoloFSDP
 
 SoloDDP.register_strategies(StrategyRegistry)
 
-__version__ = "0.1.0"
 __all__ = [
     "CommHook",
     "Decision",

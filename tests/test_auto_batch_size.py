@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.batch_finder import check_band, search_batch_size
+from lightning_solo.app.run_summary import RunSummary
 from lightning_solo.callbacks import AutoBatchSize, WarmupScaledLR
-from lightning_solo.callbacks.run_summary import RunSummary
+from lightning_solo.callbacks.batch_size.search import check_band, search_batch_size
 from tests.distributed import run_ranks
 
 LOW, HIGH = 0.6, 0.8
@@ -117,7 +117,7 @@ def test_two_ranks_agree_on_a_batch_in_the_band_and_the_lr_follows(tmp_path):
 def test_runner_option_builds_the_callback_and_bad_keys_are_named(tmp_path):
     import hydra
 
-    from lightning_solo.config_check import ConfigError, check_config
+    from lightning_solo.app.config_check import ConfigError, check_config
     from tests.helpers import composed
 
     with composed([], tmp_path) as cfg:

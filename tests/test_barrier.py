@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm.barrier import backend_for, barrier_group, monitored_barrier
-from lightning_solo.preflight import gloo_interface_warning
+from lightning_solo.core.cluster import gloo_interface_warning
+from lightning_solo.ddp.comm.barrier import backend_for, barrier_group, monitored_barrier
 from tests.distributed import run_ranks
 from tests.helpers.modules import TinyModule
 

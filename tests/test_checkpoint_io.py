@@ -15,7 +15,6 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_solo import resume
 from lightning_solo.checkpoint import (
     CheckpointVerificationError,
     SoloCheckpointIO,
@@ -26,6 +25,7 @@ from lightning_solo.checkpoint import (
     resolve_ckpt_path,
     verify,
 )
+from lightning_solo.ddp.resume import record as resume
 
 
 def _ckpt(step: int, size: int = 64) -> dict:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_solo.data import DigitsDataModule
-from lightning_solo.models import SmallCNN
+from lightning_solo.app.data import DigitsDataModule
+from lightning_solo.app.models import SmallCNN
 from tests.helpers import REPO, TINY_RUN, run_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc]

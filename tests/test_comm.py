@@ -1,4 +1,4 @@
-"""Gradient communication hooks (lightning_solo.comm, SoloDDP(comm_hook=...)) in 2 real gloo processes.
+"""Gradient communication hooks (lightning_solo.ddp.comm, SoloDDP(comm_hook=...)) in 2 real gloo processes.
 
 Raw-DDP checks run under tests/distributed.run_ranks and compare every hook with an exact all-reduce computed
 on the side; the Lightning checks go through SoloDDP's fork launcher and write what each rank saw to files
@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from lightning_solo import SoloDDP
-from lightning_solo.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
-from lightning_solo.comm import hooks as hooks_module
-from lightning_solo.comm.hooks import post_local
-from lightning_solo.comm.rank_shards import read, shard_dir
+from lightning_solo.checkpoint.rank_shards import read, shard_dir
+from lightning_solo.ddp.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.ddp.comm import hooks as hooks_module
+from lightning_solo.ddp.comm.hooks import post_local
 from tests.distributed import run_ranks
 from tests.helpers import composed
 from tests.helpers.modules import TinyModule

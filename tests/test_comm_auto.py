@@ -18,14 +18,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import TrainingDoctor
-from lightning_solo.comm import (
+from lightning_solo.ddp.comm import (
     AUTO_CANDIDATES,
     CHECKPOINT_KEY,
     AutoCommHook,
     decide_comm_hook,
     make_comm_hook,
 )
-from lightning_solo.comm.auto import label
+from lightning_solo.ddp.comm.auto import label
 from tests.helpers.records import RankRecorder, read_rank_records, write_rank_record
 
 TRIAL = 2 + 5  # AutoCommHook's default warm-up + timed steps per candidate

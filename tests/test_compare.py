@@ -122,7 +122,7 @@ def test_every_ablation_and_the_profiler_find_what_they_patch():
         "for what in ('no_resumable_loader', 'no_sample_seeding', 'no_rng_capture', 'plain_barrier',\n"
         "             'lightning_sigterm_check', 'no_sigterm_check'):\n"
         "    ablate(what)\n"
-        "from lightning_solo.resumable_loader import SeededDataset\n"
+        "from lightning_solo.ddp.resume.loader import SeededDataset\n"
         "import torch\n"
         "from torch.utils.data import TensorDataset\n"
         "spent = profile_pieces()\n"

@@ -7,8 +7,9 @@ import pytest
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import ConfigKeyError
 
-from lightning_solo.config_check import ConfigError, check_config
-from lightning_solo.preflight import PreflightError, check_devices, check_world_size_env
+from lightning_solo.app.config_check import ConfigError, check_config
+from lightning_solo.app.preflight import check_devices, check_world_size_env
+from lightning_solo.core.cluster import PreflightError
 from tests.helpers import CONF, composed
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""SoloDDP's malloc setting on CPU (:mod:`lightning_solo.cpu_malloc`): a real two-process fit with every default
+"""SoloDDP's malloc setting on CPU (:mod:`lightning_solo.core.cpu_malloc`): a real two-process fit with every default
 on stops faulting fresh pages in at every batch; an allocator the user chose is left alone."""
 
 import ctypes
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from lightning_solo import SoloDDP, cpu_malloc
+from lightning_solo import SoloDDP
+from lightning_solo.core import cpu_malloc
 from tests.helpers import REPO
 
 SCRIPTS = REPO / "tests" / "scripts"

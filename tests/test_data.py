@@ -7,14 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_solo.data import (
+from lightning_solo.app.data import (
     CIFAR10DataModule,
     DigitsDataModule,
     ImageFolderDataModule,
     SyntheticDataModule,
     SyntheticImages,
 )
-from lightning_solo.models import SmallCNN, build_backbone
+from lightning_solo.app.models import SmallCNN, build_backbone
 
 
 def test_synthetic_items_are_a_pure_function_of_seed_and_index():

@@ -23,8 +23,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_solo import SoloDDP
+from lightning_solo.app.run_summary import RunSummary
 from lightning_solo.callbacks import TrainingDoctor
-from lightning_solo.callbacks.run_summary import RunSummary
 from tests.helpers.records import read_rank_records, write_rank_record
 
 PHASE = 8  # optimizer steps per phase, = the doctor's every_n_steps

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from lightning_solo.diagnostics.report import rank_times, summarize, throughput
-from lightning_solo.diagnostics.timing import (
+from lightning_solo.diagnostics.doctor.report import rank_times, summarize, throughput
+from lightning_solo.diagnostics.doctor.timing import (
     COMM,
     DATA,
     FIELDS,
@@ -20,7 +20,7 @@ from lightning_solo.diagnostics.timing import (
     StepTimer,
     recorded_iterations,
 )
-from lightning_solo.diagnostics.verdict import MIN_GAIN, RankTimes, Setup, diagnose
+from lightning_solo.diagnostics.doctor.verdict import MIN_GAIN, RankTimes, Setup, diagnose
 
 CPU = Setup(device="cpu", world_size=2, per_device_batch=32, num_workers=0, idle_cores=3)
 GPU = Setup(device="cuda", world_size=8, per_device_batch=64, num_workers=4, idle_cores=4, pin_memory=True)
@@ -176,7 +176,7 @@ def test_step_timer_splits_host_time_and_keeps_few_bins():
 
 
 def test_the_chart_needs_matplotlib_only_when_it_is_drawn(tmp_path, monkeypatch):
-    from lightning_solo.diagnostics.chart import plot_doctor
+    from lightning_solo.diagnostics.doctor.chart import plot_doctor
 
     rank = {"data_ms": [1.0, 2.0], "compute_ms": [5.0, 5.0], "comm_ms": [1.0, 0.5], "optimizer_ms": [0.5, 0.5],
             "loss": [2.3, None], "steps": [4.0, 4.0]}  # fmt: skip
@@ -226,8 +226,8 @@ def test_cuda_intervals_are_read_back_a_bin_late_and_all_at_a_report():
 def test_the_runner_turns_the_doctor_on_and_checks_its_keys(tmp_path):
     import hydra
 
+    from lightning_solo.app.config_check import ConfigError, check_config
     from lightning_solo.callbacks import TrainingDoctor
-    from lightning_solo.config_check import ConfigError, check_config
     from tests.helpers import composed
 
     with composed(["callbacks.doctor.every_n_steps=100", "data.prefetch_factor=4"], tmp_path) as cfg:
@@ -264,7 +264,7 @@ def test_the_doctor_watches_the_loss_unless_a_loss_watch_of_its_own_runs(tmp_pat
     import lightning as L
 
     from lightning_solo.callbacks import LossWatch, TrainingDoctor
-    from lightning_solo.callbacks.loss_watch import NonFiniteLossError
+    from lightning_solo.diagnostics.loss_watch import NonFiniteLossError
     from tests.helpers.modules import TinyModule
 
     class NaNAtStep3(TinyModule):

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import MeanMetric
 
 from lightning_solo import SoloDDP
+from lightning_solo.app.data import SyntheticDataModule
+from lightning_solo.app.models import ImageClassifier
 from lightning_solo.callbacks.predictions import OrderedPredictions
-from lightning_solo.data import SyntheticDataModule
-from lightning_solo.evaluation import gather_rows, rank_order, write_predictions
-from lightning_solo.models import ImageClassifier
+from lightning_solo.ddp.eval import gather_rows, rank_order, write_predictions
 from tests.distributed import run_ranks
 
 SAMPLES = 101
@@ -156,8 +156,8 @@ def _save(path, step, seed):
 
 
 def test_evaluate_refuses_bad_input_by_name(tmp_path):
-    from lightning_solo.config_check import ConfigError
-    from lightning_solo.evaluate import evaluate
+    from lightning_solo.app.config_check import ConfigError
+    from lightning_solo.app.evaluate import evaluate
     from tests.helpers import composed
 
     for overrides, named in (
@@ -196,7 +196,7 @@ def test_evaluate_auto_takes_the_newest_checkpoint_that_verifies_on_two_processe
     proc = run_cli(
         ["ckpt=auto", "ckpt_dir=train_run", "stages=[validate]", "hydra.run.dir=eval", "data.image_size=8",
          "data.train_size=64", "data.val_size=33", "data.batch_size=8", "trainer.enable_progress_bar=false"],
-        cwd=tmp_path, timeout=170, module="lightning_solo.evaluate",
+        cwd=tmp_path, timeout=170, module="lightning_solo.app.evaluate",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())

@@ -14,10 +14,10 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_solo.app.export import plain_state_dict
+from lightning_solo.app.models.classifier import ImageClassifier
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.checkpoint.io import SoloCheckpointIO
-from lightning_solo.export import plain_state_dict
-from lightning_solo.models.classifier import ImageClassifier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

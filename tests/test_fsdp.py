@@ -14,14 +14,13 @@ import torch
 import torchvision
 from torch import nn
 
+from lightning_solo.app.config_check import check_config
 from lightning_solo.checkpoint import decide_resume
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
-from lightning_solo.config_check import check_config
-from lightning_solo.consolidate import consolidate
-from lightning_solo.consolidate import main as consolidate_main
-from lightning_solo.strategy import SoloFSDP
-from lightning_solo.strategy.fsdp import decide_fsdp_precision, decide_wrap
+from lightning_solo.fsdp.consolidate import consolidate
+from lightning_solo.fsdp.consolidate import main as consolidate_main
+from lightning_solo.fsdp.strategy import SoloFSDP, decide_fsdp_precision, decide_wrap
 from tests.helpers import REPO, TINY_RUN, composed, run_cli
 
 

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import LossWatch
-from lightning_solo.callbacks.loss_watch import NonFiniteLossError, decide_grad_check
-from lightning_solo.diagnostics.loss_watch import LossTrend, rank_spread
+from lightning_solo.diagnostics.loss_trend import LossTrend, rank_spread
+from lightning_solo.diagnostics.loss_watch import NonFiniteLossError, decide_grad_check
 from tests.helpers.records import read_rank_records, write_rank_record
 
 

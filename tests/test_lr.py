@@ -18,7 +18,7 @@ from lightning.pytorch.plugins import Precision
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import WarmupScaledLR
-from lightning_solo.callbacks.lr_schedule import LRSchedule, scale_factor
+from lightning_solo.callbacks.lr.schedule import LRSchedule, scale_factor
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import RankRecorder, read_rank_records
 

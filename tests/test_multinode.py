@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_solo import cluster
-from lightning_solo.config_check import check_config
-from lightning_solo.preflight import PreflightError
+from lightning_solo.app.config_check import check_config
+from lightning_solo.core import cluster
+from lightning_solo.core.cluster import PreflightError
 from tests.helpers import REPO, TINY_RUN, composed
 from tests.helpers.torchrun import torchrun_nodes
 

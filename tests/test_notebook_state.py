@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.callbacks.run_summary import RunSummary
-from lightning_solo.carry import packed_attributes, unpack_attributes
-from lightning_solo.launcher import SoloLauncher, capture
+from lightning_solo.app.run_summary import RunSummary
+from lightning_solo.ddp.carry import packed_attributes, unpack_attributes
+from lightning_solo.ddp.launcher import SoloLauncher, capture
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import RankRecorder, read_rank_records
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from lightning_solo.comm import CHECKPOINT_KEY
+from lightning_solo.ddp.comm import CHECKPOINT_KEY
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc, pytest.mark.slow]
 

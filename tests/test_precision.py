@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.precision import (
+from lightning_solo.ddp.precision import (
     CHECKPOINT_KEY,
     EXTRA_KEY,
     SoloMixedPrecision,

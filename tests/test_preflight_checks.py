@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_solo.app.preflight.machine import check_machine, format_report
 from lightning_solo.callbacks import Preflight
-from lightning_solo.diagnostics.agreement import disagreements, shared_devices
-from lightning_solo.diagnostics.facts import RankFacts, shared_facts
-from lightning_solo.diagnostics.finding import Finding, merge
-from lightning_solo.diagnostics.launch_env import check_backend, check_launch_env
-from lightning_solo.diagnostics.setup_checks import TrainingSetup, check_setup
-from lightning_solo.preflight import PreflightError
-from lightning_solo.preflight.machine import check_machine, format_report
+from lightning_solo.core.cluster import PreflightError
+from lightning_solo.diagnostics.checks.agreement import disagreements, shared_devices
+from lightning_solo.diagnostics.checks.facts import RankFacts, shared_facts
+from lightning_solo.diagnostics.checks.finding import Finding, merge
+from lightning_solo.diagnostics.checks.launch_env import check_backend, check_launch_env
+from lightning_solo.diagnostics.checks.setup_checks import TrainingSetup, check_setup
 from tests.helpers.modules import TinyModule
 
 V = {"torch": "2.14.1", "nccl": "2.27.3", "env.NCCL_PROTO": None}

@@ -16,7 +16,7 @@ import pytest
 import lightning_solo
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import Preflight
-from lightning_solo.preflight import PreflightError
+from lightning_solo.core.cluster import PreflightError
 from tests.distributed import free_port
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import read_rank_records, write_rank_record

@@ -23,7 +23,7 @@ from torch.utils.data import (
     random_split,
 )
 
-from lightning_solo.resumable_loader import SeededDataset, make_resumable
+from lightning_solo.ddp.resume.loader import SeededDataset, make_resumable
 
 Key = SeededDataset.Key
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, WeightedRandomSampler,
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.checkpoint import resolve_ckpt_path, verify
-from lightning_solo.resumable_loader import ResumableSampler
+from lightning_solo.ddp.resume.loader import ResumableSampler
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import RankRecorder, read_rank_records
 
@@ -159,7 +159,7 @@ def test_resumable_sampler_skips_once_and_keeps_its_length():
 def test_cuda_rng_is_saved_and_restored_per_rank_across_device_layouts(monkeypatch):
     """Saved on device 5 of 8 visible GPUs, restored in a process that sees 4 and runs on device 1: only the
     rank's own generator travels, onto the device the rank uses now (all-device restore: IndexError)."""
-    from lightning_solo import resume
+    from lightning_solo.ddp.resume import record as resume
 
     def fake_cuda(count: int, current: int, store: dict):
         def check(device):

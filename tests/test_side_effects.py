@@ -1,4 +1,4 @@
-"""No process-wide setting outlives a fit: glibc's malloc (:mod:`lightning_solo.cpu_malloc`) is back at its
+"""No process-wide setting outlives a fit: glibc's malloc (:mod:`lightning_solo.core.cpu_malloc`) is back at its
 starting values, with the heap the fit kept handed back, and the warning filters are the ones the process had, after
 a fit and a mid-epoch resume on two real ranks; the auto-batch-size memory probe leaves malloc alone where the pack
 does not tune it (``cpu_malloc_reuse=False``, the user's ``MALLOC_*`` settings).

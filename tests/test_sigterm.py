@@ -1,5 +1,5 @@
 """SIGTERM on one rank, or on every process of the job (ranks and loader workers, as SLURM sends it), stops every
-rank at the same batch (:mod:`lightning_solo.sigterm`), in a real two-process fit with the defaults a run has; the
+rank at the same batch (:mod:`lightning_solo.ddp.sigterm`), in a real two-process fit with the defaults a run has; the
 stop saves a checkpoint there, and the run resumes from it as if never stopped."""
 
 import json
@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_solo.checkpoint import read_manifest, verify
-from lightning_solo.sigterm import SigtermAgreement
+from lightning_solo.ddp.sigterm import SigtermAgreement
 from tests.helpers import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "sigterm_fit.py"

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_solo import SoloDDP
-from lightning_solo.launcher import decide_start_method
+from lightning_solo.ddp.launcher import decide_start_method
 
 
 @pytest.fixture

@@ -22,8 +22,10 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_solo import SoloDDP, batch_size, syncbn
-from lightning_solo.syncbn.layer import SoloSyncBatchNorm
+from lightning_solo import SoloDDP
+from lightning_solo.core import batch_size
+from lightning_solo.ddp import syncbn
+from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
 from lightning_solo.testing import HostSyncRecorder
 from tests.distributed import run_ranks
 from tests.helpers.modules import TinyModule

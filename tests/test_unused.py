@@ -1,4 +1,4 @@
-"""find_unused_parameters="auto" (lightning_solo.unused) and the end-of-fit advice (lightning_solo.advice).
+"""find_unused_parameters="auto" (lightning_solo.ddp.unused.policy) and the end-of-fit advice (lightning_solo.ddp.advice).
 
 Raw-DDP scenarios run in 2 real gloo processes (tests/distributed.run_ranks), all in one launch; the
 Lightning checks go through SoloDDP's fork launcher and the harness of tests/helpers/equivalence.py, and compare
@@ -16,8 +16,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_solo import SoloDDP
-from lightning_solo.advice import ddp_advice
-from lightning_solo.unused import UnusedParameters
+from lightning_solo.ddp.advice import ddp_advice
+from lightning_solo.ddp.unused.policy import UnusedParameters
 from tests.distributed import run_ranks
 from tests.helpers import equivalence as eq
 from tests.helpers.equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err, reference

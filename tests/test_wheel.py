@@ -82,7 +82,7 @@ def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
         timeout=300,
     )
     where = subprocess.run(
-        [python, "-c", "import lightning_solo.run as r; print(r.__file__); print(r.config_path())"],
+        [python, "-c", "import lightning_solo.app.run as r; print(r.__file__); print(r.config_path())"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -40,7 +40,7 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     ModelParallelStrategy: ("_configure_launcher",),
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
-    # Replaced on one trainer's instances by lightning_solo.sigterm (absent: Lightning's check is kept).
+    # Replaced on one trainer's instances by lightning_solo.ddp.sigterm (absent: Lightning's check is kept).
     _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),
     _EvaluationLoop: ("_evaluation_step",),
     _FitLoop: ("on_advance_end",),

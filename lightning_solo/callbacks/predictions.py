@@ -8,7 +8,7 @@ Example::
 
 A step's return value is the per-row prediction (a tensor with one row per batch row, padded rows
 included), or a dict holding it under ``key``. Rows are matched to dataset indices through
-:func:`lightning_solo.evaluation.eval_rows`, padded rows are dropped, and every rank's rows are gathered to
+:func:`lightning_solo.ddp.eval.eval_rows`, padded rows are dropped, and every rank's rows are gathered to
 rank 0 (one collective per loader and epoch, on every rank), sorted by index: each sample appears once.
 """
 
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_solo.evaluation import eval_rows, gather_rows, write_predictions
+from lightning_solo.ddp.eval import eval_rows, gather_rows, write_predictions
 
 STAGES = ("val", "test", "predict")
 

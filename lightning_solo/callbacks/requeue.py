@@ -37,11 +37,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_solo import cluster
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
-from lightning_solo.decision import Decision, DecisionLog
-from lightning_solo.validate import check_int
+from lightning_solo.core import cluster
+from lightning_solo.core.checks import check_int
+from lightning_solo.core.decision import Decision, DecisionLog
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
 Example::
 
     import lightning as L
-    from lightning_solo import SoloDDP
+    from lightning_solo.ddp.strategy import SoloDDP
     from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path, verify
 
     trainer = L.Trainer(strategy=SoloDDP())          # SoloCheckpointIO is SoloDDP's default

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint import rank_shards
 from lightning_solo.checkpoint.manifest import (
     CheckpointVerificationError,
     _append_manifest,
@@ -36,8 +37,7 @@ from lightning_solo.checkpoint.manifest import (
     read_manifest,
     verify,
 )
-from lightning_solo.comm import rank_shards
-from lightning_solo.validate import check_bool
+from lightning_solo.core.checks import check_bool
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_solo.ranks import world_size
+from lightning_solo.core.ranks import world_size
 
 MANIFEST_FORMAT = "lightning_solo.checkpoint"
 MANIFEST_VERSION = 1
@@ -74,7 +74,7 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 def _manifest_fields(checkpoint: Any, extra: dict[str, Any]) -> dict[str, Any]:
     import lightning
 
-    from lightning_solo import __version__
+    from lightning_solo._version import __version__
 
     ckpt = checkpoint if isinstance(checkpoint, dict) else {}
     return {

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_solo.checkpoint.io import _TMP_MARK
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
 from lightning_solo.checkpoint.sharded import is_sharded, read_sharded_manifest, verify_sharded
-from lightning_solo.decision import Decision
+from lightning_solo.core.decision import Decision
 
 
 def _candidates(dirpath: str | os.PathLike) -> list[Path]:

@@ -7,9 +7,9 @@ warnings) · ``loss_watch`` (loss trend, spikes, rank spread) · ``resources`` (
 
 Measurements (TrainingDoctor, measured on every rank):
 
-- :mod:`~lightning_solo.diagnostics.timing`: one rank's time split (data wait, forward+backward, optimizer,
+- :mod:`~lightning_solo.diagnostics.doctor.timing`: one rank's time split (data wait, forward+backward, optimizer,
   exposed communication from DDP's reducer) per optimizer step;
-- :mod:`~lightning_solo.diagnostics.verdict`: the pure verdict, measured times → bound and ranked remedies;
-- :mod:`~lightning_solo.diagnostics.report`: the ranks' sums gathered, throughput, straggler, table, JSON;
-- :mod:`~lightning_solo.diagnostics.chart`: ``doctor.png``.
+- :mod:`~lightning_solo.diagnostics.doctor.verdict`: the pure verdict, measured times → bound and ranked remedies;
+- :mod:`~lightning_solo.diagnostics.doctor.report`: the ranks' sums gathered, throughput, straggler, table, JSON;
+- :mod:`~lightning_solo.diagnostics.doctor.chart`: ``doctor.png``.
 """

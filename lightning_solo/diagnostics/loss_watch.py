@@ -1,158 +1,206 @@
-"""The loss watched against its own running trend, and across ranks: pure arithmetic on numbers the
-:class:`~lightning_solo.callbacks.LossWatch` callback collects.
+"""LossWatch: a non-finite loss or gradient on any rank stops every rank before the optimizer step; spikes,
+a climbing trend and a loss that differs between ranks become advice.
+
+Per optimizer step, one SUM all-reduce of three numbers (this rank's loss, whether it had one, whether it or the
+gradient norm is non-finite; torchtitan's MIN of a finite flag, with the mean loss in the same message): every
+rank learns whether any rank failed, so all stop together, before ``optimizer.step()``, naming the step and the
+rank(s) (a gather, only then, says which).
+Every ``spread_every_n_steps`` steps one all-gather of each rank's mean and variance of its own losses flags
+ranks that see differently distributed data. The step counts agree on every rank, so every rank runs the same
+collectives.
+
+A checkpoint keeps the trend (computed from all-reduced losses, so the same on every rank) and the advice given,
+so a resumed run judges its steps as the uninterrupted run would. The rank-spread window starts afresh at the
+resumed step: its losses are each rank's own, and the checkpoint is rank 0's.
 
 Example::
 
-    trend = LossTrend(window=50)
-    for step, loss in enumerate(losses):
-        trend.update(step, loss)       # spikes above the trend, a trend that climbs back, step-to-step see-saw
-    trend.advice()                     # {kind: the line with the fix}
-    rank_spread([0.47, 1.68], [0.01, 0.2], [50, 50], first_step=0, last_step=49)   # a Finding: check the sampler
+    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[LossWatch()])
+    trainer.fit(model, dm)        # NonFiniteLossError on every rank at the first non-finite step
+    trainer.callbacks[0].advice   # spikes, climbs, see-saw, rank spread, each with the fix
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
-from lightning_solo.diagnostics.finding import Finding
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
-_REMEDIES = (
-    "warm the learning rate up (WarmupScaledLR: callbacks.warmup_scaled_lr.warmup_steps), lower it or scale it "
-    "properly for the global batch (rule=sqrt for Adam-like optimizers, model.optimizer.lr), and clip gradients "
-    "(trainer.gradient_clip_val=1.0)"
-)
-
-
-@dataclass
-class LossTrend:
-    """An exponential moving average (span ``window``) of the loss and of its squared deviation.
-
-    - spike: a loss above ``spike_factor`` × the trend and ``spike_sigmas`` deviations above it;
-    - climb: the trend back up by ``rise`` (a fraction) above the lowest it reached;
-    - see-saw: consecutive deviations from the trend anti-correlated below ``seesaw`` and 4 standard errors
-      (~1/sqrt(window) each) below zero (the step overshoots).
-
-    Nothing is judged in the first ``window`` steps, while the averages settle; spikes and climbs only for a
-    positive trend (a loss that can go negative has no meaningful ratio).
-    """
-
-    window: int = 50
-    spike_factor: float = 2.0
-    spike_sigmas: float = 4.0
-    rise: float = 0.25
-    seesaw: float = -0.6
-    mean: float | None = None
-    var: float = 0.0
-    lag_cov: float = 0.0
-    count: int = 0
-    lowest: tuple[float, int] | None = None
-    events: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
-    _last_dev: float = 0.0
-    _climbing: bool = False
-
-    # The running state, as opposed to the settings above (a resumed run may change those).
-    STATE = ("mean", "var", "lag_cov", "count", "lowest", "events", "_last_dev", "_climbing")
-
-    def state_dict(self) -> dict:
-        """The running averages and the events seen: plain numbers, loadable with ``weights_only=True``."""
-        state = {name: getattr(self, name) for name in self.STATE}
-        return {**state, "events": {kind: list(seen) for kind, seen in self.events.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in self.STATE:
-            setattr(self, name, state[name])
-        self.events = {kind: [tuple(e) for e in seen] for kind, seen in state["events"].items()}
-        self.lowest = tuple(self.lowest) if self.lowest is not None else None
-
-    def update(self, step: int, loss: float) -> str | None:
-        """Fold in one step's loss; the kind of event it shows (``"spike"``, ``"climb"``, ``"seesaw"``) or ``None``."""
-        if not math.isfinite(loss):
-            return None
-        if self.mean is None:
-            self.mean, self.count = loss, 1
-            return None
-        alpha = 2.0 / (self.window + 1)
-        dev = loss - self.mean
-        settled = self.count >= self.window
-        event = None
-        if (
-            settled
-            and self.mean > 0
-            and loss > self.spike_factor * self.mean
-            and dev > self.spike_sigmas * math.sqrt(self.var)
-        ):
-            event = "spike"
-        self.mean += alpha * dev
-        self.var = (1 - alpha) * (self.var + alpha * dev * dev)
-        self.lag_cov = (1 - alpha) * self.lag_cov + alpha * dev * self._last_dev
-        self._last_dev, self.count = dev, self.count + 1
-        if settled:
-            if self.lowest is None or self.mean < self.lowest[0]:
-                self.lowest, self._climbing = (self.mean, step), False
-            elif 0 < self.lowest[0] * (1 + self.rise) < self.mean and not self._climbing:
-                self._climbing, event = True, event or "climb"
-            # The estimate's standard error is ~1/sqrt(window): demand 4 of them, so a short window never cries wolf.
-            seesaw = self.var > 0 and self.lag_cov / self.var < min(self.seesaw, -4 / math.sqrt(self.window))
-            if seesaw and self.mean > 0 and "seesaw" not in self.events:
-                event = event or "seesaw"
-        if event is not None:
-            self.events.setdefault(event, []).append((step, loss, self.mean))
-        return event
-
-    def advice(self) -> dict[str, str]:
-        """One line per kind of event seen (``"spike"``, ...), with the fix."""
-        lines = {}
-        if spikes := self.events.get("spike"):
-            step, loss, trend = spikes[0]
-            lines["spike"] = (
-                f"the loss spiked {len(spikes)} time(s) above {self.spike_factor:g}x its running trend (first at "
-                f"step {step}: {loss:.4g} against {trend:.4g}): {_REMEDIES}."
-            )
-        if climbs := self.events.get("climb"):
-            step, _, trend = climbs[0]
-            low, low_step = self.lowest or (trend, step)
-            lines["climb"] = (
-                f"the loss trend climbed back {100 * (trend / low - 1):.0f}% above its lowest ({low:.4g} at step "
-                f"{low_step}, {trend:.4g} at step {step}): the learning rate is likely too high; {_REMEDIES}."
-            )
-        if seesaw := self.events.get("seesaw"):
-            lines["seesaw"] = (
-                f"the loss see-saws from step to step around its trend (from step {seesaw[0][0]}): each step "
-                f"overshoots; {_REMEDIES}."
-            )
-        return lines
+from lightning_solo.core.checks import check_bool, check_int, check_number
+from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.core.ranks import world_size
+from lightning_solo.diagnostics.checks.collectives import gather_rows
+from lightning_solo.diagnostics.loss_trend import LossTrend, rank_spread
 
 
-def rank_spread(
-    means: Sequence[float],
-    variances: Sequence[float],
-    counts: Sequence[int],
-    *,
-    first_step: int,
-    last_step: int,
-    threshold: float = 0.1,
-    z_min: float = 6.0,
-) -> Finding | None:
-    """A warning when the ranks' mean losses over the same steps differ by more than ``threshold`` of their
-    mean and by more than ``z_min`` standard errors (step-to-step noise alone does not do that); else ``None``.
-    ``means[r]``, ``variances[r]``, ``counts[r]``: rank r's step losses over the interval."""
-    ranks = [r for r, n in enumerate(counts) if n > 0 and math.isfinite(means[r])]
-    if len(ranks) < 2:
-        return None
-    low, high = min(ranks, key=lambda r: means[r]), max(ranks, key=lambda r: means[r])
-    overall = sum(means[r] * counts[r] for r in ranks) / sum(counts[r] for r in ranks)
-    spread = means[high] - means[low]
-    error = math.sqrt(variances[high] / counts[high] + variances[low] / counts[low])
-    if abs(overall) < 1e-12 or spread / abs(overall) <= threshold or spread <= z_min * error:
-        return None
-    return Finding(
-        "loss.rank_spread",
-        f"over steps {first_step}-{last_step} rank {high} averaged a loss of {means[high]:.4g} and rank {low} "
-        f"{means[low]:.4g} ({100 * spread / abs(overall):.0f}% of the mean, far beyond step-to-step noise): the "
-        "ranks see differently distributed data. Check the sampler and shuffling: a DistributedSampler with "
-        "shuffle=True (Trainer(use_distributed_sampler=True) adds one), a dataset ordered by label and cut into "
-        "contiguous shards, or per-rank data files.",
-        ranks=(high, low),
+class NonFiniteLossError(FloatingPointError):
+    """A loss or gradient norm was NaN or Inf on some rank; raised on every rank, before the optimizer step."""
+
+
+def decide_grad_check(requested: bool, has_scaler: bool) -> Decision:
+    """Whether the gradient norm is checked too: not under a GradScaler, which skips overflowed steps itself."""
+    if not requested:
+        return Decision("loss_watch.grad_norm", False, "set by the user")
+    if has_scaler:
+        return Decision(
+            "loss_watch.grad_norm",
+            False,
+            "fp16 GradScaler: it skips steps with inf gradients and lowers its scale",
+        )
+    return Decision(
+        "loss_watch.grad_norm", True, "a non-finite gradient norm stops the run like a non-finite loss"
     )
+
+
+class LossWatch(DecisionLog, L.Callback):
+    """``window``: span of the running trend, in steps; ``spread_every_n_steps``: steps between rank-spread
+    checks (0: never); ``spread_threshold``: the spread, as a fraction of the mean loss, worth flagging."""
+
+    def __init__(
+        self,
+        check_grad_norm: bool = True,
+        window: int = 50,
+        spike_factor: float = 2.0,
+        rise: float = 0.25,
+        spread_every_n_steps: int = 50,
+        spread_threshold: float = 0.1,
+    ) -> None:
+        self.check_grad_norm = check_bool("check_grad_norm", check_grad_norm)
+        self.window = check_int("window", window)
+        self.spike_factor = check_number("spike_factor", spike_factor)
+        self.rise = check_number("rise", rise)
+        self.spread_every_n_steps = check_int("spread_every_n_steps", spread_every_n_steps, minimum=0)
+        self.spread_threshold = check_number("spread_threshold", spread_threshold)
+        self.decisions: dict[str, Decision] = {}
+        self._advice: dict[str, str] = {}
+        self.trend = LossTrend(window=window, spike_factor=spike_factor, rise=rise)
+        self._restored: dict[str, Any] | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trend = LossTrend(window=self.window, spike_factor=self.spike_factor, rise=self.rise)
+        self._advice = {}
+        if self._restored is not None:  # loaded from the checkpoint before this hook
+            self.trend.load_state_dict(self._restored["trend"])
+            self._advice, self._restored = dict(self._restored["advice"]), None
+        has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        self._grad_check = self._decide(decide_grad_check(self.check_grad_norm, has_scaler)).value
+        self._step_loss: torch.Tensor | None = None
+        self._reset_spread(trainer.global_step)
+
+    @override
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        # Under accumulation Lightning divides each micro-batch's loss by the count: their sum is the step's mean.
+        loss = loss.detach().float().reshape(())
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        loss, self._step_loss = self._step_loss, None
+        device = trainer.strategy.root_device
+        grad_norm = self._grad_norm(optimizer, device) if self._grad_check else torch.zeros((), device=device)
+        has_loss = loss is not None
+        loss = loss.to(device) if loss is not None else torch.zeros((), device=device)
+        bad = (~torch.isfinite(loss)) | (~torch.isfinite(grad_norm))
+        mine = torch.stack(
+            [torch.where(bad, 0.0, loss), torch.tensor(float(has_loss), device=device), bad.float()]
+        )
+        total = mine.clone()
+        if world_size() > 1:
+            dist.all_reduce(total)  # SUM: the loss over the ranks that had one, and how many ranks failed
+        # One device-to-host copy for this rank's values and the sums.
+        local, _, _, loss_sum, with_loss, failed = torch.cat([mine, total]).tolist()
+        if failed:
+            self._stop(trainer, float(loss), float(grad_norm))
+        step = trainer.global_step
+        if with_loss and self.trend.update(step, loss_sum / with_loss) is not None:
+            for kind, line in self.trend.advice().items():
+                self._advise(kind, line)
+        if has_loss:
+            self._losses.append(local)
+        if self.spread_every_n_steps and (step + 1 - self._spread_start) >= self.spread_every_n_steps:
+            self._check_spread(trainer, step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # As of the last optimizer step (the trend moves only there): a save inside an accumulation cycle holds
+        # no half-summed step loss, and the resume replays that cycle's batches.
+        return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
+
+    def _grad_norm(self, optimizer, device: torch.device) -> torch.Tensor:
+        # Sharded gradients (FSDP's DTensors): this rank's shard; a non-finite value shows on its own rank and the
+        # all-reduced flag stops every rank.
+        grads = [
+            getattr(p.grad, "to_local", lambda g=p.grad: g)()
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(grads).to(device)
+
+    def _stop(self, trainer: L.Trainer, loss: float, grad_norm: float) -> None:
+        """Every rank is here (the all-reduce said some rank failed): gather who, then raise on every rank."""
+        mine = torch.tensor([loss, grad_norm], dtype=torch.float64, device=trainer.strategy.root_device)
+        every = gather_rows(mine).tolist()
+        bad_loss = [r for r, (v, _) in enumerate(every) if not math.isfinite(v)]
+        bad_grad = [r for r, (_, g) in enumerate(every) if not math.isfinite(g)] if self._grad_check else []
+        step = trainer.global_step
+        parts = []
+        if bad_loss:
+            parts.append(f"loss {', '.join(f'{every[r][0]}' for r in bad_loss)} on rank(s) {bad_loss}")
+        if bad_grad:
+            parts.append(f"gradient norm non-finite on rank(s) {bad_grad}")
+        origin = bad_loss or bad_grad
+        raise NonFiniteLossError(
+            f"non-finite values at optimizer step {step} (epoch {trainer.current_epoch}), first on rank(s) {origin}: "
+            f"{'; '.join(parts)}. Every rank stopped before the optimizer step: the weights are those after step "
+            f"{step - 1}. DDP averages gradients, so one rank's NaN reaches every rank's gradients. Check that "
+            f"rank's batch, then {_REMEDY}."
+        )
+
+    def _check_spread(self, trainer: L.Trainer, step: int) -> None:
+        n = len(self._losses)
+        mean = sum(self._losses) / n if n else 0.0
+        var = sum((x - mean) ** 2 for x in self._losses) / max(n - 1, 1)
+        mine = torch.tensor([mean, var, n], dtype=torch.float64, device=trainer.strategy.root_device)
+        every = gather_rows(mine).tolist()
+        found = rank_spread(
+            [e[0] for e in every], [e[1] for e in every], [int(e[2]) for e in every],
+            first_step=self._spread_start, last_step=step, threshold=self.spread_threshold,
+        )  # fmt: skip
+        self._reset_spread(step + 1)
+        if found is not None and "rank_spread" not in self._advice:
+            self._advise("rank_spread", found.message)
+
+    def _reset_spread(self, start: int) -> None:
+        self._spread_start = start
+        self._losses: list[float] = []
+
+    def _advise(self, kind: str, line: str) -> None:
+        if kind not in self._advice:  # said once; the line itself keeps its counts current
+            rank_zero_warn(f"lightning_solo LossWatch: {line}")
+        self._advice[kind] = line
+
+    @property
+    def advice(self) -> list[str]:
+        """What the loss suggests changing, one line per kind of trouble seen (the run summary prints these)."""
+        return list(self._advice.values())
+
+
+_REMEDY = (
+    "lower the learning rate or warm it up (callbacks.warmup_scaled_lr.warmup_steps), clip gradients "
+    "(trainer.gradient_clip_val=1.0), and prefer bf16 to fp16 (parallelism.precision=bf16-mixed)"
+)

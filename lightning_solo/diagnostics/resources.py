@@ -18,7 +18,7 @@ import math
 import psutil
 import torch
 
-from lightning_solo.decision import Decision
+from lightning_solo.core.decision import Decision
 
 CPU_KEYS = ("cpu/system_percent", "cpu/process_percent", "memory/rss_gib")
 GPU_KEYS = ("gpu/util_percent", "gpu/memory_used_gib")

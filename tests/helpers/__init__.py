@@ -49,7 +49,7 @@ def run_cli(
     args: list[str],
     cwd: Path,
     timeout: float,
-    module: str = "lightning_solo.run",
+    module: str = "lightning_solo.app.run",
     python: str = sys.executable,
     full_error: bool = True,
 ) -> subprocess.CompletedProcess:

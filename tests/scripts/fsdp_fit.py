@@ -20,8 +20,8 @@ from user_model import QUIET, Tiny, mlp
 
 from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
 from lightning_solo.checkpoint import resolve_ckpt_path
-from lightning_solo.consolidate import consolidate
-from lightning_solo.strategy import SoloFSDP
+from lightning_solo.fsdp.consolidate import consolidate
+from lightning_solo.fsdp.strategy import SoloFSDP
 
 
 def fit(out: Path, max_steps: int, resume: bool):

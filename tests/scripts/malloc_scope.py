@@ -4,7 +4,7 @@ user's process starts; ``MALLOC_*`` variables are only read then).
     python tests/scripts/malloc_scope.py off|on     # cpu_malloc.decide(reuse=False|True), then a probe session
 
 Prints one JSON object: the ``cpu_malloc`` decision, and what glibc does after the probe session (and, with
-``on``, after :func:`lightning_solo.cpu_malloc.restore` too), observed by :mod:`tests.helpers.glibc_malloc`.
+``on``, after :func:`lightning_solo.core.cpu_malloc.restore` too), observed by :mod:`tests.helpers.glibc_malloc`.
 """
 
 import json
@@ -16,8 +16,8 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_solo import cpu_malloc
-from lightning_solo.memory_probe import MemoryProbe
+from lightning_solo.callbacks.batch_size.probe import MemoryProbe
+from lightning_solo.core import cpu_malloc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
 from tests.helpers import glibc_malloc  # noqa: E402

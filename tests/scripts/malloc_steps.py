@@ -1,6 +1,6 @@
 """DDP steps outside the reducer (as accumulation's ``no_sync`` and post-local-SGD's local steps run them) on
 2 fresh gloo processes, counting each step's page faults: 12 steps with glibc's malloc as a process starts,
-then 12 after :func:`lightning_solo.cpu_malloc.decide`.
+then 12 after :func:`lightning_solo.core.cpu_malloc.decide`.
 
     python tests/scripts/malloc_steps.py OUT_DIR
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_solo import cpu_malloc
+from lightning_solo.core import cpu_malloc
 from lightning_solo.testing import free_port
 
 

@@ -1,0 +1,186 @@
+"""Check a composed config against the signatures of the classes it will build, before anything runs.
+
+Hydra already rejects ``trainer.max_epoch=3`` (not in struct) and unknown group options; this catches
+what gets past it: keys added with ``+``, values of the wrong type (``trainer.max_epochs=abc``), options
+a ``_target_`` does not accept. Each error names the full key and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_solo.core.checks import is_int, is_number
+
+
+class ConfigError(ValueError):
+    """A config key or value that the run cannot use."""
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` naming the first bad key; return quietly otherwise."""
+    container = {}
+    for key in cfg:
+        if key == "hydra":
+            continue
+        try:
+            node = cfg[key]
+            container[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except OmegaConfBaseException as err:
+            where = getattr(err, "full_key", None) or key
+            raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from err
+    _check_parallelism(container.get("parallelism") or {})  # first: its keys feed the strategy's
+    for path, node in _target_nodes(container):
+        _check_node(path, node)
+
+
+def _target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+    if isinstance(node, dict):
+        if "_target_" in node:
+            yield path, node
+        for key, value in node.items():
+            yield from _target_nodes(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _target_nodes(value, f"{path}[{i}]")
+
+
+def _signature(target: str, path: str) -> tuple[Callable, dict[str, inspect.Parameter], dict[str, Any]]:
+    try:
+        obj = get_object(target)
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, ... all mean "cannot find it"
+        raise ConfigError(f"{path}._target_: cannot import {target!r} ({err})") from err
+    params, hints = _parameters(obj)
+    return obj, params, hints
+
+
+def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
+    """``obj``'s parameters and their type hints. A class of this package whose ``__init__`` forwards
+    ``**kwargs`` to its base (the datamodules' loader options) is checked against the base's too."""
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        params = dict(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return {}, {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: skip type checks, keep key checks
+        hints = {}
+    forwarded = [n for n, p in params.items() if p.kind is p.VAR_KEYWORD]
+    base = obj.__mro__[1] if inspect.isclass(obj) and len(obj.__mro__) > 1 else None
+    if forwarded and base is not None and base.__module__.startswith("lightning_solo."):
+        base_params, base_hints = _parameters(base)
+        del params[forwarded[0]]
+        params.update({n: p for n, p in base_params.items() if n not in params})
+        hints = {**base_hints, **hints}
+    return params, hints
+
+
+def _check_node(path: str, node: dict) -> None:
+    obj, params, hints = _signature(node["_target_"], path)
+    if not params:
+        return
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    for key, value in node.items():
+        if key.startswith("_") and key.endswith("_"):
+            continue
+        full = f"{path}.{key}" if path else key
+        if key not in params:
+            if takes_kwargs:
+                continue
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{full}: {node['_target_']} has no option '{key}'.{hint} Accepted: {', '.join(names)}"
+            )
+        if key in hints and not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{full}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})"
+            )
+
+
+def _check_parallelism(par: dict) -> None:
+    allowed = {"accelerator", "devices", "num_nodes", "precision", "strategy"}
+    _, _, hints = _signature("lightning.pytorch.Trainer", "parallelism")
+    for key, value in par.items():
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"parallelism.{key}: unknown option.{hint} Accepted: {', '.join(sorted(allowed))}"
+            )
+        if key == "precision" and value == "auto":
+            continue  # SoloDDP's own rule (bf16 / fp16 / fp32 by device); the Trainer does not know "auto"
+        if key != "strategy" and key in hints and not _matches(value, hints[key]):
+            raise ConfigError(
+                f"parallelism.{key}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})"
+            )
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """A conservative isinstance for annotations: False only when the value clearly cannot fit."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    if isinstance(value, dict) and "_target_" in value:
+        return True  # built by Hydra; its own node is checked separately
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, (bool, int, float, str)):
+            # A plain value must fit one of the plain members; a class member (Tensor, timedelta, ...)
+            # would otherwise accept anything.
+            plain = [
+                a
+                for a in args
+                if _is_plain_type(a) or typing.get_origin(a) is typing.Literal or a is type(None)
+            ]
+            if plain:
+                return any(_matches(value, a) for a in plain)
+        return any(_matches(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if value is None:
+        return False
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return is_int(value)
+    if hint is float:
+        return is_number(value)
+    if hint is str:
+        return isinstance(value, str)
+    base = origin or hint
+    if base in (list, tuple, Sequence, typing.Sequence) or base is set:
+        return isinstance(value, (list, tuple))
+    if base in (dict, Mapping, typing.Mapping):
+        return isinstance(value, dict)
+    if inspect.isclass(base) and isinstance(value, (bool, int, float, str, list, dict)):
+        # A class-typed option given a plain value: fine only if the class is such a value.
+        return isinstance(value, base) or base in (Callable,) or not _is_plain_type(base)
+    return True
+
+
+def _is_plain_type(cls: type) -> bool:
+    return cls in (bool, int, float, str, list, dict, tuple)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,122 @@
+"""The end-of-run summary: one dict (saved as JSON) and a readable table, built from the trainer.
+
+Every number here is read from the running objects, not from the config: world size and batch sizes
+from the trainer and its dataloader, settings and decisions from the strategy and callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_solo.core.batch_size import global_batch
+
+
+def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
+    """Every owner's decisions, one per setting (the strategy also relays its precision plugin's)."""
+    found: dict[str, dict[str, Any]] = {}
+    for owner in (trainer.strategy, trainer.precision_plugin, *trainer.callbacks):
+        for decision in (getattr(owner, "decisions", None) or {}).values():
+            found[decision.setting] = decision.as_dict()
+    return list(found.values())
+
+
+def collect_advice(trainer: L.Trainer) -> list[str]:
+    """The strategy's advice, then each callback's (Preflight's warnings, LossWatch's findings, ...)."""
+    lines: list[str] = []
+    for owner in (trainer.strategy, *trainer.callbacks):
+        lines += [line for line in getattr(owner, "advice", None) or [] if line not in lines]
+    return lines
+
+
+def doctor_summary(trainer: L.Trainer) -> dict[str, Any] | None:
+    """Where TrainingDoctor wrote its report and chart, and its verdict (None without a doctor)."""
+    for callback in trainer.callbacks:
+        files = getattr(callback, "files", None)
+        if files and "json" in files:
+            verdict = (getattr(callback, "report", None) or {}).get("verdict") or {}
+            return {**files, "bound": verdict.get("bound")}
+    return None
+
+
+def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
+    strategy = trainer.strategy
+    settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
+    metrics = {
+        k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
+    }
+    ckpt = trainer.checkpoint_callback
+    batch = global_batch(trainer)
+    return {
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.world_size // max(1, trainer.num_nodes),
+        "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
+        "accelerator": type(trainer.accelerator).__name__,
+        "precision": trainer.precision,
+        "strategy": type(strategy).__name__,
+        "strategy_settings": settings,
+        "decisions": collect_decisions(trainer),
+        "advice": collect_advice(trainer),
+        "doctor": doctor_summary(trainer),
+        "per_device_batch": batch.per_device if batch else None,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "global_batch": batch.size if batch else None,
+        "lr": lr,
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        **timing,
+        "metrics": metrics,
+        "val_acc": metrics.get("val/acc"),
+        "checkpoint_last": getattr(ckpt, "last_model_path", None) or None,
+        "checkpoint_best": getattr(ckpt, "best_model_path", None) or None,
+        "log_dir": trainer.log_dir,
+        "output_dir": trainer.default_root_dir,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    rows = [
+        (
+            "world size",
+            f"{summary['world_size']} = {summary['num_nodes']} node(s) × {summary['devices_per_node']} device(s)"
+            f" ({summary['accelerator']}, {summary['cluster_environment']})",
+        ),
+        ("strategy", summary["strategy"]),
+        *((f"  {k}", fmt(v)) for k, v in summary["strategy_settings"].items()),
+        ("precision", summary["precision"]),
+        ("batch per device", fmt(summary["per_device_batch"])),
+        ("global batch", f"{summary['global_batch']} (accumulate {summary['accumulate_grad_batches']})"),
+        ("learning rate", ", ".join(f"{k} {fmt(v)}" for k, v in summary["lr"].items()) or "-"),
+        ("steps / epochs", f"{summary['global_step']} / {summary['epochs']}"),
+        ("train time", f"{fmt(summary.get('train_seconds', 0.0))} s"),
+        ("throughput", f"{fmt(summary.get('samples_per_second', 0.0))} samples/s (all ranks)"),
+        ("val accuracy", fmt(summary["val_acc"]) if summary["val_acc"] is not None else "-"),
+        ("checkpoint", summary["checkpoint_last"] or summary["checkpoint_best"] or "-"),
+        ("logs", summary["log_dir"] or "-"),
+    ]
+    rows += [("decision", f"{d['setting']} = {d['value']!r}: {d['reason']}") for d in summary["decisions"]]
+    rows += [("advice", line) for line in summary["advice"]]
+    if doctor := summary.get("doctor"):
+        bound = f"{doctor['bound']}-bound: " if doctor.get("bound") else ""
+        rows.append(("doctor", bound + ", ".join(p for p in (doctor["json"], doctor.get("chart")) if p)))
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "=" * 30 + " lightning_solo run summary " + "=" * 30]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("=" * 88)
+    return "\n".join(lines)
+
+
+def save_summary(summary: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str))
+    return path

@@ -1,0 +1,1 @@
+"""AutoBatchSize: the callback, its search (pure), and the memory probe."""

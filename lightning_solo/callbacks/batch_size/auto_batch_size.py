@@ -1,0 +1,118 @@
+"""AutoBatchSize: the per-device batch whose measured peak memory is a target fraction of the device, under DDP.
+
+Example::
+
+    trainer = L.Trainer(devices=4, strategy=SoloDDP(),
+                        callbacks=[AutoBatchSize(fraction=0.7), WarmupScaledLR(reference_batch_size=256)])
+    trainer.fit(model, datamodule)   # datamodule.batch_size set before the loaders, SyncBN and the lr read it
+    trainer.callbacks[0].decisions["per_device_batch_size"]
+
+When fitting starts (the ``setup`` hook: the process group exists, the loaders do not yet), every rank probes
+the same batches (:mod:`lightning_solo.callbacks.batch_size.probe`: the CUDA allocator's peak on GPU, resident-memory growth
+under ``cap_mb`` on CPU) and the largest fraction any rank measured decides each step of the search
+(:mod:`lightning_solo.callbacks.batch_size.search`), so all ranks agree on the smallest fit. The batch goes where the loader
+reads it (the datamodule's or LightningModule's ``batch_size``); the global batch, SyncBN's ``"auto"`` rule and
+WarmupScaledLR's scaled lr follow. A resumed fit keeps the batch it was trained with (saved in the checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_solo.callbacks.batch_size.probe import MemoryProbe
+from lightning_solo.callbacks.batch_size.search import check_band, decide_batch_size, search_batch_size
+from lightning_solo.core.batch_size import per_device_batch_size, set_per_device_batch_size
+from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.decision import Decision, DecisionLog
+
+
+class AutoBatchSize(DecisionLog, Callback):
+    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget.
+
+    Args:
+        fraction: the target share of the budget, 0.7 by default (the band is ``fraction ± tolerance``).
+        tolerance: half the width of the band.
+        cap_mb: the budget in MiB: on CPU what a training step may add to the process (default: the memory
+            available at the start, split between this machine's processes), on GPU instead of the device's memory.
+        max_batch_size: the largest batch to try (default: one rank's share of the training set).
+        max_probes: the most probes (each two training steps) before settling on the best batch seen.
+    """
+
+    def __init__(
+        self,
+        fraction: float = 0.7,
+        tolerance: float = 0.1,
+        cap_mb: float | None = None,
+        max_batch_size: int | None = None,
+        max_probes: int = 8,
+    ) -> None:
+        self.low, self.high = check_band(fraction, tolerance)
+        self.fraction, self.tolerance = fraction, tolerance
+        self.cap_mb = check_number("cap_mb", cap_mb, optional=True)
+        self.max_batch_size = check_int("max_batch_size", max_batch_size, optional=True)
+        self.max_probes = check_int("max_probes", max_probes)
+        self.decisions: dict[str, Decision] = {}
+        self.batch_size: int | None = None
+        self.measured: list[float] = []  # every rank's fraction for the chosen batch
+        self._trainer: L.Trainer | None = None
+
+    def _decide(self, decision: Decision) -> Decision:
+        rank_zero_info(f"[AutoBatchSize] {decision}")
+        return super()._decide(decision)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        source = getattr(trainer, "datamodule", None) or pl_module  # set by Lightning when given one
+        loader = source.train_dataloader()
+        dataset, collate = loader.dataset, loader.collate_fn
+        max_batch = self.max_batch_size or max(1, len(dataset) // trainer.world_size)
+        probe = MemoryProbe(
+            trainer.strategy.root_device,
+            None if self.cap_mb is None else int(self.cap_mb * 2**20),
+            local_processes=trainer.num_devices,
+        )
+        pl_module.to(trainer.strategy.root_device)
+        history: dict[int, list[float]] = {}
+
+        def measure(batch_size: int) -> float:  # the same batch on every rank; the worst rank decides
+            batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
+            batch = trainer.strategy.batch_to_device(batch)
+            local = probe.measure(pl_module, trainer.precision_plugin, batch)
+            shares = trainer.strategy.all_gather(torch.tensor([local], device=trainer.strategy.root_device))
+            history[batch_size] = [float(s) for s in shares.reshape(-1).cpu()]
+            return max(history[batch_size])
+
+        start = per_device_batch_size(trainer) or 1
+        with probe.session(pl_module, trainer):
+            search = search_batch_size(measure, start, self.low, self.high, max_batch, self.max_probes)
+        self.measured = history.get(search.batch, [])
+        budget = f"{probe.cap_bytes / 2**20:.0f} MiB of {probe.kind}"
+        decision = self._decide(decide_batch_size(search, self.low, self.high, self.measured, budget))
+        self._apply(trainer, decision.value)
+
+    def _apply(self, trainer: L.Trainer, batch_size: int) -> None:
+        set_per_device_batch_size(trainer, batch_size)
+        self.batch_size = batch_size
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size} if self.batch_size is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Restored after setup and before the loaders exist: the resumed fit continues at its own batch.
+        saved = state_dict.get("batch_size")
+        if saved is not None and saved != self.batch_size and self._trainer is not None:
+            self._apply(self._trainer, saved)
+            self._decide(
+                Decision("per_device_batch_size", saved, "kept from the checkpoint this fit resumes")
+            )

@@ -1,0 +1,186 @@
+"""Peak memory of one training step at a given per-device batch, as a fraction of a budget (``auto_batch_size``).
+
+A probe runs two training steps of the LightningModule (``training_step``, backward, a step of a throwaway
+optimizer from ``configure_optimizers``) and measures the second, when gradients and optimizer state exist as
+in steady training (the very first probe takes one more step before it, to leave one-time setup out). The
+weights, buffers, gradients and RNG are put back afterwards.
+
+* GPU: the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) over the device's memory (or ``cap``);
+  an out-of-memory error measures ``inf``.
+* CPU: the growth of the process's resident memory during the steps over ``cap`` (default: the memory
+  available now, split between this machine's processes). The peak is the kernel's high-water mark, reset
+  through ``/proc/self/clear_refs`` (Linux), else the highest of psutil samples taken every millisecond.
+  Before each probe ``malloc_trim(0)`` hands the free heap back, so that each probe starts from the same
+  resident memory. Where SoloDDP's malloc setting is in force (:mod:`lightning_solo.core.cpu_malloc`), glibc also maps
+  large blocks directly during the probes (``M_MMAP_THRESHOLD`` at its starting 128 KiB), so freed memory
+  leaves the process at once, and that setting is put back after them. Otherwise (``cpu_malloc_reuse=False``,
+  ``MALLOC_*``/``GLIBC_TUNABLES`` or another allocator chosen by the user, no fit) the thresholds are left as
+  they are: glibc's cannot be given back once set.
+
+Example::
+
+    probe = MemoryProbe(trainer.strategy.root_device, cap_bytes=None, local_processes=trainer.num_devices)
+    with probe.session(pl_module, trainer):
+        probe.measure(pl_module, trainer.precision_plugin, batch)     # e.g. 0.42
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import psutil
+import torch
+
+from lightning_solo.core import cpu_malloc
+
+
+def _status_bytes(field: str) -> int | None:
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return _status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _sampled_peak(process: psutil.Process, peak: list[int]) -> Iterator[None]:
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        peak[0] = max(peak[0], process.memory_info().rss)
+
+
+def _optimizers(config: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (schedulers are ignored)."""
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, Mapping):
+        return _optimizers(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        return [opt for item in config for opt in _optimizers(item)]
+    return []
+
+
+def _training_steps(pl_module: Any, precision_plugin: Any, batch: Any) -> Any:
+    """A training step on ``batch`` with a fresh optimizer of the module's (created at the first step's end)."""
+    optimizers = _optimizers(pl_module.configure_optimizers())
+    if not optimizers:
+        raise ValueError("configure_optimizers() returned no optimizer to probe the training step with")
+
+    def step() -> None:
+        with precision_plugin.train_step_context():
+            output = pl_module.training_step(batch, 0)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+
+    return step
+
+
+class MemoryProbe:
+    """Measures a training step's peak memory on ``device`` as a fraction of the budget (see the module)."""
+
+    def __init__(self, device: torch.device, cap_bytes: int | None, local_processes: int = 1) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if cap_bytes is None:
+            cap_bytes = (
+                torch.cuda.get_device_properties(device).total_memory
+                if self.cuda
+                else psutil.virtual_memory().available // max(1, local_processes)
+            )
+        self.cap_bytes = int(cap_bytes)
+        self.kind = "the GPU's memory" if self.cuda else "the CPU budget (resident memory growth)"
+        self._libc = None if self.cuda else cpu_malloc.glibc()
+        self._warm = False
+
+    @contextlib.contextmanager
+    def session(self, pl_module: Any, trainer: Any) -> Iterator[None]:
+        """Around all probes: the module's state, its link to ``trainer`` and the RNG are restored at the end."""
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
+        training = pl_module.training
+        devices = [self.device] if self.cuda else []
+        # Only the pack's own setting is tuned, and put back: a threshold glibc chose, or the user set, would be
+        # lost for good (see the module docstring).
+        tune = self._libc is not None and cpu_malloc.in_force()
+        if tune:
+            self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.START_MMAP_THRESHOLD)
+        try:
+            with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # self.log without a loop, outside the fit (this block only)
+                pl_module.trainer = None
+                pl_module.train()
+                yield
+        finally:
+            pl_module.trainer = trainer
+            pl_module.train(training)
+            pl_module.load_state_dict(snapshot)
+            pl_module.zero_grad(set_to_none=True)
+            if tune:
+                self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
+
+    def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
+        """The peak of the second of two training steps on ``batch``, as a fraction of the budget."""
+        try:
+            if not self._warm:  # kernels, workspaces and caches set up on first use are no batch's memory
+                _training_steps(pl_module, precision_plugin, batch)()
+                self._warm = True
+            pl_module.zero_grad(set_to_none=True)
+            step = _training_steps(pl_module, precision_plugin, batch)
+            if self.cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
+                step()
+                step()
+                return torch.cuda.max_memory_allocated(self.device) / self.cap_bytes
+            return self._cpu_growth(step) / self.cap_bytes
+        except torch.OutOfMemoryError:
+            return math.inf
+        finally:
+            step = None  # the optimizer state goes with it
+            pl_module.zero_grad(set_to_none=True)
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def _cpu_growth(self, step: Any) -> int:
+        process = psutil.Process()
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        baseline = process.memory_info().rss
+        step()  # allocates the gradients and the optimizer state
+        if _reset_high_water_mark():
+            step()
+            peak = _status_bytes("VmHWM") or 0
+        else:
+            sampled = [0]
+            with _sampled_peak(process, sampled):
+                step()
+            peak = sampled[0]
+        return max(0, peak - baseline)

@@ -1,0 +1,279 @@
+"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math, and the
+options it is built from (checked once, in :class:`ScheduleOptions`).
+
+The lr used at optimizer step ``s`` is ``base_lr × LRSchedule.factor(s)``, where ``base_lr`` is the lr
+as configured (or as the user's own scheduler currently sets it). The multiplier is:
+
+* the batch scale ``k`` (Goyal et al. 2017): ``linear`` → ``G / G_ref``, ``sqrt`` → ``√(G / G_ref)``
+  (for adaptive optimizers such as Adam), ``none`` → 1, with ``G`` the global batch;
+* during warmup (steps ``0 .. W-1``) a straight line from ``start`` to ``k``: the lr rises by the same
+  amount each step, from ``start_factor × base_lr`` (never above the target) to ``k × base_lr``;
+* afterwards ``k × decay(s)``: 1 (``"none"``), a half cosine from 1 to ``min_factor`` over the
+  remaining steps (``"cosine"``), or ``gamma`` per milestone passed (``"step"``).
+
+Example::
+
+    from lightning_solo.callbacks.lr.schedule import LRSchedule, scale_factor
+    k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
+    sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
+    lrs = [0.1 * sched.factor(s) for s in range(10_000)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+
+from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.decision import Decision
+
+RULES = ("linear", "sqrt", "none")
+DECAYS = ("none", "cosine", "step")
+DEFAULT_WARMUP_FRACTION = 0.05
+
+
+def check_rule(rule: str) -> str:
+    if rule not in RULES:
+        raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
+    return rule
+
+
+def check_decay(decay: str) -> str:
+    if decay not in DECAYS:
+        raise ValueError(f"unknown decay {decay!r}; accepted: {', '.join(DECAYS)}")
+    return decay
+
+
+def check_options(
+    rule: str,
+    reference_batch_size: int,
+    warmup: dict[str, float],
+    decay: str,
+    decay_milestones: Sequence[float],
+    **factors: float,
+) -> None:
+    """Everything :class:`~lightning_solo.callbacks.lr.warmup.WarmupScaledLR` is given that this module defines: the
+    rule, the reference batch, the warmup (``warmup``: the one of epochs/steps/fraction given, if any), the
+    decay with its milestones (fractions of the run) and ``factors`` (``start_factor``, ``min_factor``,
+    ``gamma``, checked as :class:`LRSchedule` checks them)."""
+    check_rule(rule)
+    check_int("reference_batch_size", reference_batch_size)
+    check_decay(decay)
+    if len(warmup) > 1:
+        raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {warmup}")
+    if any(v < 0 for v in warmup.values()):
+        raise ValueError(f"warmup length must be >= 0, got {warmup}")
+    if warmup.get("warmup_fraction", 0) > 1:
+        raise ValueError(
+            f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}"
+        )
+    steps = warmup.get("warmup_steps")
+    if steps is not None and int(steps) != steps:
+        raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {steps!r}")
+    milestones = list(decay_milestones)
+    if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
+        raise ValueError(
+            f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}"
+        )
+    if decay == "step" and not milestones:
+        raise ValueError(
+            "decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)"
+        )
+    LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, decay=decay, **factors)  # type: ignore[arg-type]
+
+
+def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
+    """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
+    check_rule(rule)
+    check_int("reference_batch_size", reference_batch)
+    check_number("global batch size", global_batch)
+    ratio = global_batch / reference_batch
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The multiplier applied to the base lr at each optimizer step (see the module docstring).
+
+    ``milestones`` are optimizer steps (``"step"`` decay); ``start_factor`` is relative to the unscaled
+    base lr and is capped at ``scale`` so that warmup never lowers the lr.
+    """
+
+    scale: float
+    warmup_steps: int
+    total_steps: int
+    start_factor: float = 1.0
+    decay: str = "none"
+    min_factor: float = 0.0
+    milestones: Sequence[int] = field(default_factory=tuple)
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_decay(self.decay)
+        if self.scale <= 0:
+            raise ValueError(f"scale must be positive, got {self.scale!r}")
+        if self.total_steps <= 0:
+            raise ValueError(f"total_steps must be positive, got {self.total_steps!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup ({self.warmup_steps} steps) is longer than the run ({self.total_steps} optimizer steps); "
+                "shorten the warmup or train longer"
+            )
+        if not 0.0 <= self.start_factor:
+            raise ValueError(f"start_factor must be >= 0, got {self.start_factor!r}")
+        if not 0.0 <= self.min_factor <= 1.0:
+            raise ValueError(f"min_factor must be in [0, 1], got {self.min_factor!r}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma!r}")
+        if list(self.milestones) != sorted(self.milestones) or any(m < 0 for m in self.milestones):
+            raise ValueError(
+                f"milestones must be increasing optimizer steps >= 0, got {list(self.milestones)!r}"
+            )
+
+    @property
+    def start(self) -> float:
+        """The multiplier at step 0 when warming up."""
+        return min(self.start_factor, self.scale)
+
+    def factor(self, step: int) -> float:
+        """The multiplier for the optimizer step with 0-based index ``step``."""
+        if step < self.warmup_steps:
+            return self.start + (self.scale - self.start) * step / self.warmup_steps
+        return self.scale * self._decay(step)
+
+    def _decay(self, step: int) -> float:
+        if self.decay == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return self.min_factor + (1.0 - self.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "step":
+            return self.gamma ** sum(step >= m for m in self.milestones)
+        return 1.0
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What :class:`~lightning_solo.callbacks.lr.warmup.WarmupScaledLR` is told about the schedule, checked when made
+    (see its arguments). ``warmup``: the one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given,
+    if any; none means 5% of the run."""
+
+    rule: str = "linear"
+    reference_batch_size: int = 256
+    warmup: dict[str, float] = field(default_factory=dict)
+    start_factor: float = 1.0
+    decay: str = "none"
+    decay_milestones: tuple[float, ...] = ()
+    decay_gamma: float = 0.1
+    min_lr_factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_options(
+            self.rule,
+            self.reference_batch_size,
+            self.warmup,
+            self.decay,
+            self.decay_milestones,
+            start_factor=self.start_factor,
+            min_factor=self.min_lr_factor,
+            gamma=self.decay_gamma,
+        )
+
+    @property
+    def warmup_kind(self) -> tuple[str, float]:
+        return next(iter(self.warmup.items()), ("warmup_fraction", DEFAULT_WARMUP_FRACTION))
+
+    @property
+    def open_ended_ok(self) -> bool:
+        """A run with no fixed length is fine: warmup in steps and no decay need no run length."""
+        return self.warmup_kind[0] == "warmup_steps" and self.decay == "none"
+
+    def build(
+        self, global_batch: int, total_steps: int, steps_per_epoch: int | None
+    ) -> tuple[LRSchedule, list[Decision]]:
+        """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
+        scale = scale_factor(self.rule, global_batch, self.reference_batch_size)
+        why = {
+            "linear": f"linear rule: {global_batch} / {self.reference_batch_size}",
+            "sqrt": f"sqrt rule: √({global_batch} / {self.reference_batch_size})",
+            "none": "rule 'none'",
+        }[self.rule]
+        decisions = [Decision("lr_scale", round(scale, 6), why)]
+
+        kind, amount = self.warmup_kind
+        warmup = warmup_length(kind, amount, total_steps, steps_per_epoch)
+        schedule = LRSchedule(
+            scale=scale,
+            warmup_steps=warmup,
+            total_steps=total_steps,
+            start_factor=self.start_factor,
+            decay=self.decay,
+            min_factor=self.min_lr_factor,
+            gamma=self.decay_gamma,
+            milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
+        )
+        origin = "set by the user" if bool(self.warmup) else "default: 5% of the run"
+        decisions.append(
+            Decision(
+                "lr_warmup_steps",
+                warmup,
+                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
+                f"{scale:g}× the configured lr",
+            )
+        )
+        if self.decay != "none":
+            detail = (
+                f"to {self.min_lr_factor:g}× at step {total_steps}"
+                if self.decay == "cosine"
+                else f"× {self.decay_gamma:g} at steps {list(schedule.milestones)}"
+            )
+            decisions.append(Decision("lr_decay", self.decay, f"after warmup, {detail}"))
+        return schedule, decisions
+
+
+def warmup_length(kind: str, amount: float, total_steps: int, steps_per_epoch: int | None) -> int:
+    """Optimizer steps of warmup for ``kind`` (``warmup_steps``/``warmup_epochs``/``warmup_fraction``) ``amount``."""
+    if kind == "warmup_steps":
+        warmup = int(amount)
+    elif kind == "warmup_epochs":
+        if steps_per_epoch is None:
+            raise ValueError("warmup_epochs needs a train dataloader with a length; use warmup_steps instead")
+        warmup = round(amount * steps_per_epoch)
+    else:
+        warmup = round(amount * total_steps)
+    if warmup > total_steps:
+        raise ValueError(
+            f"warmup ({kind}={amount} → {warmup} optimizer steps) is longer than the run "
+            f"({total_steps} optimizer steps); shorten the warmup or train longer"
+        )
+    return warmup
+
+
+def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
+    """The optimizer steps of the whole fit, counted from where the loop stands. ``open_ended_ok``: a run with
+    no fixed length is fine (warmup in steps, no decay) and counts as endless."""
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        if not open_ended_ok:
+            raise ValueError(
+                "the run has no fixed length (max_epochs=-1, max_steps=-1): set max_steps, or use "
+                "warmup_steps with decay='none'"
+            )
+        return 2**62
+    batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
+        # After a resume at another world size the steps already done had other epoch lengths, and SoloDDP
+        # restarts the interrupted epoch on the new shards.
+        per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        by_epochs = (
+            trainer.global_step
+            + math.ceil(max(0, batches - done) / trainer.accumulate_grad_batches)
+            + (max_epochs - trainer.current_epoch - 1) * per_epoch
+        )
+        total = by_epochs if trainer.max_steps < 0 else min(trainer.max_steps, by_epochs)
+    return int(total)

@@ -1,0 +1,301 @@
+"""WarmupScaledLR: scale the learning rate to the global batch, with gradual warmup (Goyal et al. 2017).
+
+Example::
+
+    import lightning as L
+    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo.callbacks import WarmupScaledLR
+
+    lr = WarmupScaledLR(rule="linear", reference_batch_size=256, warmup_epochs=5)
+    trainer = L.Trainer(devices=8, strategy=SoloDDP(), callbacks=[lr], max_epochs=90)
+    trainer.fit(model, datamodule)        # batch 64 per device × 8 devices → lr × 2 after 5 epochs
+    print(lr.decisions)                    # global batch, scale, warmup, composition, re-scaling on resume
+    lr.plot_schedule("lr.png")
+
+How it composes with everything else: the lr the optimizer *steps with* is ``user_lr × factor(step)``,
+where ``user_lr`` is the lr the user configured, as their own scheduler (if any) has moved it, and
+``factor`` is :class:`~lightning_solo.callbacks.lr.schedule.LRSchedule` (scale × warmup × built-in decay), taken at
+``trainer.global_step``. The param groups hold the applied lr from the start of each batch through the
+optimizer's update (``LearningRateMonitor``, ``training_step`` and the update all see it); an optimizer
+step post-hook then puts ``user_lr`` back, so schedulers step on their own values (chainable ones never
+compound the factor) and checkpoints written after a step hold the user's lr. The callback state keeps
+``user_lr`` too, and is applied in ``on_train_start``, after Lightning has restored the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_solo.callbacks.lr.groups import ScaledParamGroups, lr_names
+from lightning_solo.callbacks.lr.plot import plot_schedule
+from lightning_solo.callbacks.lr.schedule import (
+    LRSchedule,
+    ScheduleOptions,
+    total_optimizer_steps,
+)
+from lightning_solo.core.batch_size import global_batch
+from lightning_solo.core.checks import check_int
+from lightning_solo.core.decision import Decision, DecisionLog
+
+
+class WarmupScaledLR(DecisionLog, Callback):
+    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe.
+
+    Args:
+        rule: ``"linear"`` (SGD; lr × G/G_ref), ``"sqrt"`` (adaptive optimizers; lr × √(G/G_ref)) or
+            ``"none"`` (keep the lr, only warm up / decay).
+        reference_batch_size: the global batch ``G_ref`` at which the configured lr is right.
+        warmup_epochs, warmup_steps, warmup_fraction: at most one; the warmup length in epochs, optimizer
+            steps, or as a fraction of the run. None of them: 5% of the run. ``0`` disables warmup.
+        start_factor: warmup starts at ``start_factor × configured lr`` (1.0: from the unscaled lr, as in
+            Goyal et al.), never above the scaled target.
+        decay: after warmup, ``"none"`` (keep the scaled lr; your own scheduler still applies),
+            ``"cosine"`` (to ``min_lr_factor`` × the scaled lr at the end of the run) or ``"step"``
+            (× ``decay_gamma`` at each of ``decay_milestones``, given as fractions of the run).
+        per_device_batch_size: only for loaders that do not expose a batch size (pre-batched iterables,
+            several train loaders); otherwise the train dataloader's batch size is used.
+        log_lr: log the applied lr each step as ``lr-<Optimizer>`` (skipped when a ``LearningRateMonitor``
+            is present: it reads the same values, under the same names).
+    """
+
+    def __init__(
+        self,
+        rule: str = "linear",
+        reference_batch_size: int = 256,
+        warmup_epochs: float | None = None,
+        warmup_steps: int | None = None,
+        warmup_fraction: float | None = None,
+        start_factor: float = 1.0,
+        decay: str = "none",
+        decay_milestones: Sequence[float] = (),
+        decay_gamma: float = 0.1,
+        min_lr_factor: float = 0.0,
+        per_device_batch_size: int | None = None,
+        log_lr: bool = True,
+    ) -> None:
+        warmup = {
+            "warmup_epochs": warmup_epochs,
+            "warmup_steps": warmup_steps,
+            "warmup_fraction": warmup_fraction,
+        }
+        # Validated here so that a bad value fails at construction, not at the first step.
+        self.options = ScheduleOptions(
+            rule=rule,
+            reference_batch_size=reference_batch_size,
+            warmup={k: v for k, v in warmup.items() if v is not None},
+            start_factor=start_factor,
+            decay=decay,
+            decay_milestones=tuple(decay_milestones or ()),
+            decay_gamma=decay_gamma,
+            min_lr_factor=min_lr_factor,
+        )
+        check_int("per_device_batch_size", per_device_batch_size, optional=True)
+        self.per_device_batch_size = per_device_batch_size
+        self.log_lr = log_lr
+
+        self.decisions: dict[str, Decision] = {}
+        self.schedule: LRSchedule | None = None
+        self.global_batch: int | None = None
+        self.steps_per_epoch: int | None = None
+        # Per optimizer, per param group: the lr as the user configured it.
+        self._base_lrs: list[list[float]] | None = None
+        self._groups: ScaledParamGroups | None = None  # the factor applied around each step, during a fit
+        self._restored: dict[str, Any] | None = None
+        self._names: list[list[str]] = []
+        self._batch_parts: dict[str, int] = {}
+        self._log = log_lr
+
+    def _decide(self, decision: Decision) -> Decision:
+        rank_zero_info(f"[WarmupScaledLR] {decision}")
+        return super()._decide(decision)
+
+    # ---------------------------------------------------------------- resolving the schedule
+
+    def global_batch_size(self, trainer: L.Trainer) -> Decision:
+        """Per-device batch (from the train dataloader) × devices × nodes × accumulation steps."""
+        batch = global_batch(trainer, self.per_device_batch_size)
+        if batch is None:
+            raise ValueError(
+                f"cannot read a batch size from the train dataloader ({type(trainer.train_dataloader).__name__}); "
+                "pass WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
+            )
+        self._batch_parts = {"per_device_batch": batch.per_device, "world_size": batch.world_size,
+                             "accumulate": batch.accumulate}  # fmt: skip
+        return batch.decision("lr_global_batch")
+
+    def build_schedule(
+        self, global_batch: int, total_steps: int, steps_per_epoch: int | None
+    ) -> tuple[LRSchedule, list[Decision]]:
+        """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
+        return self.options.build(global_batch, total_steps, steps_per_epoch)
+
+    # ---------------------------------------------------------------- Lightning hooks
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # LearningRateMonitor reads param_group["lr"] at batch start; it must run after we set it there.
+        # pop/insert moves us to an earlier, already visited slot, so the hook loop skips no callback.
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        monitors = [i for i, cb in enumerate(callbacks) if isinstance(cb, LearningRateMonitor)]
+        me = next(i for i, cb in enumerate(callbacks) if cb is self)
+        if monitors and monitors[0] < me:
+            callbacks.insert(monitors[0], callbacks.pop(me))
+        self._log = self.log_lr and not monitors
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Runs after restore_training_state, so nothing restored later can overwrite what is set here.
+        self.decisions = {}
+        batch = self.global_batch_size(trainer)
+        self.global_batch = batch.value
+        self._decide(batch)
+        batches = trainer.num_training_batches
+        self.steps_per_epoch = (
+            None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
+        )
+        self.schedule, decisions = self.build_schedule(
+            batch.value,
+            total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
+            self.steps_per_epoch,
+        )
+        for decision in decisions:
+            self._decide(decision)
+
+        groups = [[g for g in opt.param_groups] for opt in trainer.optimizers]
+        if self._restored is not None:
+            user_lrs = self._resume(groups, self._restored)
+            self._restored = None
+        else:  # a fresh fit (also a second fit with this callback): the optimizer as configured
+            self._base_lrs = [[g.get("initial_lr", g["lr"]) for g in gs] for gs in groups]
+            user_lrs = [[g["lr"] for g in gs] for gs in groups]
+        self._decide(Decision("lr_base", self._base_lrs, "the optimizer's lr as configured, per param group"))
+        if trainer.lr_scheduler_configs:
+            names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
+            self._decide(Decision("lr_user_scheduler", names, "composed: each step uses its lr × the factor"))
+        schedule = self.schedule
+        self._groups = ScaledParamGroups(
+            trainer.optimizers, user_lrs, factor=lambda: schedule.factor(trainer.global_step)
+        )
+        self._names = lr_names(trainer.optimizers)
+
+    def _resume(self, groups: list[list[dict]], saved: dict[str, Any]) -> list[list[float]]:
+        assert self.schedule is not None  # built in on_train_start, before this
+        if [len(gs) for gs in groups] != [len(lrs) for lrs in saved["user_lrs"]]:
+            raise ValueError(
+                f"the checkpoint's WarmupScaledLR state has param groups {[len(x) for x in saved['user_lrs']]}, "
+                f"the optimizers now have {[len(gs) for gs in groups]}"
+            )
+        self._base_lrs = saved["base_lrs"]
+        old, new = saved["global_batch"], self.global_batch
+        old_scale, new_scale = saved["scale"], self.schedule.scale
+        if old != new or old_scale != new_scale:
+            why = (
+                f"the checkpoint was trained at global batch {old} (world size {saved['world_size']}), this run "
+                f"has {new} (world size {self._batch_parts['world_size']})"
+                if old != new
+                else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
+                f"{self.options.rule}/{self.options.reference_batch_size}"
+            )
+            self._decide(
+                Decision(
+                    "lr_rescaled_on_resume",
+                    {"global_batch": [old, new], "scale": [old_scale, new_scale]},
+                    f"{why}: lr scale {old_scale:g} → {new_scale:g}",
+                )
+            )
+        return [list(lrs) for lrs in saved["user_lrs"]]
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._groups is not None:
+            self._groups.apply_all()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._groups is not None:
+            self._groups.apply_all()
+        if self._log:
+            for opt, names in zip(trainer.optimizers, self._names):
+                for g, name in zip(opt.param_groups, names):
+                    pl_module.log(name, g["lr"], on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        # Usually this runs inside optimizer.step (Lightning passes the closure to it), between our pre-hook
+        # and the update: leave the lr alone. Outside a step it is AMP's GradScaler path (closure first,
+        # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's
+        # lr so that a scheduler stepping after a skipped step never sees the factor; the pre-hook
+        # applies it again if the step does happen.
+        if self._groups is not None:
+            self._groups.unapply_outside_step(optimizer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._groups is not None:
+            self._groups.unapply_all()
+            self._groups.remove()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._groups is not None:
+            self._groups.remove()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._groups is None or self.schedule is None:
+            return {}
+        return {
+            "base_lrs": self._base_lrs,
+            "user_lrs": self._groups.current_user_lrs(),
+            "global_batch": self.global_batch,
+            "scale": self.schedule.scale,
+            **self._batch_parts,
+            "rule": self.options.rule,
+            "reference_batch_size": self.options.reference_batch_size,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._restored = dict(state_dict)
+
+    # ---------------------------------------------------------------- plotting
+
+    def plot_schedule(
+        self,
+        path: str | Path,
+        global_batch: int | None = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        base_lr: float | None = None,
+    ) -> Path:
+        """PNG of the lr over the run: the schedule of the last fit, or the one for ``global_batch`` and
+        ``total_steps`` (to see a planned run before training)."""
+        if global_batch is None and total_steps is None and self.schedule is not None:
+            schedule, steps_per_epoch = self.schedule, steps_per_epoch or self.steps_per_epoch
+        elif global_batch is None or total_steps is None:
+            raise ValueError("before fit, plot_schedule needs global_batch and total_steps")
+        else:
+            schedule, _ = self.build_schedule(global_batch, total_steps, steps_per_epoch)
+        if base_lr is None:
+            base_lr = self._base_lrs[0][0] if self._base_lrs else 1.0
+        return plot_schedule(
+            path,
+            schedule,
+            base_lr=base_lr,
+            steps_per_epoch=steps_per_epoch,
+            title=f"{self.options.rule} scaling ×{schedule.scale:g} for global batch "
+            f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
+        )

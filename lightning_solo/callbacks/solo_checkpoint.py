@@ -1,0 +1,281 @@
+"""SoloCheckpoint: Lightning's ModelCheckpoint made safe under DDP and against crashes.
+
+Example::
+
+    import lightning as L
+    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo.callbacks import SoloCheckpoint
+    from lightning_solo.checkpoint import resolve_ckpt_path
+
+    ckpt = SoloCheckpoint(dirpath="ckpts", every_n_train_steps=100, keep_last_k=3, save_on_exception=True)
+    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ckpt])
+    trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "ckpts"))   # newest checkpoint that verifies
+
+What it changes over ``ModelCheckpoint`` (paired with SoloDDP's default ``SoloCheckpointIO``):
+
+* ``last.ckpt`` (``save_last=True`` by default) is replaced atomically by a file that verified, and
+  ``save_last="link"`` swaps its symlink atomically too;
+* a checkpoint is deleted (keep-last-k, best-k rotation) only once its successor is on disk intact, so
+  the only good checkpoint is never the one removed;
+* ``keep_last_k=k`` keeps the newest ``k`` checkpoints (by global step) without a metric;
+* the save decisions stay collective on every rank, including "is the monitored metric there at all";
+* ``save_on_exception=True`` never enters a collective: the failing rank cannot know what the others
+  are blocked in, so only rank 0 saves, from its own state, with no barrier, under a time limit, to
+  ``on_exception.ckpt`` (never to ``last``: the state may be mid-step); other ranks and a save that
+  cannot finish give up quietly. The original exception always propagates (Lightning #20187).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
+from lightning_solo.checkpoint.manifest import read_manifest
+from lightning_solo.checkpoint.sharded import read_sharded_manifest
+from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.decision import Decision, DecisionLog
+
+log = logging.getLogger(__name__)
+
+
+class SoloCheckpoint(DecisionLog, ModelCheckpoint):
+    """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is
+    rank-symmetric, crash-safe and exception-safe.
+
+    Args:
+        keep_last_k: keep the ``k`` newest checkpoints by global step (shorthand for
+            ``monitor="step", mode="max", save_top_k=k``); cannot be combined with ``monitor``.
+        save_last: ``True`` by default: ``last.ckpt`` is what auto-resume and humans look for.
+        save_on_exception: on an exception, rank 0 writes ``on_exception.ckpt`` from its local state, with no
+            collective (see the module docstring); auto-resume ignores it unless asked.
+        exception_save_timeout_s: how long that save may take before it is abandoned.
+    """
+
+    EXCEPTION_NAME = "on_exception"
+
+    # ModelCheckpoint's arguments are spelled out (not **kwargs) so that config checks see a typo.
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | Literal["link"] | None = True,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
+        keep_last_k: int | None = None,
+        exception_save_timeout_s: float = 60.0,
+    ) -> None:
+        if keep_last_k is not None:
+            check_int("keep_last_k", keep_last_k)
+            if monitor is not None:
+                raise ValueError(
+                    f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
+                    f" monitor={monitor!r}; use save_top_k for the best k by a metric"
+                )
+            if save_top_k != 1 or mode != "min":
+                raise ValueError(
+                    "keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode"
+                )
+            monitor, mode, save_top_k = "step", "max", keep_last_k
+        if save_last not in (True, False, None, "link"):
+            raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
+        check_number("exception_save_timeout_s", exception_save_timeout_s)
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        self.keep_last_k = keep_last_k
+        self.exception_save_timeout_s = float(exception_save_timeout_s)
+        self.decisions: dict[str, Decision] = {}
+        self.exception_checkpoint_path: str | None = None
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, SoloCheckpointIO):
+            self._decide(
+                Decision("checkpoint_io", "SoloCheckpointIO", "atomic same-directory writes, fsync, manifest")
+            )
+        else:
+            self._decide(Decision("checkpoint_io", type(io).__name__, "set by the user"))
+            rank_zero_warn(
+                f"SoloCheckpoint with {type(io).__name__}: writes are not atomic and carry no manifest;"
+                " use SoloDDP (or plugins=[SoloCheckpointIO()]) for crash-safe checkpoints"
+            )
+        if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
+            stale_after_s = io.stale_after_s if isinstance(io, SoloCheckpointIO) else 3600.0
+            removed = clean_stale_temp_files(self.dirpath, stale_after_s)
+            if removed:
+                self._decide(
+                    Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed")
+                )
+
+    # -- rank symmetry ------------------------------------------------------------------------------------
+
+    @override
+    def check_monitor_top_k(self, trainer, current: torch.Tensor | None = None) -> bool:
+        # The parent returns early when the metric is missing, before its collective: a metric logged on
+        # some ranks only would leave the others waiting in reduce_boolean_decision. Agree on presence first.
+        if not trainer.strategy.reduce_boolean_decision(current is not None, all=True):
+            return False
+        return super().check_monitor_top_k(trainer, current)
+
+    # -- `last` is the newest state ---------------------------------------------------------------------------
+
+    # Lightning 2.6 writes `last` only in a step where it also wrote a top-k checkpoint, so once the monitored
+    # metric stops improving `last` falls behind and a resume would lose that work. Both hooks run on every
+    # rank (the save is collective).
+    @override
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    @override
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_saved_step = trainer.global_step
+
+    def _refresh_last(self, trainer) -> None:
+        if (
+            not self.save_last
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+            or getattr(self, "_last_saved_step", None) == trainer.global_step
+        ):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    # -- never delete the only good checkpoint -------------------------------------------------------------
+
+    @override
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        successor = self._last_checkpoint_saved
+        if trainer.is_global_zero and not _intact(trainer, successor, filepath):
+            rank_zero_warn(f"keeping {filepath!r}: its successor {successor!r} is missing or damaged")
+            return
+        super()._remove_checkpoint(trainer, filepath)
+
+    @staticmethod
+    @override
+    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        # The parent removes the old link and then creates the new one; a crash in between leaves no
+        # `last` at all. A new link under a temporary name, renamed over the old one, is atomic.
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                raise ValueError(f"cannot replace directory {linkpath!r} with a link to the last checkpoint")
+            tmp = f"{linkpath}.{os.getpid()}.link-tmp"
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+            os.replace(tmp, linkpath)
+            _fsync_dir(
+                os.path.dirname(os.path.abspath(linkpath))
+            )  # the swap itself must survive a power loss
+        trainer.strategy.barrier()
+
+    # -- exceptions -----------------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Deliberately not the parent's: it calls trainer.save_checkpoint (a barrier) and file_exists (an
+        # all-reduce) on the failing rank alone, which hangs until the process-group timeout (#20187).
+        if not self._should_save_on_exception(trainer) or not trainer.is_global_zero or self.dirpath is None:
+            return
+        if trainer.world_size > 1 and not torch.distributed.is_initialized():
+            return  # the parent of fork/spawn workers: it holds no training state of this fit
+        path = os.path.join(self.dirpath, self.EXCEPTION_NAME + self.FILE_EXTENSION)
+        outcome: dict[str, BaseException | None] = {}
+
+        def save() -> None:
+            try:
+                checkpoint = lightning_compat.dump_checkpoint(trainer, self.save_weights_only)
+                if hasattr(
+                    trainer.strategy, "add_resume_state"
+                ):  # SoloDDP: what every other checkpoint carries
+                    trainer.strategy.add_resume_state(checkpoint, collective=False)
+                io = trainer.strategy.checkpoint_io
+                if isinstance(io, SoloCheckpointIO):
+                    note = {
+                        "trigger": "exception",
+                        "exception": f"{type(exception).__name__}: {exception}"[:500],
+                    }
+                    io.save_checkpoint(checkpoint, path, storage_options=note)
+                else:
+                    io.save_checkpoint(checkpoint, path)
+                outcome["error"] = None
+            except BaseException as err:  # noqa: BLE001 - reported below; the original exception wins
+                outcome["error"] = err
+
+        # A thread, because a LightningModule/callback hook inside dump_checkpoint could still wait on the
+        # other ranks; the training exception must surface even then.
+        worker = threading.Thread(target=save, name="solo-exception-checkpoint", daemon=True)
+        worker.start()
+        worker.join(self.exception_save_timeout_s)
+        if "error" not in outcome:
+            log.warning(
+                "gave up saving %s after %.0f s (a hook waited on other ranks)",
+                path,
+                self.exception_save_timeout_s,
+            )
+        elif outcome["error"] is not None:
+            log.warning("could not save %s: %r", path, outcome["error"])
+        else:
+            self.exception_checkpoint_path = path
+            log.warning("saved %s after %s: %s", path, type(exception).__name__, exception)
+
+
+def _intact(trainer, successor: str | None, filepath: str) -> bool:
+    if not successor or os.path.abspath(successor) == os.path.abspath(filepath):
+        return False
+    if os.path.isdir(successor):  # a sharded checkpoint (SoloFSDP): swapped in whole once complete
+        return read_sharded_manifest(successor) is not None
+    if not os.path.isfile(successor):
+        return False
+    if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):
+        # The IO verified the file before renaming it into place; its manifest still being readable at the
+        # end of the file is the cheap check that nothing truncated it since.
+        return read_manifest(successor) is not None
+    return os.path.getsize(successor) > 0

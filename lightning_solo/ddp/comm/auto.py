@@ -1,0 +1,221 @@
+"""``comm_hook="auto"``: try exact all-reduce and each compression hook for a few steps, keep the fastest.
+
+Whether fp16/bf16 compression or PowerSGD pays depends on the link, the model and the device: over gloo on
+one machine they measured slower than exact all-reduce (benchmarks/RESULTS.md), across nodes they can win
+big. So measure: at the start of training each candidate runs ``warmup_steps`` untimed steps and then
+``trial_steps`` timed ones (batch start → end of the optimizer step; on CUDA synchronised, during the trial
+only). DDP accepts one comm hook per wrapper, so SoloDDP re-wraps DDP between candidates. Each timed step is
+reduced with MAX over the ranks (a step takes as long as its slowest rank), a candidate's time is its fastest
+such step (other jobs on the machine only ever add time), and every rank takes the same argmin of the same
+numbers (:func:`decide_comm_hook`); a hook must beat exact all-reduce by ``min_gain`` to be kept, for the
+precision it costs. The trial changes the gradients' rounding for a few dozen steps at most.
+
+A checkpoint holds the choice, which a resume keeps without measuring again, or the trial's progress (the
+candidate, its step, its hook's state and the times so far), which a resume continues: either way the resumed
+run registers the hooks the uninterrupted one would have. With other candidates or another number of ranks
+the trial starts again.
+
+Example::
+
+    strategy = SoloDDP(comm_hook="auto")
+    trainer.fit(model)
+    strategy.decisions["comm_hook"]       # value None (exact) or the hook; the measured times in the reason
+    strategy._comm.measured_ms            # {"exact": 12.1, "fp16": 12.9, "bf16": 12.6, "powersgd": 19.8}
+"""
+
+# No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.comm.hooks import CommHook
+
+AUTO_CANDIDATES = (None, "fp16", "bf16", "powersgd")  # post-local-SGD changes the optimisation: never tried
+_TRIAL_POWERSGD_START = 2  # compress from the third step, so that the timed steps measure the compression
+_NOT_MEASURED_AGAIN = "; chosen before the checkpoint, not measured again"
+
+
+def label(name: str | None) -> str:
+    return "exact" if name is None else name
+
+
+def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> Decision:
+    """The hook to keep from the measured ms per step (``"exact"`` among them): the fastest, but a hook only
+    when it is at least ``min_gain`` faster than exact all-reduce."""
+    table = ", ".join(f"{name} {ms:.2f}" for name, ms in measured_ms.items())
+    where = f"ms per step, the fastest step of the slowest rank: {table}"
+    fastest = min(measured_ms, key=measured_ms.__getitem__)
+    exact = measured_ms.get("exact")
+    if fastest == "exact" or (exact is not None and measured_ms[fastest] > exact * (1 - min_gain)):
+        return Decision(
+            "comm_hook", None, f"auto: kept exact all-reduce, no hook was {min_gain:.0%} faster ({where})"
+        )
+    return Decision("comm_hook", fastest, f"auto: {fastest} was the fastest ({where})")
+
+
+def make_comm_hook(name: str | None, **options: Any) -> CommHook:
+    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook`."""
+    return AutoCommHook(**options) if name == "auto" else CommHook(name, **options)
+
+
+class AutoCommHook(CommHook):
+    """A :class:`CommHook` whose hook is chosen by measurement during the first steps (see the module doc).
+
+    Args:
+        candidates: the hooks tried, ``None`` being exact all-reduce.
+        warmup_steps: untimed steps per candidate (the re-wrap's bucket rebuild, PowerSGD's exact start).
+        trial_steps: timed steps per candidate.
+        min_gain: how much faster than exact all-reduce a hook must be to be kept.
+        **options: :class:`CommHook`'s (``powersgd_rank``, ``powersgd_start_iter``, ...) for the chosen hook.
+    """
+
+    def __init__(
+        self,
+        candidates: tuple[str | None, ...] = AUTO_CANDIDATES,
+        *,
+        warmup_steps: int = 2,
+        trial_steps: int = 5,
+        min_gain: float = 0.05,
+        **options: Any,
+    ) -> None:
+        super().__init__(None, **options)
+        for name in candidates:
+            CommHook(name)  # the same check of each name
+        self.candidates = tuple(dict.fromkeys((None, *candidates)))  # exact first, always measured
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.trial_steps = check_int("trial_steps", trial_steps)
+        self.min_gain = check_number("min_gain", min_gain, positive=False)
+        self._start_iter = self.powersgd_start_iter
+        self.measured_ms: dict[str, float] = {}
+        self.decided = False
+        self._index, self._steps = 0, 0
+        self._times: list[list[float]] = [[] for _ in self.candidates]
+        self._started: float | None = None
+        self._stepped = False
+        self._waiting: tuple[Any, Any] | None = None  # a checkpoint's hook state, for the winner
+        self._decision: Decision | None = None
+
+    def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
+        if not self.decided and dist.get_world_size(ddp.process_group) == 1:
+            self._keep(Decision("comm_hook", None, "auto: one process, nothing to communicate"))
+        registered = super().register(ddp, node=node)
+        if self.decided:
+            return self._decision
+        step = f"{self._index + 1}/{len(self.candidates)}"
+        return Decision(
+            "comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}"
+        )
+
+    def at_boundary(self, device: torch.device) -> bool:
+        """At every batch start, on every rank alike. True: re-wrap DDP now (the next candidate, or the one
+        kept). The last candidate's end is a collective (the MAX of the ranks' times)."""
+        if self.decided:
+            return False
+        switch = False
+        if self._stepped:  # the previous batch ended an optimizer step: a new accumulation cycle starts here
+            self._stepped = False
+            if self._steps >= self.warmup_steps + self.trial_steps:
+                switch = self._next(device)
+        self._started = None if self.decided else self._now(device)
+        return switch
+
+    def after_step(self, device: torch.device) -> None:
+        """At the end of every optimizer step."""
+        if self.decided or self._started is None:
+            return
+        self._steps += 1
+        if self._steps > self.warmup_steps:
+            self._times[self._index].append(self._now(device) - self._started)
+        self._stepped = True
+
+    def _now(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # during the trial only
+        return time.perf_counter()
+
+    def _next(self, device: torch.device) -> bool:
+        self._index, self._steps = self._index + 1, 0
+        if self._index < len(self.candidates):
+            self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
+            return True
+        steps = torch.tensor(self._times, dtype=torch.float64, device=device)  # candidates × trial_steps
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the same numbers, hence the same choice, on every rank
+        fastest = steps.min(dim=1).values.mul(1e3).tolist()
+        self.measured_ms = {label(name): ms for name, ms in zip(self.candidates, fastest)}
+        self._keep(decide_comm_hook(self.measured_ms, self.min_gain))
+        return True
+
+    def _keep(self, decision: Decision) -> None:
+        self._decision, self.decided = decision, True
+        self._switch_to(decision.value, self._start_iter)
+        if self._waiting is not None:
+            super().load_state_dict(*self._waiting)
+            self._waiting = None
+
+    def _switch_to(self, name: str | None, powersgd_start_iter: int) -> None:
+        self.name, self.powersgd_start_iter = name, powersgd_start_iter
+        self.state = self.hook = None  # a fresh hook on the next wrapper
+
+    def state_dict(
+        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """:meth:`CommHook.state_dict` of the hook running now (the one kept, or the candidate on trial), with
+        ``"auto"``: the choice and its measurement, or how far the trial got (this rank's times: a resume
+        gives every rank these, MAX-reduced at the trial's end all the same). Same arguments and collectives."""
+        saved = super().state_dict(checkpoint_path, replica)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        record: dict[str, Any] = {"world_size": world, "candidates": [label(n) for n in self.candidates]}
+        if self.decided:
+            record.update(decided=True, name=self.name, reason=self._decision.reason)
+            record["measured_ms"] = dict(self.measured_ms)
+        else:
+            record.update(decided=False, index=self._index, steps=self._steps, stepped=self._stepped)
+            record["times"] = [list(t) for t in self._times]
+        return {**saved, "auto": record}
+
+    def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
+        """Take back :meth:`state_dict`'s result: the choice, kept without measuring again, or the trial, from
+        the candidate and step it had reached, each with its hook's state. The trial starts again for a
+        checkpoint of another number of ranks or other candidates, or of a fixed hook (no ``"auto"``), whose
+        state is then applied if the same hook wins."""
+        saved = dict(saved or {})
+        record = saved.pop("auto", None)
+        if record is not None and self._resumable(record):
+            self._waiting = None
+            if record["decided"]:
+                reason = record["reason"]
+                if not reason.endswith(_NOT_MEASURED_AGAIN):
+                    reason += _NOT_MEASURED_AGAIN
+                self.measured_ms = dict(record["measured_ms"])
+                self._keep(Decision("comm_hook", record["name"], reason))
+            else:
+                self.decided, self._decision, self._started, self.measured_ms = False, None, None, {}
+                self._index, self._steps, self._stepped = record["index"], record["steps"], record["stepped"]
+                self._times = [list(t) for t in record["times"]]
+                self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
+            if saved:
+                super().load_state_dict(saved, checkpoint_path)
+        elif self.decided:
+            super().load_state_dict(saved, checkpoint_path)
+        elif saved:
+            self._waiting = (saved, checkpoint_path)  # applied if the same hook wins again
+
+    def _resumable(self, record: dict[str, Any]) -> bool:
+        """Whether the checkpoint's choice or trial holds for this run: the same candidates and ranks."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        if record["candidates"] != [label(n) for n in self.candidates]:
+            why = f"other candidates ({', '.join(record['candidates'])})"
+        elif None not in (world, record["world_size"]) and world != record["world_size"]:
+            why = f"{record['world_size']} ranks, this run has {world}"
+        else:
+            return True
+        warnings.warn(
+            f"the checkpoint's comm_hook='auto' was measured with {why}: measuring again", stacklevel=3
+        )
+        return False

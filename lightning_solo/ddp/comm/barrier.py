@@ -1,0 +1,118 @@
+"""A barrier that names the ranks that did not arrive, and the gloo side group it runs on under NCCL."""
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_solo.core.decision import Decision
+
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
+    """A barrier that, on timeout, raises naming the ranks that did not arrive (gloo / CPU-capable groups).
+
+    Rank 0 waits for every rank (``wait_all_ranks``) so its error lists all missing ranks; the others fail
+    with a pointer to rank 0's error.
+    """
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        label = f"barrier {name!r}" if name else "barrier"
+        found = _MISSING.search(str(err))
+        if found:
+            ranks = [int(r) for r in found.group(1).replace(",", " ").split()]
+            raise RuntimeError(
+                f"{label} timed out after {timeout.total_seconds():g} s: rank(s) {ranks} did not arrive. "
+                "They are stuck or took another code path (a rank-dependent branch, an exception on that rank); "
+                "their logs say which. Raise the limit with SoloDDP(timeout=...)."
+            ) from err
+        raise RuntimeError(
+            f"{label} failed on rank {dist.get_rank()} after waiting up to {timeout.total_seconds():g} s: "
+            f"rank 0's error names the ranks that did not arrive ({err})"
+        ) from err
+
+
+# Creating the gloo side group connects every pair of ranks over the network interface gloo picks from the
+# hostname; on a wrong one it would wait the whole collective timeout. Healthy creation takes seconds.
+SIDE_GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group string uses for ``device_type`` tensors: ``"gloo"`` for any device, and
+    ``"cuda:nccl,cpu:gloo"`` per device (``None`` when that device has none)."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.strip().split(":", 1) for part in backend.split(",") if part.strip())
+    return pairs.get(device_type)
+
+
+def _new_gloo_group(timeout: timedelta):
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def barrier_group(
+    timeout: timedelta,
+    *,
+    side_group: bool = True,
+    create_timeout: timedelta = SIDE_GROUP_TIMEOUT,
+    create=_new_gloo_group,
+    backend: str | None = None,
+    device: torch.device | None = None,
+) -> tuple[Any, Decision]:
+    """The group :func:`monitored_barrier` (and the unused-parameter evidence) runs on, and why: a collective,
+    call it on every rank, once.
+
+    The world when it runs CPU tensors on gloo (``"gloo"``, ``"cuda:nccl,cpu:gloo"``). For NCCL, which has no
+    monitored barrier, a gloo side group made by ``create`` within ``create_timeout``; ``None`` (a plain
+    barrier, evidence over the world) when ``side_group`` is False, gloo is unavailable, or the creation
+    failed on any rank: the ranks agree over the world group, so they all take the same path.
+    ``backend``/``device`` default to the world's backend and the device its collectives use.
+    """
+    world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
+    backend = backend or dist.get_backend()
+    if backend_for(backend, "cpu") == "gloo":
+        return world, Decision(
+            "barrier", "monitored", f"names the ranks that did not arrive within {seconds}"
+        )
+    if not side_group:
+        return None, Decision(
+            "barrier",
+            "plain",
+            "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world",
+        )
+    if not dist.is_gloo_available():
+        return None, Decision(
+            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
+        )
+    group, error = None, None
+    try:
+        group = create(create_timeout)
+        dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
+    except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
+        group, error = None, err
+    made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
+    dist.all_reduce(made, op=dist.ReduceOp.MIN)
+    if not made.item():  # once, at setup
+        why = f"this rank: {type(error).__name__}: {error}" if error else "another rank failed"
+        return None, Decision(
+            "barrier",
+            "plain",
+            f"the gloo side group could not be made within {create_timeout.total_seconds():g} s ({why}); "
+            "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, or "
+            "SoloDDP(gloo_side_group=False) to skip it",
+        )
+    return group, Decision(
+        "barrier",
+        "monitored (gloo side group)",
+        f"NCCL has no monitored barrier; names missing ranks after {seconds}",
+    )
+
+
+def _world_device(backend: str) -> torch.device:
+    if backend_for(backend, "cuda") is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

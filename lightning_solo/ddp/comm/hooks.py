@@ -1,0 +1,337 @@
+"""DDP gradient communication hooks chosen by name (exact, fp16/bf16, PowerSGD, post-local-SGD), registered
+on every device, with state that goes into a checkpoint and comes back on resume.
+
+Lightning registers ``ddp_comm_hook`` only on CUDA (a torch 1.8 limit that is long gone) and drops it
+silently elsewhere; :class:`CommHook` registers on any backend (gloo on CPU included) and keeps the hook's
+state (PowerSGD's iteration count, error feedback and warm-start memory; post-local-SGD's counters) in a
+form that goes into a checkpoint and comes back on resume, whatever DDP's bucket layout is then.
+
+Example::
+
+    from lightning_solo.ddp.strategy import SoloDDP
+    trainer = L.Trainer(devices=4, strategy=SoloDDP(comm_hook="powersgd", powersgd_rank=2))
+
+    # on a raw DDP model (the process group is already initialised)
+    hook = CommHook("fp16")
+    print(hook.register(ddp_model))         # Decision: what was registered and why
+    extra = hook.state_dict(ckpt_path)      # every rank: writes its error-feedback shard beside ckpt_path
+"""
+
+# No `from __future__ import annotations`: DDP inspects hook annotations at registration.
+import socket
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo.checkpoint import rank_shards
+from lightning_solo.core.checks import check_choice, check_int, check_number
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.comm import powersgd_state
+from lightning_solo.ddp.comm.averaging import InPlaceAverager, average_in_place, node_groups
+from lightning_solo.ddp.comm.barrier import backend_for
+
+# batched_powerSGD_hook is deliberately absent: it fails an assertion in _orthogonalize in current torch.
+COMM_HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
+CHECKPOINT_KEY = "lightning_solo.comm_hook"
+
+
+def check_bucket_cap_mb(bucket_cap_mb: Any) -> None:
+    """DDP accepts a negative or zero bucket size and then misbehaves; refuse it up front."""
+    what = "a positive number of megabytes (DDP's default is 25) or None for the default"
+    check_number("bucket_cap_mb", bucket_cap_mb, optional=True, what=what)
+
+
+def bf16_compress_any_build_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on CPU-only torch builds,
+    although gloo all-reduces bfloat16 fine."""
+    return torch_compat.compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _bf16_hook():
+    if torch.version.cuda is None and torch.version.hip is None:
+        return bf16_compress_any_build_hook
+    return default.bf16_compress_hook
+
+
+class CommHook:
+    """A DDP gradient communication hook chosen by name, registered on any device, with checkpointable state.
+
+    Args:
+        name: ``None`` (exact all-reduce), ``"fp16"``/``"bf16"`` (compress gradients to 16 bits),
+            ``"powersgd"`` (low-rank compression with error feedback), or ``"post_local_sgd"`` (local steps,
+            parameters averaged every ``local_sgd_period`` steps after ``local_sgd_warmup`` synchronous ones).
+        powersgd_rank: PowerSGD's matrix approximation rank (higher: more accurate, more bytes).
+        powersgd_start_iter: steps of exact all-reduce before PowerSGD starts compressing (>= 2).
+        local_sgd_period: post-local-SGD: average parameters across all ranks every this many steps.
+        local_sgd_warmup: post-local-SGD: fully synchronous steps before local steps start.
+
+    Example::
+
+        hook = CommHook("powersgd", powersgd_rank=2, powersgd_start_iter=100)
+        decision = hook.register(ddp_model)        # any backend: gloo, nccl
+        state = hook.state_dict(path)              # every rank: its own error-feedback shard beside path
+        hook.load_state_dict(state, path)          # every rank, before or after register()
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        local_sgd_period: int = 4,
+        local_sgd_warmup: int = 100,
+    ) -> None:
+        hint = " or 'auto' (measure and keep the fastest); batched PowerSGD is not offered: broken in current torch"
+        check_choice("comm_hook", name, COMM_HOOKS, hint)
+        self.name = name
+        self.powersgd_rank = check_int("powersgd_rank", powersgd_rank)
+        # torch requires > 1 with error feedback/warm start: DDP re-buckets after its first iteration.
+        self.powersgd_start_iter = check_int("powersgd_start_iter", powersgd_start_iter, minimum=2)
+        self.local_sgd_period = check_int("local_sgd_period", local_sgd_period)
+        self.local_sgd_warmup = check_int("local_sgd_warmup", local_sgd_warmup, minimum=0)
+        self.state: Any = None
+        self.hook: Any = None
+        self.averager: Any = None
+        self._trained_locally: dict[int, torch.Tensor] = {}  # id -> parameter, every one a local step updated
+        self._replica: dict[str, Any] | None = None  # this rank's, read from a post-local-SGD checkpoint
+        self._saved: dict[str, Any] = {}
+        self._saved_path: Any = None
+
+    @property
+    def averaging_period(self) -> int | None:
+        """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
+        return self.local_sgd_period if self.name == "post_local_sgd" else None
+
+    @property
+    def local_step(self) -> bool:
+        """True once post-local-SGD's warm-up is over on one node: each rank keeps its own gradients.
+
+        torch's hook would then have DDP copy every gradient into buckets only to hand each bucket back
+        unchanged; SoloDDP runs such steps outside DDP's reducer instead (``require_backward_grad_sync=False``,
+        as ``no_sync`` does), which gives the same gradients without the bucketing and the per-step checks.
+        Across nodes the hook still all-reduces within each node, so it stays in the step."""
+        state = self.state
+        return (
+            self.name == "post_local_sgd"
+            and state is not None
+            and not state.post_local_gradient_allreduce
+            and state.iter >= state.start_localSGD_iter
+        )
+
+    def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
+        """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
+
+        ``node`` names this rank's node (default: its hostname); post-local-SGD all-reduces gradients within
+        the ranks of each node, whatever their rank numbers. Calling it again on a new DDP wrapper of the same
+        module keeps the hook's state.
+        """
+        if self.name is None:
+            return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
+        if self.name in ("fp16", "bf16"):
+            self.hook = default.fp16_compress_hook if self.name == "fp16" else _bf16_hook()
+            lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_hook=self.hook)
+            error = "~1e-3" if self.name == "fp16" else "~1e-2"
+            return Decision(
+                "comm_hook",
+                self.name,
+                f"gradients all-reduced in {self.name}: half the bytes, {error} relative error",
+            )
+        if self.name == "powersgd":
+            return self._register_powersgd(ddp)
+        return self._register_post_local_sgd(ddp, socket.gethostname() if node is None else node)
+
+    def _register_powersgd(self, ddp: DistributedDataParallel) -> Decision:
+        if self.state is None:
+            self.state = powersgd_state.new_state(self.powersgd_rank, self.powersgd_start_iter)
+        else:  # a re-wrap: bring the state into per-parameter form for the new buckets
+            powersgd_state.to_pending(self.state)
+        powersgd_state.follow(self.state, ddp.module)
+        # Only NCCL on CUDA tensors runs the hook's chained collectives in issue order (see the hook).
+        self.state.serial = backend_for(dist.get_backend(ddp.process_group), ddp.device_type) != "nccl"
+        self.hook = powersgd_state.resumable_powerSGD_hook
+        self._apply_saved()
+        lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        serial = (
+            "; on gloo each bucket finishes before the next, to keep collectives in order"
+            if self.state.serial
+            else ""
+        )
+        return Decision(
+            "comm_hook",
+            "powersgd",
+            f"PowerSGD rank {self.powersgd_rank} with error feedback after {self.powersgd_start_iter} exact steps "
+            f"(torch's powerSGD_hook; its batched variant is broken in current torch){serial}",
+        )
+
+    def _register_post_local_sgd(self, ddp: DistributedDataParallel, node: Any) -> Decision:
+        world = dist.get_world_size()
+        if self.state is None:
+            nodes: list[Any] = [None] * world
+            dist.all_gather_object(nodes, node)
+            groups = node_groups(nodes)
+            if 1 < len(groups) < world:
+                # Ranks of a node need not be contiguous (SLURM's cyclic distribution): group by the real node.
+                subgroup, _ = dist.new_subgroups_by_enumeration(groups)
+                sizes = sorted({len(g) for g in groups})
+                between = f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
+            else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
+                subgroup, between = None, "no gradient communication"
+            self.state = post_local.PostLocalSGDState(
+                process_group=None,
+                subgroup=subgroup,
+                start_localSGD_iter=self.local_sgd_warmup,
+                post_local_gradient_allreduce=subgroup is not None,
+            )
+            self._between = between
+        self.hook = post_local.post_localSGD_hook
+        self._apply_saved()
+        lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
+        return Decision(
+            "comm_hook",
+            "post_local_sgd",
+            f"{self.local_sgd_warmup} synchronous steps, then {self._between} between steps and parameters "
+            f"averaged over all {world} ranks every {self.local_sgd_period} steps",
+        )
+
+    def at_boundary(self, device: torch.device) -> bool:
+        """At every batch start, on every rank: True to have SoloDDP re-wrap DDP and register again (a fixed
+        hook never asks; ``comm_hook="auto"`` does between its trials, see :mod:`lightning_solo.ddp.comm.auto`)."""
+        return False
+
+    def after_step(self, device: torch.device) -> None:
+        """At the end of every optimizer step (``comm_hook="auto"`` times its trials with it)."""
+
+    def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
+        """Post-local-SGD: take Lightning's ``PeriodicModelAverager`` and return the one to use instead: same
+        schedule, but averaging in place (see :func:`average_in_place`)."""
+        self.averager = InPlaceAverager(averager.period, averager.warmup_steps, averager.process_group)
+        self._apply_saved()
+        return self.averager
+
+    def average_after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Post-local-SGD, after every optimizer step, on every rank: the averager's schedule over every trainable
+        parameter ``optimizer`` holds, with a gradient this step or not, so that every rank averages the same
+        tensors (collective on averaging steps)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self.local_step:
+            self._trained_locally.update((id(p), p) for p in params)
+        self.averager.average_parameters(params)
+
+    def average_parameters(self, module: torch.nn.Module) -> None:
+        """Average ``module``'s trainable parameters over all ranks now (collective), and those frozen since a
+        local step trained them: the ranks' copies may differ."""
+        average_in_place(
+            [p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally]
+        )
+
+    def state_dict(
+        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The hook's state for a checkpoint. A collective for PowerSGD, and for post-local-SGD given a
+        ``replica``: call it on every rank.
+
+        State that differs per rank is never gathered: with ``checkpoint_path``, each rank writes its own
+        atomically beside it (:mod:`~lightning_solo.checkpoint.rank_shards`) and the result (for rank 0's checkpoint)
+        records every shard's sha256. PowerSGD: its error feedback, as large as the gradients (without
+        ``checkpoint_path``, this rank's own, for this rank's :meth:`load_state_dict`); Q memory and counters
+        are the same on all ranks. Post-local-SGD after its warm-up: ``replica``, this rank's model and
+        optimizer state (the checkpoint's ``state_dict`` and ``optimizer_states``), which differ between averages.
+        """
+        if self.state is None:
+            return {}
+        if self.name == "post_local_sgd":
+            step = self.averager.step if self.averager is not None else None
+            saved = {"hook": self.name, "iter": self.state.iter, "averager_step": step}
+            if self.local_step and checkpoint_path is not None:
+                if replica is not None:
+                    saved["replicas"] = rank_shards.write(checkpoint_path, "local_sgd", replica)
+                else:  # a save that cannot wait for the other ranks (an exception)
+                    warnings.warn(
+                        f"{checkpoint_path}: saved between post-local-SGD averages without the other ranks, so it "
+                        "holds rank 0's replica only; a resume from it starts every rank from that one",
+                        stacklevel=2,
+                    )
+            return saved
+        return powersgd_state.state_dict(self.state, checkpoint_path)
+
+    def take_replica(self) -> dict[str, Any] | None:
+        """After :meth:`load_state_dict` of a post-local-SGD checkpoint saved between averages: this rank's own
+        model and optimizer state, to resume from instead of rank 0's (once; None otherwise)."""
+        replica, self._replica = self._replica, None
+        return replica
+
+    def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
+        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
+        ``checkpoint_path``: the checkpoint it came from, beside which this rank's shard is read."""
+        # Without comm_hook="auto"'s record of its choice: a fixed hook takes the hook state only.
+        saved = {key: value for key, value in (saved or {}).items() if key != "auto"}
+        if not saved:
+            return
+        if saved.get("hook") != self.name:
+            warnings.warn(
+                f"the checkpoint holds state for comm_hook={saved.get('hook')!r}, this run uses {self.name!r}: ignored",
+                stacklevel=2,
+            )
+            return
+        self._saved, self._saved_path = dict(saved), checkpoint_path
+        if dist.is_available() and dist.is_initialized():
+            self._saved = self._this_rank(self._saved, checkpoint_path)
+        if self.state is not None:
+            self._apply_saved()
+
+    def _this_rank(self, saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
+        """``saved`` with this rank's error feedback, read from its shard (needs the process group). Outside one
+        (a notebook's parent between two fits) it waits for the next fit's ranks, at :meth:`register`."""
+        if saved.pop("_resolved", False):
+            return saved
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if "replicas" in saved:  # post-local-SGD between averages
+            if len(saved["replicas"]["sha256"]) == world:
+                what = "post-local-SGD replica (model and optimizer state)"
+                self._replica = rank_shards.read(checkpoint_path, saved["replicas"], rank, what, mmap=False)
+            else:
+                warnings.warn(
+                    f"post-local-SGD replicas were saved with {len(saved['replicas']['sha256'])} ranks and this run "
+                    f"has {world}: every rank resumes from rank 0's",
+                    stacklevel=3,
+                )
+        elif saved.get("world_size", world) != world:
+            warnings.warn(
+                f"PowerSGD error feedback was saved with {saved['world_size']} ranks and this run has {world}: it "
+                "restarts from zero",
+                stacklevel=3,
+            )
+            saved["error"] = None
+        elif "shards" in saved:
+            saved["error"] = rank_shards.read(
+                checkpoint_path, saved["shards"], rank, "PowerSGD error feedback"
+            )
+        elif isinstance(
+            saved.get("error"), list
+        ):  # every rank's, gathered (a notebook's next fit, older files)
+            saved["error"] = saved["error"][rank]
+        return {**saved, "_resolved": True}
+
+    def _apply_saved(self) -> None:
+        saved, state = self._saved, self.state
+        if not saved or state is None:
+            return
+        if self.name == "post_local_sgd":
+            state.iter = saved["iter"]
+            if self.averager is not None and saved.get("averager_step") is not None:
+                self.averager.step = saved["averager_step"]
+                self._saved = {}
+            return
+        powersgd_state.apply_saved(state, self._this_rank(saved, self._saved_path))
+        self._saved = {}

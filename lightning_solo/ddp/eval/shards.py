@@ -1,0 +1,99 @@
+"""Which rows of an evaluation batch are real, under Lightning's own evaluation samplers.
+
+SoloDDP leaves the validate, test and predict loaders as stock Lightning makes them. Validate and test get a
+``DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...`` of the dataset order, so every rank
+sees the whole range of a sorted set (an ImageFolder's classes), and the last round is padded with repeats of the
+first samples, so that every rank runs the same number of batches of the same sizes: per-step collectives
+(``self.log(sync_dist=True)`` on step, a torchmetrics sync) and a user's ``all_gather`` of eval outputs hold.
+At most ``W - 1`` rows of the whole set are repeats, each the last row of its rank. Predict gets Lightning's
+unrepeated sampler: no repeats, ranks may differ by one sample.
+
+:func:`eval_rows` names the repeats, for a LightningModule that wants every sample counted once::
+
+    from lightning_solo.ddp.eval import eval_rows
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        logits = self(x)
+        rows = eval_rows(self.trainer, batch_idx, dataloader_idx)   # None: not known for this loader
+        if rows is not None and rows.padded:
+            keep = rows.valid.to(logits.device)
+            logits, y = logits[keep], y[keep]
+        loss = F.cross_entropy(logits, y, reduction="sum") / max(len(y), 1)  # a batch may be all repeats
+        self.log("val/loss", loss, sync_dist=True, batch_size=len(y))
+
+A module that ignores ``eval_rows`` counts the repeats, as under stock ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+from lightning_solo._compat import lightning as lightning_compat
+
+_ORDER_CACHE = "_lightning_solo_rank_order"  # on the sampler: (epoch, indices, valid), read once per epoch
+
+
+class EvalRows(NamedTuple):
+    """The rows of one evaluation batch: their dataset ``indices`` and which are ``valid`` (False: a repeat)."""
+
+    indices: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def padded(self) -> bool:
+        return not bool(self.valid.all())
+
+
+def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
+    """This rank's dataset indices in evaluation order and which are real (False: a padding repeat), read off
+    the sampler Lightning put in (or a sequential one on one process); ``None`` for any other sampler."""
+    epoch = getattr(sampler, "epoch", 0)
+    cached = getattr(sampler, _ORDER_CACHE, None)
+    if cached is not None and cached[0] == epoch:
+        return cached[1], cached[2]
+    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) or isinstance(sampler, SequentialSampler):
+        indices = [int(i) for i in sampler]
+        valid = [True] * len(indices)
+    elif isinstance(sampler, DistributedSampler):
+        # DistributedSampler pads the dataset order to W·ceil(N/W) and gives rank r positions r, r+W, ...
+        # (DistributedSamplerWrapper: N is the user's sampler's length, the indices are what it yields).
+        indices = [int(i) for i in sampler]
+        total = len(sampler.dataset)  # type: ignore[arg-type]
+        valid = [sampler.rank + k * sampler.num_replicas < total for k in range(len(indices))]
+    else:
+        return None
+    setattr(sampler, _ORDER_CACHE, (epoch, indices, valid))
+    return indices, valid
+
+
+def eval_rows(trainer: Any, batch_idx: int, dataloader_idx: int = 0) -> EvalRows | None:
+    """The dataset indices and validity of the current validate/test/predict batch ``batch_idx``; ``None`` when
+    they cannot be known (a custom sampler or batch sampler, an IterableDataset)."""
+    loaders = {
+        RunningStage.VALIDATING: "val_dataloaders",
+        RunningStage.SANITY_CHECKING: "val_dataloaders",
+        RunningStage.TESTING: "test_dataloaders",
+        RunningStage.PREDICTING: "predict_dataloaders",
+    }
+    attribute = loaders.get(trainer.state.stage)
+    iterables = getattr(trainer, attribute) if attribute else None
+    if iterables is None:
+        return None
+    flattened = CombinedLoader(iterables).flattened
+    loader = flattened[dataloader_idx] if dataloader_idx < len(flattened) else None
+    batch_sampler = lightning_compat.inner_batch_sampler(getattr(loader, "batch_sampler", None))
+    if type(batch_sampler) is not BatchSampler or (order := rank_order(batch_sampler.sampler)) is None:
+        return None
+    indices, valid = order
+    size = batch_sampler.batch_size
+    start, stop = batch_idx * size, min((batch_idx + 1) * size, len(indices))
+    return EvalRows(
+        torch.tensor(indices[start:stop], dtype=torch.long), torch.tensor(valid[start:stop], dtype=torch.bool)
+    )

@@ -1,0 +1,361 @@
+"""Exact mid-epoch resume: the record a checkpoint carries, and the resume it decides (no sample repeated or
+skipped, every rank's RNG back).
+
+Lightning restores the loop counters of a mid-epoch checkpoint but restarts the training dataloader
+from the first batch of the epoch (it warns "your dataloader is not resumable"), so the resumed epoch
+repeats the batches already trained on and never reaches its last ones; it saves no RNG state either.
+SoloDDP closes the gap with the pieces below, so nothing changes for the data modules:
+
+* ``make_resumable`` wraps each training loader's sampler (Lightning's ``DistributedSampler``, whose
+  order is a function of seed and epoch, or a sampler that draws its order when the epoch starts) in a
+  :class:`ResumableSampler`;
+* ``capture`` (every rank, inside ``trainer.save_checkpoint``) records the batches of this epoch already
+  trained on, each loader's epoch, and every rank's RNG states into ``checkpoint[RESUME_KEY]``;
+* :class:`ResumePlan` turns that record, after Lightning restored its loops, into "epoch e, each loader skips
+  its batches done, and this rank's RNG is back right before the first batch".
+
+The loader side (:class:`ResumableSampler`, :class:`SeededDataset`, ``make_resumable``) is
+:mod:`lightning_solo.ddp.resume.loader`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_solo.core import ranks
+from lightning_solo.core.decision import Decision
+from lightning_solo.core.rng import rng_state, set_rng_state  # re-exported: resume.rng_state() is public
+from lightning_solo.ddp.resume.loader import ResumableSampler, SeededDataset
+
+RESUME_KEY = "lightning_solo.ddp.resume.record"
+
+
+def _sampler(loader: Any) -> ResumableSampler | None:
+    sampler = getattr(loader, "sampler", None)
+    return sampler if isinstance(sampler, ResumableSampler) else None
+
+
+def _batches(loader: Any) -> int:
+    try:
+        return len(loader)
+    except TypeError:
+        return -1
+
+
+def _sample_seed(loader: Any) -> int | None:
+    # type(): a SeededDataset answers isinstance for the user's class, not the other way round.
+    dataset = getattr(loader, "dataset", None)
+    return dataset.seed if type(dataset) is SeededDataset else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save the position
+
+
+def capture(
+    trainer: Any, loaders: list[Any], last_step: tuple[Any, int] | None, collective: bool = True
+) -> dict[str, Any]:
+    """The resume record for the training ``loaders``; call on every rank (it gathers the RNG states of all
+    ranks to each), or with ``collective=False`` on one rank (only its own RNG state: a resume then restores
+    none).
+
+    ``last_step`` is this rank's RNG state and the batches of the epoch consumed, taken right after the last
+    optimizer step: the record is the state as of that step. A save in the middle of an accumulation cycle
+    therefore holds no half-accumulated gradients (the weights and optimizer have not moved since that step);
+    the resume replays the cycle's batches with the same RNG. A validation after the step does not count: SoloDDP
+    leaves the training RNG as the validation found it, so the resumed run, which skips it, matches.
+    """
+    world_size = ranks.world_size()
+    samplers = [_sampler(loader) for loader in loaders]
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    state, consumed = last_step if last_step is not None else (rng_state(), int(progress.ready))
+    epoch_rng = [s.epoch_rng if s is not None else None for s in samplers]
+    local = (state, epoch_rng if any(e is not None for e in epoch_rng) else None)
+    if world_size > 1 and collective:
+        gathered: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    per_epoch = trainer.num_training_batches
+    first = next((s for s in samplers if s is not None), None)
+    record = {
+        "epoch": first.epoch if first is not None else trainer.current_epoch,
+        "consumed_batches": consumed,
+        "batches_in_epoch": int(per_epoch) if per_epoch != float("inf") else -1,
+        "batch_size": first.batch_size if first is not None else None,
+        "world_size": world_size,
+        "sample_seed": _sample_seed(loaders[0]) if loaders else None,
+        "loaders": [
+            {
+                "epoch": s.epoch if s is not None else None,
+                "batch_size": s.batch_size if s is not None else None,
+                "batches": _batches(loader),
+                "sample_seed": _sample_seed(loader),
+            }
+            for loader, s in zip(loaders, samplers)
+        ],
+        "rng": [g[0] for g in gathered],
+    }
+    if any(g[1] is not None for g in gathered):
+        record["epoch_rng"] = [g[1] for g in gathered]
+    return record
+
+
+def step_buffers(trainer: Any) -> dict[str, torch.Tensor] | None:
+    """The module's buffers right after an optimizer step, when accumulation can put a save between steps
+    (a copy per step of buffers only: BatchNorm statistics, small)."""
+    if trainer.accumulate_grad_batches <= 1:
+        return None
+    return {name: b.detach().clone() for name, b in trainer.lightning_module.named_buffers()}
+
+
+def rewind_buffers(
+    checkpoint: dict[str, Any],
+    trainer: Any,
+    last_step: tuple[Any, int] | None,
+    buffers: dict[str, torch.Tensor] | None,
+) -> None:
+    """In a checkpoint written inside an accumulation cycle, put back the buffers of the last optimizer step
+    (the resume replays the cycle's forwards, which would move them a second time)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    state = checkpoint.get("state_dict")
+    if buffers is None or last_step is None or state is None or int(progress.ready) <= last_step[1]:
+        return
+    state.update({name: value for name, value in buffers.items() if name in state})
+
+
+def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """This rank's RNG state in ``record``, if the record holds one for every rank."""
+    rng = (record or {}).get("rng") or []
+    world_size = ranks.world_size()
+    return rng[ranks.rank()] if len(rng) == world_size else None
+
+
+def validation_neutral(state: dict[str, Any] | None) -> None:
+    """After a validation inside a fit: the training RNG as the validation found it (``state``, taken when the
+    last training batch's work returned). Validation draws (its DataLoader's worker seed, random ops in
+    ``validation_step``) must not shift the training stream: a resumed run skips that validation, or runs it
+    again, or Lightning builds its loader at another point."""
+    if state is not None:
+        set_rng_state(state)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# continue from it
+
+
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def quiet_not_resumable_warning(trainer: Any) -> None:
+    """Lightning's "your dataloader is not resumable" warning (``_TrainingEpochLoop.reset``) is about the loader it
+    would restart; these resume. Silenced around that loop's next ``reset`` only, on this trainer: no filter
+    outside that call."""
+    loop = trainer.fit_loop.epoch_loop
+    if "reset" in vars(loop):
+        return
+    reset = loop.reset
+
+    def quiet_reset() -> None:
+        del loop.reset  # once: the class's own from here on
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
+            reset()
+
+    loop.reset = quiet_reset
+
+
+_COUNTERS = ("ready", "started", "processed", "completed")
+
+
+def _counters(trainer: Any) -> list[list[int]]:
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return [[getattr(c, name) for name in _COUNTERS] for c in (progress.current, progress.total)]
+
+
+def _rewind(trainer: Any, restored: list[list[int]], batches: int) -> None:
+    # Lightning's restored batch counters, moved back to the batches this resume really continues after (from the
+    # values it restored, so a plan settled again with more loaders does not move them twice).
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counter, values in zip((progress.current, progress.total), restored):
+        for name, value in zip(_COUNTERS, values):
+            setattr(counter, name, max(0, value - batches))
+
+
+def _mode(trainer: Any) -> str | None:
+    """How Lightning combines the training loaders (``CombinedLoader``'s mode; ``max_size_cycle`` for a plain
+    loader, list or dict)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return getattr(combined, "_mode", None)
+
+
+def _position(mode: str | None, consumed: int, batches: int) -> int | None:
+    """The batches of its current pass a loader has given after ``consumed`` batches of the combined epoch."""
+    if batches <= 0:
+        return None
+    if mode == "max_size_cycle":  # a shorter loader starts over when it runs out
+        return consumed % batches
+    if mode == "max_size":  # a shorter loader stays exhausted
+        return min(consumed, batches)
+    if mode == "min_size":
+        return consumed if consumed <= batches else None
+    return None
+
+
+class ResumePlan:
+    """A checkpoint's record applied to this fit's training loaders, handed to the plan in Lightning's order
+    (:meth:`attach`). The position needs every loader and how Lightning combines them, known only once all are
+    processed: :meth:`settle` runs at the first index a loader draws or at ``on_train_start``, whichever comes
+    first (both before the epoch loop reads Lightning's counters).
+
+    At an epoch boundary this rank's RNG is restored at once (the iterators of the next epoch come after it, as in
+    the uninterrupted run); mid-epoch it is restored right before the first resumed batch
+    (:attr:`rng_before_first_batch`), after whatever Lightning does on the way (it fast-forwards, without running
+    it, a validation due at the checkpoint's step, and builds that validation's loader).
+    """
+
+    def __init__(self, record: dict[str, Any], trainer: Any, decide: Callable[[Decision], Any]) -> None:
+        self.record, self.trainer, self._decide = record, trainer, decide
+        self.loaders: list[Any] = []
+        self.samplers: list[ResumableSampler | None] = []
+        self.skips: list[int] = []
+        self.rng = saved_rng(record)
+        self.rng_before_first_batch: dict[str, Any] | None = None
+        self.settled = self.decided = False
+        self.restored = _counters(trainer)
+        epoch, consumed, per_epoch = record["epoch"], record["consumed_batches"], record["batches_in_epoch"]
+        loop_epoch = trainer.fit_loop.epoch_progress.current.processed
+        ended = 0 < per_epoch <= consumed
+        self.mid_epoch = consumed > 0 and not ended and loop_epoch == epoch
+        # At a boundary: the epoch the resumed run trains first (a save after the epoch's last batch can come
+        # before Lightning counts the epoch done).
+        self.next_epoch = epoch + 1 if ended else loop_epoch
+        if not self.mid_epoch and self.rng is not None:
+            set_rng_state(self.rng)
+
+    @property
+    def rng_note(self) -> str:
+        if self.rng is not None:
+            return "RNG states restored"
+        return (
+            f"RNG states not restored ({len(self.record.get('rng') or [])} saved, {ranks.world_size()} ranks)"
+        )
+
+    def _saved_loader(self, i: int) -> dict[str, Any]:
+        loaders = self.record.get("loaders")
+        if loaders is None:  # a record from before several loaders were recorded: one loader
+            loaders = [{"epoch": self.record["epoch"], "batch_size": self.record.get("batch_size"),
+                        "batches": None, "sample_seed": self.record.get("sample_seed")}]  # fmt: skip
+        return loaders[i] if i < len(loaders) else {}
+
+    def attach(self, loader: Any) -> None:
+        """The next training loader Lightning processed: arm its sampler (the skip is asked at its first index)."""
+        i = len(self.samplers)
+        sampler = _sampler(loader)
+        self.loaders.append(loader)
+        self.samplers.append(sampler)
+        if sampler is not None:
+            saved = self._saved_loader(i)
+            if type(loader.dataset) is SeededDataset and saved.get("sample_seed") is not None:
+                loader.dataset.seed = saved["sample_seed"]
+            if not self.mid_epoch:
+                # The next epoch's order, also where Lightning builds the iterator (workers draw their first
+                # indices) before it sets the epoch. The uninterrupted run reused persistent workers' iterator,
+                # which draws no worker seed: here it was just built, drawing one; the RNG goes back after it.
+                persistent = loader.persistent_workers and loader.num_workers > 0 and self.rng is not None
+                rng = self.rng
+                sampler.resume_once(
+                    self.next_epoch, 0, on_start=(lambda: set_rng_state(rng)) if persistent else None
+                )
+            else:
+                epoch_rng = self.record.get("epoch_rng")
+                mine = epoch_rng[ranks.rank()] if epoch_rng and len(epoch_rng) == ranks.world_size() else None
+                sampler.resume_once(
+                    saved.get("epoch", self.record["epoch"]),
+                    lambda: self._skip(i),
+                    mine[i] if mine is not None and i < len(mine) else None,
+                )
+        self._settle(final=False)
+
+    def _skip(self, i: int) -> int:
+        self.settle()
+        return self.skips[i] if i < len(self.skips) else 0
+
+    def settle(self) -> None:
+        """The final decision, once every loader is attached (and Lightning's ``CombinedLoader`` mode is known)."""
+        if not self.settled:
+            self.settled = True
+            self._settle(final=True)
+
+    def _settle(self, final: bool) -> None:
+        """Decide the position of every loader, rewind Lightning's counters to it and say so. After each
+        :meth:`attach` too, provisionally (assuming Lightning's default mode for several loaders), so that the
+        Decision is there for callbacks' ``on_train_start``; the final call decides again."""
+        if not self.mid_epoch:
+            if not self.decided:
+                self.decided = True
+                self._decide(
+                    Decision(
+                        "mid_epoch_resume", 0, f"the checkpoint is at an epoch boundary; {self.rng_note}"
+                    )
+                )
+            return
+        self.rng_before_first_batch = self.rng
+        record, world_size = self.record, ranks.world_size()
+        epoch, consumed = record["epoch"], record["consumed_batches"]
+        ready = self.restored[0][0]  # this epoch's batches Lightning restored
+        # One loader: the mode does not matter. Several: Lightning's CombinedLoader is known at the final call only.
+        mode = (_mode(self.trainer) if final and len(self.samplers) > 1 else None) or "max_size_cycle"
+        saved = [self._saved_loader(i) for i in range(len(self.samplers))]
+        now_sizes = [s.batch_size if s is not None else None for s in self.samplers]
+        restart = None
+        if record.get("world_size") != world_size or [s.get("batch_size") for s in saved] != now_sizes:
+            restart = (
+                f"saved with {record.get('world_size')} ranks x batch {record.get('batch_size')}, now"
+                f" {world_size} x {now_sizes[0] if len(now_sizes) == 1 else now_sizes}: the shards differ"
+            )
+        elif "loaders" in record and len(record["loaders"]) != len(self.samplers):
+            restart = f"saved with {len(record['loaders'])} training loaders, now {len(self.samplers)}"
+        batches = [_batches(loader) for loader in self.loaders]
+        if restart is None and any(s.get("batches") not in (None, b) for s, b in zip(saved, batches)):
+            restart = f"saved with loaders of {[s.get('batches') for s in saved]} batches, now {batches}"
+        positions = [
+            _position(mode, consumed, b) if s is not None else 0 for s, b in zip(self.samplers, batches)
+        ]
+        if restart is None and None in positions:
+            restart = f"CombinedLoader mode {mode!r} with loaders of {batches} batches"
+        if restart is not None:
+            _rewind(self.trainer, self.restored, ready)
+            self.skips = [0] * len(self.samplers)
+            self._decide(Decision(
+                "mid_epoch_resume", 0,
+                f"{restart}, so epoch {epoch} restarts in full (its first {consumed} batches per old rank are"
+                f" trained again); {self.rng_note}",
+            ))  # fmt: skip
+            return
+        replay = ready - consumed
+        _rewind(self.trainer, self.restored, replay)
+        self.skips = [
+            p * s.batch_size if s is not None else 0
+            for p, s in zip(positions, self.samplers)  # type: ignore[operator]
+        ]
+        notes = []
+        if len(self.samplers) > 1:
+            notes.append(f"{len(self.samplers)} loaders ({mode}) at batches {positions} of their passes")
+        restarting = [i for i, s in enumerate(self.samplers) if s is None]
+        if restarting:
+            notes.append(f"training loader(s) {restarting} cannot skip and restart their epoch")
+        if replay > 0:
+            notes.append(
+                f"the checkpoint was written {replay} batch(es) into an accumulation cycle: it holds the state of the"
+                " last optimizer step and those batches are trained again"
+            )
+        self._decide(Decision(
+            "mid_epoch_resume", consumed,
+            f"epoch {epoch} continues after the {consumed} batches already trained on; {self.rng_note}"
+            + "".join(f"; {note}" for note in notes),
+        ))  # fmt: skip

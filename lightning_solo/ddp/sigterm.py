@@ -1,0 +1,279 @@
+"""SIGTERM noticed on any rank stops every rank at the same batch, with no collective on the training stream, and
+saves a checkpoint the run resumes from.
+
+Lightning 2.6 (``training_epoch_loop._broadcast_sigterm_tensor``, ``signal_connector._sigterm_notifier_fn``):
+
+- every training batch broadcasts rank 0's SIGTERM flag as a device tensor and reads it back: on GPUs a host sync
+  per step (Lightning #21487), on CPU a step every rank waits for;
+- its signal handler broadcasts once more, from wherever the signal interrupted that rank: a collective the other
+  ranks do not issue there, which pairs with another (hang, or wrong data);
+- the rank that got the signal raises at the end of its batch (or validation batch, or epoch) on its own, and the
+  others wait in their next collective until the timeout;
+- a loader worker that gets the signal too (SLURM signals every process of the job step) dies of it: torch's
+  worker handler only exits quietly on a SIGTERM from its own rank, and the rank then fails with "DataLoader
+  worker (pid ...) is killed by signal: Terminated" at whatever it was doing.
+
+:class:`SigtermAgreement` replaces those pieces on one trainer:
+
+- the handler notes the signal and, as Lightning's does, sets ``trainer.received_sigterm`` at once and passes the
+  signal to the launcher's child processes; nothing else, and nothing at all in a process forked from the rank
+  (a copy of the handler);
+- Lightning's own stops on one rank (``received_sigterm`` at the end of a training batch, a validation batch or an
+  epoch) are deferred to the agreement: the rank goes on with the others;
+- at each training batch every rank starts an asynchronous MAX all-reduce of its note on a gloo group (a CPU
+  tensor) and reads the one started at the batch before. Any rank's SIGTERM thus stops every rank at the same
+  batch, at most two batches after it arrived (a SIGTERM during an in-fit validation: after that validation).
+  With one rank there is nothing to agree: it stops after the training batch the signal came in, as Lightning's;
+- on that agreed stop, every rank saves ``on_sigterm.ckpt`` in the first checkpoint callback's directory, all
+  together at a batch boundary, where ``resume=auto`` and ``fit(ckpt_path="auto")`` pick it up: a preempted run
+  loses only the batches since the signal. ``checkpoint=False`` (``SoloDDP(sigterm_checkpoint=False)``) stops
+  without saving, as stock Lightning does;
+- :meth:`shield_workers` makes the training and evaluation loaders' workers leave a SIGTERM that is not their
+  rank's to the ranks (they end their workers once they agree); one from their rank still ends them quietly. A
+  worker also ignores SLURM's requeue signals, whose handlers (copied from the rank) are the rank's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
+
+from lightning_solo.checkpoint.io import SoloCheckpointIO
+from lightning_solo.checkpoint.select import checkpoint_dir
+from lightning_solo.core.decision import Decision
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "on_sigterm.ckpt"
+# Lightning's stops on one rank, each at the end of the method named: deferred to the agreement. With one rank
+# there is nothing to agree on (Lightning makes no per-batch check then): the training batch's and the epoch's stop
+# there, with the checkpoint; the validation batch's waits for the training batch's.
+_LOCAL_STOPS = (("fit_loop.epoch_loop", "on_advance_end", True), ("fit_loop", "on_advance_end", True),
+                ("fit_loop.epoch_loop.val_loop", "_evaluation_step", False))  # fmt: skip
+
+
+class SigtermAgreement:
+    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training,
+    :meth:`uninstall` at teardown.
+
+    Args:
+        group: the gloo group the ranks agree on; ``None``: one rank, nothing to agree.
+        checkpoint: save ``on_sigterm.ckpt`` on an agreed stop (see the module docstring).
+    """
+
+    def __init__(self, group: Any, checkpoint: bool = True) -> None:
+        self.group = group
+        self.checkpoint = bool(checkpoint)
+        self.noted = False
+        self.checkpoint_path: str | None = None  # what the agreed stop saved
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._stopping = False
+        self._pid = os.getpid()
+        self._owners: list[tuple[Any, str]] = []
+        self._shielded: list[tuple[DataLoader, Any]] = []
+
+    def install(self, trainer: Any) -> Decision:
+        """Take over ``trainer``'s per-batch check, its SIGTERM notifier and its stops on one rank; before its
+        signal handlers are registered (``Strategy.setup`` is)."""
+        self._trainer = trainer
+        loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+        stops = [
+            (functools.reduce(getattr, path.split("."), trainer), name, here)
+            for path, name, here in _LOCAL_STOPS
+        ]
+        if not (
+            hasattr(loop, "_broadcast_sigterm_tensor")
+            and hasattr(connector, "_sigterm_notifier_fn")
+            and all(hasattr(owner, name) for owner, name, _ in stops)
+        ):
+            return Decision("sigterm_check", "lightning", "this Lightning has no per-batch SIGTERM broadcast")
+        # Instance attributes: this trainer only, taken back by uninstall().
+        loop._broadcast_sigterm_tensor = self.check
+        connector._sigterm_notifier_fn = self.note
+        self._owners = [(loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")]
+        for owner, name, here in stops:
+            setattr(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
+            self._owners.append((owner, name))
+        if self.group is None:
+            return Decision(
+                "sigterm_check",
+                "one rank",
+                "the rank stops after the batch the signal came in, with a checkpoint",
+            )
+        return Decision(
+            "sigterm_check",
+            "any rank, asynchronous",
+            "a MAX all-reduce of every rank's SIGTERM note on a gloo group, read one batch later: no per-step "
+            "sync, and every rank stops at the same batch (Lightning's stops on the signalled rank alone wait "
+            "for it)",
+        )
+
+    def checkpoint_decision(self) -> Decision:
+        """Where an agreed stop saves, for the run summary (after :meth:`install`)."""
+        if not self._owners:
+            return Decision("sigterm_checkpoint", False, "Lightning's own SIGTERM handling: no save")
+        if not self.checkpoint:
+            return Decision("sigterm_checkpoint", False, "sigterm_checkpoint=False: the stop saves nothing")
+        if (directory := checkpoint_dir(self._trainer)) is None:
+            return Decision("sigterm_checkpoint", False, "no checkpoint callback with a directory: no save")
+        return Decision(
+            "sigterm_checkpoint",
+            os.path.join(directory, CHECKPOINT_NAME),
+            "on a SIGTERM every rank stops at the same batch and saves there, together; resume=auto and "
+            "fit(ckpt_path='auto') pick it up (SoloDDP(sigterm_checkpoint=False): stop without saving, as stock)",
+        )
+
+    def note(self, signum: int, frame: Any) -> None:
+        """The signal handler: no collective here, the next batches agree."""
+        if os.getpid() != self._pid:
+            return  # a process forked from this rank runs a copy of the handler: the signal is the rank's to act on
+        log.info(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] Received SIGTERM: {signum}")
+        launcher = self._trainer.strategy.launcher
+        if not self.noted and launcher is not None:
+            launcher.kill(signum)  # as Lightning's handler: the popen launcher's children get it too
+        self.noted = True
+        self._trainer._signal_connector.received_sigterm = True  # as Lightning's handler: at once
+
+    def check(self) -> None:
+        """At each training batch, on every rank: start this batch's agreement, act on the last one's (Lightning
+        calls it with more than one rank only)."""
+        flag = torch.tensor([float(self.noted)])
+        previous = self._pending
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        if previous is not None:
+            agreed, work = previous
+            work.wait()
+            if agreed.item() > 0:
+                self._stop()
+
+    def _stop(self) -> None:
+        """Every rank is here, at the same batch boundary: save together, then stop."""
+        self.close()  # sets trainer.received_sigterm on every rank: Lightning's own later checks agree
+        self._stopping = True
+        if self.checkpoint:
+            self._save()
+        raise SIGTERMException()
+
+    def _save(self) -> None:
+        trainer = self._trainer
+        if (directory := checkpoint_dir(trainer)) is None:
+            return
+        path = os.path.join(directory, CHECKPOINT_NAME)
+        solo_io = isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO)
+        try:  # every rank; the strategy's barrier follows
+            trainer.save_checkpoint(path, storage_options={"trigger": "sigterm"} if solo_io else None)
+        except Exception:  # noqa: BLE001 - the stop goes on; the newest regular checkpoint remains
+            log.exception("SIGTERM: saving %s failed", path)
+            return
+        self.checkpoint_path = path
+        rank_zero_info(f"SIGTERM: every rank stopped at global step {trainer.global_step}; saved {path}")
+
+    def _deferred(self, method: Any, stop_here: bool) -> Any:
+        """``method`` with Lightning's stop on this rank alone (``received_sigterm`` set by :meth:`note`) left to
+        the agreement, or with ``stop_here`` made the agreed stop. The stop is the method's last statement, so
+        nothing of it is skipped."""
+
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except SIGTERMException:
+                if not self.noted or self._stopping:
+                    raise
+                if stop_here:
+                    self._stop()
+                return None
+
+        return run
+
+    def shield_workers(self, dataloader: Any) -> Any:
+        """Give ``dataloader``'s workers the signal handling of :func:`leave_signals_to_the_rank`, through its
+        ``worker_init_fn``; its workers start with SIGTERM blocked (the thread that starts them blocks it
+        meanwhile), so that no thread of theirs takes it before (a spawned worker has threads from its imports).
+        :meth:`uninstall` puts both back. Returns ``dataloader``."""
+        if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
+            if not isinstance(dataloader.worker_init_fn, _ShieldedWorkerInit):
+                self._shielded.append((dataloader, dataloader.worker_init_fn))
+                dataloader.worker_init_fn = _ShieldedWorkerInit(dataloader.worker_init_fn)
+                dataloader._get_iterator = functools.partial(_start_blocked, dataloader._get_iterator)
+        return dataloader
+
+    def uninstall(self) -> None:
+        """Give the trainer Lightning's check, notifier and stops back (a later ``validate`` on it uses them), and
+        the loaders their own ``worker_init_fn``."""
+        for owner, name in self._owners:
+            vars(owner).pop(name, None)
+        self._owners = []
+        for dataloader, worker_init_fn in self._shielded:
+            dataloader.worker_init_fn = worker_init_fn
+            vars(dataloader).pop("_get_iterator", None)
+        self._shielded = []
+
+    def close(self) -> None:
+        """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
+        late for the batches to act on (the fit's last ones) lets the fit end, and ``trainer.received_sigterm``
+        says so."""
+        if self._pending is not None:
+            agreed, work = self._pending
+            work.wait()
+            self._pending = None
+            if agreed.item() > 0 or self.noted:
+                self._trainer._signal_connector.received_sigterm = True
+
+
+def _start_blocked(get_iterator: Any) -> Any:
+    """``DataLoader._get_iterator`` (which starts the workers) with SIGTERM blocked in this thread meanwhile: the
+    workers inherit the block. A SIGTERM to the rank then is taken by another thread, or when this one unblocks."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return get_iterator()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _ShieldedWorkerInit:
+    """A loader's ``worker_init_fn`` that first calls :func:`leave_signals_to_the_rank`, then the user's own; made
+    in the rank, whose process id it carries. Picklable where the user's is (spawned workers)."""
+
+    def __init__(self, user_fn: Any) -> None:
+        self.user_fn = user_fn
+        self.rank_pid = os.getpid()
+
+    def __call__(self, worker_id: int) -> None:
+        leave_signals_to_the_rank(self.rank_pid)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def leave_signals_to_the_rank(rank_pid: int) -> None:
+    """In a loader worker: a SIGTERM from the worker's rank ends it quietly, as torch's handler does; one from
+    anyone else (SLURM, ``kill`` of the process group) is left to the rank, which stops with the other ranks and
+    then ends its workers. SIGTERM is blocked in the worker's threads and taken by a thread of its own, which reads
+    the sender (a Python handler cannot). SLURM's requeue signals (USR1, USR2) reach every process too: a Python
+    handler the worker inherited from its rank (Lightning's saves a checkpoint, a collective) is the rank's, so
+    the worker ignores them.
+
+    Exact where the workers are forked from the rank (the default on Linux). A spawned or fork-server worker may
+    have threads of its own before this runs (its imports start some), and one of them may take a SIGTERM first,
+    with torch's handler; the rank's own SIGTERM ends the worker either way."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started after this inherit the mask
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_IGN)
+
+    def wait() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank_pid:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="solo-worker-sigterm", daemon=True).start()

@@ -1,0 +1,118 @@
+"""The ``sync_batchnorm="auto"`` policy (:func:`decide`, a pure function returning a Decision) and SoloDDP's
+SyncBN step for one fit (:func:`decide_layer_sync`: the decision and the LayerSync plugin DDPStrategy applies)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from torch import nn
+from typing_extensions import override
+
+from lightning_solo.core.batch_size import per_device_batch_size
+from lightning_solo.core.checks import check_choice, check_int
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.syncbn.layer import convert, has_batchnorm, revert
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+SyncOption = bool | Literal["auto"]
+_OPTIONS = (True, False, "auto")
+
+
+def validate(option: Any, threshold: Any) -> None:
+    """Fail at construction, not at setup, on a bad ``sync_batchnorm`` or threshold."""
+    check_choice("sync_batchnorm", option, _OPTIONS)
+    check_int("sync_batchnorm_threshold", threshold)  # a per-device batch size
+
+
+def decide(
+    option: SyncOption,
+    *,
+    has_batchnorm: bool,
+    world_size: int,
+    per_device_batch: int | None,
+    threshold: int = 32,
+    trainer_flag: bool = False,
+) -> Decision:
+    """Whether to synchronise BatchNorm, and why.
+
+    ``"auto"`` turns it on when the model has BatchNorm, there is more than one process and the
+    per-device batch is below ``threshold`` (its statistics are then noisy). When the per-device batch is
+    unknown, auto keeps plain BatchNorm (what DDP does) and says so. ``Trainer(sync_batchnorm=True)``
+    (``trainer_flag``) counts as ``True``.
+    """
+    validate(option, threshold)
+    if trainer_flag:
+        if option is False:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) contradicts SoloDDP(sync_batchnorm=False); "
+                "set one of them, accepted values for SoloDDP are (True, False, 'auto')"
+            )
+        option = True
+    source = "Trainer(sync_batchnorm=True)" if trainer_flag else "set by the user"
+    if option is False:
+        return Decision("sync_batchnorm", False, "set by the user")
+    if not has_batchnorm:
+        return Decision("sync_batchnorm", False, "the model has no BatchNorm layers")
+    if option is True:
+        return Decision("sync_batchnorm", True, source)
+    if world_size <= 1:
+        return Decision("sync_batchnorm", False, "a single process: there is nothing to synchronise")
+    if per_device_batch is None:
+        return Decision(
+            "sync_batchnorm", False, "per-device batch size unknown; pass sync_batchnorm=True to synchronise"
+        )
+    if per_device_batch < threshold:
+        return Decision(
+            "sync_batchnorm",
+            True,
+            f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy; "
+            f"statistics over the global batch of {per_device_batch * world_size}",
+        )
+    return Decision(
+        "sync_batchnorm",
+        False,
+        f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice",
+    )
+
+
+class _SoloLayerSync(LayerSync):
+    """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        return convert(model)
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert(model)
+
+
+def decide_layer_sync(
+    trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
+) -> tuple[Decision, LayerSync | None]:
+    """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).
+
+    ``requested`` is what Lightning's connector put on the strategy: ``TorchSyncBatchNorm`` for
+    ``Trainer(sync_batchnorm=True)`` (replaced by ours: torch's refuses CPU), a custom ``LayerSync``
+    plugin (kept as is), or ``None``. :class:`SoloSyncBatchNorm` is used on every device and backend:
+    torch's ``SyncBatchNorm`` syncs the host once per layer and step and, under autocast, sends half-precision
+    zeros from an empty rank while the others send fp32 (NCCL then hangs or corrupts memory).
+    """
+    if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
+        return Decision(
+            "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
+        ), requested
+    decision = decide(
+        option,
+        has_batchnorm=has_batchnorm(trainer.lightning_module),
+        world_size=trainer.world_size,
+        per_device_batch=per_device_batch_size(trainer),
+        threshold=threshold,
+        trainer_flag=isinstance(requested, TorchSyncBatchNorm),
+    )
+    if not decision.value:
+        return decision, None
+    return Decision(decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm"), _SoloLayerSync()

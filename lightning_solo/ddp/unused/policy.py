@@ -1,0 +1,344 @@
+"""``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
+``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
+
+How it decides, and why each step is exact and safe: ``docs/design.md``, "find_unused_parameters='auto'".
+
+Every fit starts from fresh evidence (:meth:`UnusedParameters.fresh`). ``static_graph`` is never switched
+on automatically: it promises that the graph can never change, the one thing "auto" cannot know.
+
+Example::
+
+    policy = UnusedParameters("auto")
+    group = torch.distributed.new_group(backend="gloo")  # apart from DDP's
+    ddp = policy.bind(DistributedDataParallel(model, find_unused_parameters=policy.initial), group)
+    for step, batch in enumerate(loader):
+        if policy.at_boundary(ddp):                      # re-wrap decided (same on every rank)
+            build = lambda m: DistributedDataParallel(m, find_unused_parameters=policy.find_unused, init_sync=False)
+            ddp = policy.rewrap(ddp, build, group)
+        policy.before_backward(ddp)
+        ddp(batch).sum().backward()
+        policy.after_backward(ddp)                       # before optimizer.step()
+        optimizer.step(); optimizer.zero_grad()
+    policy.finish(ddp)                                   # every rank, at the end
+    print(policy.decision)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any, Literal
+
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn import Module, Parameter
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo.core.checks import check_choice, check_int
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.syncbn.layer import backward_collectives
+from lightning_solo.ddp.unused import surgery as ddp_surgery
+from lightning_solo.ddp.unused.fast_path import FastPathStep
+from lightning_solo.ddp.unused.surgery import (
+    build_with_sentinel,
+    ddp_ignore_list,
+    restore_ignore_list,
+    trainable,
+    unwrap_excluding,
+)
+from lightning_solo.ddp.unused.window import UsageWindow
+
+FindUnused = bool | Literal["auto"]
+FIND_UNUSED_VALUES = (True, False, "auto")
+
+
+class Phase(StrEnum):
+    USER = "user"  # the user's True/False (or static_graph): never changed
+    WINDOW = "window"  # gathering evidence on True
+    FAST = "fast"  # False: every parameter synchronised
+    EXCLUDING = "excluding"  # False: parameters never used are left out of synchronisation
+    SEARCHING = "searching"  # True from here on: DDP searches the graph every step
+
+
+def check_find_unused(value: Any) -> FindUnused:
+    """Return ``value`` if it is an accepted ``find_unused_parameters``, else raise ``ValueError``."""
+    hint = " ('auto': the fast path unless parameters go unused, decided from the first steps)"
+    return check_choice("find_unused_parameters", value, FIND_UNUSED_VALUES, hint)
+
+
+def _position(params: list[Parameter], param: Parameter | None) -> int:
+    """``param``'s index in ``params`` by identity (-1: absent). Not ``list.index``: it compares tensors with
+    ``==``, which fails on a multi-element parameter before it (one defined on the LightningModule itself) and
+    matches a one-element parameter that merely equals it."""
+    return next((i for i, p in enumerate(params) if p is param), -1)
+
+
+class UnusedParameters:
+    """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP` (see the module docstring).
+
+    Args:
+        setting: ``"auto"``, ``True`` or ``False`` (the user's choice, then left alone).
+        window: synchronised backward passes of evidence before deciding.
+        static_graph: the user's DDP ``static_graph``; DDP then tracks a fixed unused set itself and "auto"
+            stays out of the way.
+    """
+
+    def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
+        self.setting = check_find_unused(setting)
+        self.window, self.static_graph = check_int("window", window), static_graph
+        self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
+        self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
+        self.unused_bytes = 0
+        self.steps = 0  # synchronised backward passes in this fit
+        if setting != "auto":
+            self.phase, self.find_unused = Phase.USER, bool(setting)
+            self.decision = Decision("find_unused_parameters", self.find_unused, "set by the user")
+        elif static_graph:
+            self.phase, self.find_unused = Phase.USER, False
+            self.decision = Decision(
+                "find_unused_parameters",
+                False,
+                "static_graph=True: DDP tracks a fixed set of unused parameters itself",
+            )
+        else:
+            self.phase, self.find_unused = Phase.WINDOW, True
+            self.decision = Decision(
+                "find_unused_parameters",
+                "auto",
+                f"deciding from the first {window} steps (on True meanwhile)",
+            )
+        self.initial = self.find_unused
+        self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
+        self._trainable_flags: list[tuple[Parameter, bool]] = []
+        self._to_ours: list[int] = []  # reducer index -> our index, for the current DDP wrapper
+        self._ignored: list[int] = []  # ours, excluded from synchronisation
+        self._user_ignore: list[str] | None = None
+        self._group: Any = None
+        self._fast: FastPathStep | None = None  # on the fast path: its per-step completion
+        self._evidence = UsageWindow(window)
+        self._backward_collective: str | None = None  # why collectives run inside backward, once known
+        self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
+
+    def fresh(self) -> UnusedParameters:
+        """A policy with the same settings and no evidence: every fit decides from its own steps."""
+        return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
+
+    @property
+    def searching(self) -> bool:
+        """DDP searches for unused parameters (``True``) because "auto" put it there."""
+        return self.phase in (Phase.WINDOW, Phase.SEARCHING)
+
+    # ----------------------------------------------------------------------------------------- hooks
+    def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
+             reducer_parameters: list[Parameter] | None = None) -> DistributedDataParallel:  # fmt: skip
+        """Call on every new DDP wrapper (:meth:`rewrap` does). ``group``: a gloo group apart from DDP's
+        (``None``: there is none, so "auto" stays on ``True``)."""
+        self._remove_hooks()
+        self._group = group
+        self._named = trainable(ddp.module)
+        self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        self._to_ours = [
+            index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)
+        ]
+        if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
+            more = ", ..." if len(found) > 3 else ""
+            self._backward_collective = (
+                f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            )
+            self._search(f"{self._backward_collective} communicate inside backward")
+        if self.phase in (Phase.FAST, Phase.EXCLUDING):
+            self._fast = FastPathStep(
+                self._named,
+                [i for i in self._to_ours if i >= 0],
+                self._ignored,
+                group,
+                # Excluded parameters may get a gradient until the very end of backward: no early signal then.
+                signal_early=self.phase is Phase.FAST,
+                sentinel=sentinel,
+                ddp=ddp,
+                sentinel_index=_position(reducer_parameters or [], sentinel),
+            )
+        return ddp
+
+    def rewrap(self, ddp: DistributedDataParallel, build: Callable[[Module], DistributedDataParallel],
+               group: Any = None, *, keep_grads: bool = False, exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
+        """Unwrap ``ddp``, ``build`` the new wrapper (``find_unused_parameters=self.find_unused``) and bind it.
+
+        ``exact_allreduce`` (no comm hook): on the fast path a one-element sentinel parameter rides in DDP's
+        last bucket. Every rank feeds it 1 if it had an event, 0 if not, so the averaged value tells every
+        rank, with no collective of its own, whether the step needs the usage map. A comm hook may compress
+        or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
+        module = self.unwrap(ddp, keep_grads)
+        if self.phase is Phase.WINDOW:
+            return self.wrap(module, build, group, probe=exact_allreduce)
+        if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
+            return self.bind(build(module), group)
+        new, sentinel, params = build_with_sentinel(module, build)
+        return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
+
+    def wrap(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
+             probe: bool = True) -> DistributedDataParallel:  # fmt: skip
+        """``build(module)`` and bind it. In the evidence window DDP gets a one-element probe parameter that no
+        forward uses: DDP's search then always finds an unused parameter, and so never prints its warning that
+        find_unused_parameters=True found none (the window's expected outcome, on every rank, naming a setting
+        the user did not choose). The probe is not the model's: never in its state_dict or optimizer. Like the
+        fast path's sentinel, only with ``probe`` (no comm hook: PowerSGD keys its state to the model's
+        parameters)."""
+        if self.phase is not Phase.WINDOW or not probe:
+            return self.bind(build(module), group)
+        new, _, params = build_with_sentinel(module, build)
+        return self.bind(new, group, reducer_parameters=params)
+
+    def note_backward_collective(self, what: str) -> None:
+        """A collective will run inside this step's backward (e.g. a gradient-carrying ``all_gather``). Called
+        on every rank alike; on the fast path "auto" moves to ``True`` at the next batch boundary."""
+        if self._backward_collective is None and self.phase is not Phase.USER:
+            self._backward_collective = what
+            if self.phase in (Phase.FAST, Phase.EXCLUDING) and self._switch is None:
+                self._switch = f"{what} communicates inside backward"
+
+    def before_backward(self, ddp: Module) -> None:
+        if self._fast is not None and getattr(ddp, "require_backward_grad_sync", False):
+            self._fast.arm()
+
+    def after_backward(self, ddp: Module) -> None:
+        """Right after every backward, on every rank, before any other collective and the optimizer step."""
+        if not isinstance(ddp, DistributedDataParallel) or not ddp.require_backward_grad_sync:
+            return  # not wrapped, or inside no_sync (accumulation): the reducer is not involved
+        self.steps += 1
+        if self.phase is Phase.WINDOW:
+            self._evidence.add(ddp, self._to_ours, len(self._named))
+        elif self._fast is not None and (names := self._fast.complete(ddp, self.steps - 1)):
+            self.varying_names = sorted(set(self.varying_names) | set(names))
+            if self._switch is None:
+                self._switch = (
+                    f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
+                    f"step {self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
+                )
+                rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
+
+    def at_boundary(self, ddp: Module) -> bool:
+        """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
+        :meth:`unwrap` and ``find_unused_parameters=self.find_unused``, then :meth:`bind`."""
+        if not isinstance(ddp, DistributedDataParallel):
+            return False
+        if any(p.requires_grad is not was for p, was in self._trainable_flags):
+            self._trainable_set_changed(ddp.module)
+            return True
+        if self.phase is Phase.WINDOW and self._evidence.full:
+            return self._decide()
+        if self._switch is not None:
+            self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
+            self._switch = None
+            return True
+        return False
+
+    def unwrap(self, ddp: DistributedDataParallel, keep_grads: bool = False) -> Module:
+        """Detach ``ddp`` from its module and mark the parameters to exclude; returns the bare module.
+
+        Gradients alias the old wrapper's buckets (``gradient_as_bucket_view``). After an optimizer step they
+        are spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
+        optimization may accumulate across batches)."""
+        self._remove_hooks()
+        if self._user_ignore is None:
+            self._user_ignore = ddp_ignore_list(ddp.module)
+        return unwrap_excluding(
+            ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads
+        )
+
+    def finish(self, ddp: Module) -> None:
+        """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the
+        module back its own DDP ignore list."""
+        self._remove_hooks()
+        if self._user_ignore is not None:
+            restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
+        if self.phase is Phase.WINDOW and self._evidence.started:
+            self.decision = Decision(
+                "find_unused_parameters", True,
+                f"the fit ended within the evidence window ({self._evidence.steps} of {self.window} steps): True throughout",
+            )  # fmt: skip
+        if self._switch is not None:
+            self.decision = Decision(
+                "find_unused_parameters", False, f"{self._switch}: the fit ended before switching to True"
+            )
+
+    def reducer_name(self, index: int) -> str | None:
+        """The name of the parameter at DDP's reducer ``index`` in the current wrapper (None: not ours)."""
+        ours = self._to_ours[index] if 0 <= index < len(self._to_ours) else -1
+        return self._named[ours][0] if ours >= 0 else None
+
+    def stop(self) -> None:
+        """Remove the per-parameter hooks (an exception ended the fit)."""
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        if self._fast is not None:
+            self._fast.remove()
+            self._fast = None
+
+    # ------------------------------------------------------------------------------------- internals
+    def _decide(self) -> bool:
+        never, varying = self._evidence.never(), self._evidence.varying()
+        self.unused_names = [self._named[i][0] for i in never]
+        self.varying_names = [self._named[i][0] for i in varying]
+        self.unused_bytes = sum(self._named[i][1].numel() * self._named[i][1].element_size() for i in never)
+        steps = f"the first {self._evidence.steps} steps"
+        if self._backward_collective is not None:
+            self._search(f"{self._backward_collective} communicates inside backward")
+            return False
+        if self._group is None:
+            self._search("no CPU-side (gloo) group for the fast path's per-step check")
+            return False
+        if varying or len(never) == len(self._named):
+            self._search(f"{len(varying)} parameters got no gradient on some steps or ranks only in {steps}")
+            never_part = f"; never: {', '.join(self.unused_names)}" if never else ""
+            rank_zero_warn(
+                "SoloDDP: find_unused_parameters=True, because these parameters received no gradient on some "
+                f"steps or ranks only: {', '.join(self.varying_names)}{never_part}"
+            )
+            return False
+        self.find_unused, self._ignored = False, never
+        if not never:
+            self.phase = Phase.FAST
+            self.decision = Decision(
+                "find_unused_parameters", False,
+                f"every parameter got a gradient on every rank in {steps}: DDP's fast path (a per-step check "
+                "completes any later step exactly as True would, then switches)",
+            )  # fmt: skip
+            return True
+        self.phase = Phase.EXCLUDING
+        self.decision = Decision(
+            "find_unused_parameters", False,
+            f"{len(never)} parameters ({self.unused_bytes / 2**20:.2f} MiB) got no gradient on any rank in "
+            f"{steps}: excluded from synchronisation, fast path for the rest",
+        )  # fmt: skip
+        rank_zero_warn(
+            f"SoloDDP: these parameters received no gradient in {steps} and are excluded from DDP's "
+            f"synchronisation (freeze or remove them to save the memory): {', '.join(self.unused_names)}"
+        )
+        return True
+
+    def _search(self, why: str) -> None:
+        self.phase, self.find_unused, self._ignored = Phase.SEARCHING, True, []
+        self.decision = Decision(
+            "find_unused_parameters", True, f"{why}: DDP searches the graph for unused parameters every step"
+        )
+
+    def _trainable_set_changed(self, module: Module) -> None:
+        before = {n for n, _ in self._named}
+        after = {n for n, _ in trainable(module)}
+        change = f"+{len(after - before)}/-{len(before - after)} trainable parameters at step {self.steps}"
+        self._ignored, self._switch = [], None
+        if self.phase is Phase.USER:
+            self.decision = Decision(
+                "find_unused_parameters", self.find_unused,
+                f"set by the user; DDP re-wrapped after {change}, so every trainable parameter is synchronised",
+            )  # fmt: skip
+            return
+        self.phase, self.find_unused = Phase.WINDOW, True
+        self._evidence = UsageWindow(self.window)
+        self.decision = Decision(
+            "find_unused_parameters", "auto",
+            f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "
+            f"next {self.window} steps (on True meanwhile)",
+        )  # fmt: skip

@@ -1,0 +1,102 @@
+"""Taking a DDP wrapper apart and building the next one: what ``find_unused_parameters="auto"`` needs to re-wrap.
+
+DDP knows only the parameters that required grad when it was built, and its reducer indexes them in its own
+order. Re-wrapping therefore means: detach the old wrapper (its hooks, its bucket-aliased gradients), tell the
+new one which parameters to leave out, and know the reducer's order to read its usage map. The policy that
+decides when is :mod:`lightning_solo.ddp.unused.policy`.
+
+Example::
+
+    user_ignore = ddp_ignore_list(ddp.module)
+    module = unwrap_excluding(ddp, ["head.weight"], user_ignore)
+    ddp, sentinel, params = build_with_sentinel(module, lambda m: DistributedDataParallel(m))
+    ...
+    restore_ignore_list(ddp.module, user_ignore)      # at the end of fit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn import Module, Parameter
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_solo._compat import torch as torch_compat
+
+SENTINEL = "_lightning_solo_usage_sentinel"
+
+
+def trainable(module: Module) -> tuple[tuple[str, Parameter], ...]:
+    """The ``(name, parameter)`` pairs that require grad: the parameters a DDP built now synchronises."""
+    return tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
+
+
+def reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
+    """``ddp``'s parameters in its reducer's order, so reducer indices map to parameters."""
+    # The order of DDP's `_build_params_for_reducer` (module by module, deduplicated). Its ignore test is
+    # f"{module_name}.{param_name}" ("." + name at the root), hence the same test here.
+    seen: set[int] = set()
+    params = []
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or f"{module_name}.{param_name}" in ddp.parameters_to_ignore:
+                continue
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def ddp_ignore_list(module: Module) -> list[str]:
+    """The DDP ignore list the user set on ``module`` (kept to restore at the end of fit)."""
+    return list(getattr(module, torch_compat.DDP_IGNORE_LIST, []))
+
+
+def unwrap_excluding(
+    ddp: DistributedDataParallel, excluded: list[str], user_ignore: list[str], keep_grads: bool = False
+) -> Module:
+    """Detach ``ddp`` from its module and mark ``excluded`` (names) for the next wrapper to leave out; returns
+    the bare module.
+
+    Gradients alias the old wrapper's buckets (``gradient_as_bucket_view``). After an optimizer step they are
+    spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
+    optimization may accumulate across batches)."""
+    module = ddp.module
+    torch_compat.remove_autograd_hooks(ddp)
+    for _, param in module.named_parameters():
+        param.grad = param.grad.detach().clone() if keep_grads and param.grad is not None else None
+    _clear_ignored_flags(module)
+    # "." + name as well: DDP's reducer spells root-level parameters that way.
+    torch_compat.set_params_to_ignore(
+        module, user_ignore + excluded + ["." + n for n in excluded if "." not in n]
+    )
+    return module
+
+
+def restore_ignore_list(module: Module, user_ignore: list[str]) -> None:
+    """Give ``module`` back the user's own DDP ignore list."""
+    setattr(module, torch_compat.DDP_IGNORE_LIST, user_ignore)
+    _clear_ignored_flags(module)
+
+
+def build_with_sentinel(
+    module: Module, build: Callable[[Module], DistributedDataParallel]
+) -> tuple[DistributedDataParallel, Parameter, list[Parameter]]:
+    """``build(module)`` with a one-element sentinel parameter that lands in DDP's last bucket (registered last,
+    and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
+    sentinel = Parameter(torch.zeros(1, device=next(module.parameters()).device))
+    # Registered only while DDP collects its parameters: never in the module's state_dict or optimizer.
+    module.register_parameter(SENTINEL, sentinel)
+    try:
+        ddp = build(module)
+        params = reducer_parameters(ddp)
+    finally:
+        torch_compat.unregister_parameter(module, SENTINEL)
+    return ddp, sentinel, params
+
+
+def _clear_ignored_flags(module: Module) -> None:
+    for _, param in module.named_parameters():
+        if hasattr(param, torch_compat.DDP_IGNORED_FLAG):
+            delattr(param, torch_compat.DDP_IGNORED_FLAG)

@@ -1,0 +1,92 @@
+"""The ranks' facts compared: what must agree and does not, and ranks that share one device.
+
+Pure functions over what :func:`lightning_solo.diagnostics.checks.facts.gather` returned, so every rank reaches the
+same verdict from the same list. Example::
+
+    disagreements([{"torch": "2.14.1"}, {"torch": "2.14.0"}])
+    # [Finding("agree.torch", "torch differs across ranks: '2.14.0' on rank 1; '2.14.1' on rank 0. Install ...",
+    #          error=True, ranks=(1,))]
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+
+from lightning_solo.diagnostics.checks.facts import RankFacts
+from lightning_solo.diagnostics.checks.finding import Finding, merge
+
+_FIXES = {
+    "device": "Mixed device models run at the pace of the slowest; use one model per job",
+    "driver": "Install the same driver on every node",
+    "cuda_visible_devices": "Give every node the same number of visible GPUs",
+    "env.OMP_NUM_THREADS": "Export the same OMP_NUM_THREADS to every rank (torchrun sets 1)",
+    "env.MASTER_ADDR": "Start every rank with one MASTER_ADDR: ranks meet there",
+    "env.MASTER_PORT": "Start every rank with one MASTER_PORT: ranks meet there",
+    "env.WORLD_SIZE": "Start every rank with the same WORLD_SIZE",
+}
+_ENV_FIX = "Export the same value to every rank (a job script that sets it on some nodes only?)"
+_VERSION_FIX = "Install the same versions on every node (one container image or environment for the job)"
+
+
+def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[str] = ()) -> list[Finding]:
+    """An error per fact whose value is not the same on every rank (``facts[r]`` is rank r's), naming each
+    value's ranks. The ranks off the most common value are named as the odd ones (on a tie, those off rank 0's
+    value). A fact missing on a rank counts as ``None``; ``ignore`` names facts to skip."""
+    keys = sorted({k for f in facts for k in f} - set(ignore))
+    found = []
+    for key in keys:
+        by_value: dict[str | None, list[int]] = defaultdict(list)
+        for rank, rank_facts in enumerate(facts):
+            by_value[rank_facts.get(key)].append(rank)
+        if len(by_value) < 2:
+            continue
+        # the reference (most ranks, then rank 0's) last; the odd values before it, rarest first
+        groups = sorted(by_value.items(), key=lambda item: (len(item[1]), -item[1][0]))
+        values = "; ".join(f"{value!r} on {_ranks(ranks)}" for value, ranks in groups)
+        odd = sorted(r for _, ranks in groups[:-1] for r in ranks)
+        fix = _FIXES.get(key, _ENV_FIX if key.startswith("env.") else _VERSION_FIX)
+        found.append(
+            Finding(
+                f"agree.{key}", f"{key} differs across ranks: {values}. {fix}.", error=True, ranks=tuple(odd)
+            )
+        )
+    return found
+
+
+def shared_devices(ranks: Sequence[RankFacts]) -> list[Finding]:
+    """An error for ranks on one host that use the same GPU, or claim the same local rank on an accelerator
+    (CPU processes share the host's cores whatever their local rank: loopback "nodes" on one host are fine)."""
+    found = []
+    local_rank = lambda f: f.local_rank if f.device != "cpu" else None  # noqa: E731
+    for what, key in (("GPU", lambda f: f.device_id), ("LOCAL_RANK", local_rank)):
+        owners: dict[tuple, list[int]] = defaultdict(list)
+        for f in ranks:
+            if key(f) is not None:
+                owners[(f.host, key(f))].append(f.rank)
+        for (host, value), sharing in owners.items():
+            if len(sharing) > 1:
+                found.append(
+                    Finding(
+                        f"placement.{what.lower()}",
+                        f"{_ranks(sharing)} on host {host} share {what} {value}: each rank needs its own device. "
+                        "Start one process per device (torchrun --nproc-per-node=<GPUs>, srun --ntasks-per-node), "
+                        "and let the launcher set LOCAL_RANK.",
+                        error=True,
+                        ranks=tuple(sharing),
+                    )
+                )
+    return found
+
+
+def check(ranks: Sequence[RankFacts], ignore: Collection[str] = ()) -> list[Finding]:
+    """Everything the gathered facts say: disagreements, shared devices, and each rank's own findings."""
+    return [
+        *disagreements([f.shared for f in ranks], ignore),
+        *shared_devices(ranks),
+        *merge((f.rank, f.findings) for f in ranks),
+    ]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -1,0 +1,117 @@
+"""What each rank reports about itself for the cross-rank preflight.
+
+Example::
+
+    mine = local_facts(torch.device("cuda", 0))      # versions, device model, driver, env flags; host, rank
+    every = gather_objects(mine)                      # diagnostics.collectives: a list, index = rank
+    findings = agreement.compare(every)               # pure: lightning_solo.diagnostics.checks.agreement
+
+``RankFacts.shared`` holds what must be the same on every rank; the rest places the rank (host, local rank,
+device) and carries the problems it found alone (its launch variables, say), so that once gathered, every rank
+decides from the same list and all of them stop, or none.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_solo.diagnostics.checks.finding import Finding
+
+# NCCL/torch-distributed variables that change behaviour (protocol, transport, timeouts): every rank needs the
+# same. The logging ones may differ.
+_AGREED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_")
+_MAY_DIFFER = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+# Interface names are per host (eth0 on one node, ens5 on another is fine).
+_PER_HOST = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA"}
+_AGREED_VARS = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    rank: int
+    host: str
+    local_rank: int | None
+    device: str
+    device_id: str | None  # a GPU's UUID: two ranks must not share one
+    shared: dict[str, str | None]
+    findings: tuple[Finding, ...] = field(default=())
+
+
+def shared_facts(device: torch.device, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Versions, device model and driver, and the environment flags that every rank must agree on."""
+    import lightning
+
+    import lightning_solo
+
+    env = os.environ if env is None else env
+    on_gpu = device.type == "cuda"
+    facts: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "lightning_solo": lightning_solo.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": _nccl_version(),
+        "device": torch.cuda.get_device_name(device) if on_gpu else device.type,
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
+        if on_gpu
+        else None,
+        "driver": _driver_version() if on_gpu else None,
+        "cuda_visible_devices": _visible_count(env.get("CUDA_VISIBLE_DEVICES")),
+    }
+    for name in sorted(env):
+        if name.startswith(_AGREED_PREFIXES) and name not in _MAY_DIFFER | _PER_HOST:
+            facts[f"env.{name}"] = env[name]
+    for name in _AGREED_VARS:
+        facts[f"env.{name}"] = env.get(name)
+    return facts
+
+
+def local_facts(
+    device: torch.device, findings: Sequence[Finding] = (), env: Mapping[str, str] | None = None
+) -> RankFacts:
+    env = os.environ if env is None else env
+    device_id = None
+    if device.type == "cuda":
+        device_id = str(getattr(torch.cuda.get_device_properties(device), "uuid", None) or device)
+    local = env.get("LOCAL_RANK")
+    return RankFacts(
+        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
+        host=socket.gethostname(),
+        local_rank=int(local) if local and local.isdigit() else None,
+        device=str(device),
+        device_id=device_id,
+        shared=shared_facts(device, env),
+        findings=tuple(findings),
+    )
+
+
+def _nccl_version() -> str | None:
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _driver_version() -> str | None:
+    try:  # nvidia-ml-py, optional (the "gpu" extra)
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - not installed, no driver, no permission: the fact is unknown
+        return None
+
+
+def _visible_count(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return str(len([v for v in value.split(",") if v.strip()]))

@@ -1,0 +1,224 @@
+"""The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
+the straggler and the verdict, printed as a table and kept as a dict (``doctor.json``).
+
+Throughput is measured on every rank and reduced, never rank 0's times the world size: per device it is a
+rank's samples over its own step time, globally the samples of all ranks over the slowest rank's time.
+
+Example::
+
+    ranks = gather_ranks(timer.take_window(), timer.total, timer.bins, {"peak_memory_mib": 812.0}, device)
+    report = summarize(ranks, "window", setup, reference=None)      # every rank computes the same
+    print(format_table(report))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_solo.core import ranks as ranks_
+from lightning_solo.diagnostics.doctor.timing import (
+    COMM,
+    DATA,
+    FIELDS,
+    FWD_BWD,
+    LOSS,
+    LOSS_N,
+    OPTIMIZER,
+    SAMPLES,
+    STEPS,
+    Sums,
+)
+from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose
+
+EXTRA = ("peak_memory_mib", "memory_total_mib", "idle_cores")
+
+
+def gather_ranks(
+    window: Sums, total: Sums, bins: list[Sums], extra: dict[str, float], device: torch.device
+) -> list[dict[str, Any]]:
+    """Every rank's window, total, ``extra`` and bins. A collective: every rank calls it at the same step (the
+    bins are the same length everywhere: they close at the same optimizer steps)."""
+    row = [*window.values(), *total.values(), *(float(extra.get(k, 0.0)) for k in EXTRA)]
+    row += [value for bin_ in bins for value in bin_.values()]
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    parts = [mine]
+    if ranks_.world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(ranks_.world_size())]
+        dist.all_gather(parts, mine)
+    n = len(FIELDS)
+    out = []
+    for part in parts:
+        values = part.tolist()
+        head, rest = values[: 2 * n + len(EXTRA)], values[2 * n + len(EXTRA) :]
+        out.append(
+            {
+                "window": head[:n],
+                "total": head[n : 2 * n],
+                **dict(zip(EXTRA, head[2 * n :])),
+                "bins": [rest[i : i + n] for i in range(0, len(rest), n)],
+            }
+        )
+    return out
+
+
+def rank_times(sums: list[float]) -> RankTimes:
+    """Mean milliseconds per optimizer step; exposed communication is taken out of forward+backward."""
+    steps = max(sums[STEPS], 1.0)
+    comm = sums[COMM] / steps * 1e3
+    return RankTimes(
+        data_ms=sums[DATA] / steps * 1e3,
+        compute_ms=max(0.0, sums[FWD_BWD] / steps * 1e3 - comm),
+        comm_ms=comm,
+        optimizer_ms=sums[OPTIMIZER] / steps * 1e3,
+    )
+
+
+def _seconds(sums: list[float]) -> float:
+    return sums[DATA] + sums[FWD_BWD] + sums[OPTIMIZER]  # communication is inside forward+backward
+
+
+def throughput(per_rank: list[list[float]], reference: float | None = None) -> dict[str, float | None]:
+    """Samples/s per device (mean of the ranks' own) and global (all samples over the slowest rank's time)."""
+    own = [s[SAMPLES] / _seconds(s) if _seconds(s) > 0 else 0.0 for s in per_rank]
+    slowest = max(_seconds(s) for s in per_rank)
+    global_ = sum(s[SAMPLES] for s in per_rank) / slowest if slowest > 0 else 0.0
+    efficiency = global_ / (len(per_rank) * reference) if reference else None
+    return {
+        "global_samples_per_s": global_,
+        "per_device_samples_per_s": sum(own) / len(own),
+        "reference_samples_per_s": reference,
+        "scaling_efficiency": efficiency,
+    }
+
+
+def summarize(
+    gathered: list[dict[str, Any]],
+    which: str,
+    setup: Setup,
+    reference: float | None = None,
+) -> dict[str, Any]:
+    """The report over ``which`` ("window": since the last report, "total": since the warm-up)."""
+    per_rank = [g[which] for g in gathered]
+    steps = int(per_rank[0][STEPS])
+    if steps == 0:
+        return {"steps": 0, "world_size": len(gathered), "verdict": None}
+    times = [rank_times(s) for s in per_rank]
+    setup = dataclasses.replace(
+        setup,
+        idle_cores=int(min(g["idle_cores"] for g in gathered)),
+        memory_fraction=max(
+            (g["peak_memory_mib"] / g["memory_total_mib"] for g in gathered if g["memory_total_mib"]),
+            default=None,
+        ),
+    )
+    verdict = diagnose(times, setup)
+    rows = []
+    for rank, (sums, t, g) in enumerate(zip(per_rank, times, gathered)):
+        seconds = _seconds(sums)
+        rows.append(
+            {
+                "rank": rank,
+                "step_ms": t.step_ms,
+                "data_ms": t.data_ms,
+                "compute_ms": t.compute_ms,
+                "comm_ms": t.comm_ms,
+                "optimizer_ms": t.optimizer_ms,
+                "samples_per_s": sums[SAMPLES] / seconds if seconds > 0 else 0.0,
+                "peak_memory_mib": g["peak_memory_mib"],
+                "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
+            }
+        )
+    step_ms = sum(t.step_ms for t in times) / len(times)
+    return {
+        "steps": steps,
+        "world_size": len(gathered),
+        "device": setup.device,
+        "ranks": rows,
+        "throughput": throughput(per_rank, reference),
+        "straggler": {
+            "rank": verdict.straggler,
+            "behind_ms": verdict.behind_ms,
+            "behind_fraction": verdict.behind_ms / step_ms if step_ms else 0.0,
+        },
+        "verdict": {
+            "bound": verdict.bound,
+            "shares": verdict.shares,
+            "remedies": [dataclasses.asdict(r) for r in verdict.remedies],
+            "text": str(verdict),
+        },
+    }
+
+
+def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any]:
+    """Per bin and rank, for the chart: ms per step of each part, samples/s, mean loss."""
+    n = len(bin_ends)
+    ranks = []
+    for g in gathered:
+        bins = g["bins"][:n]
+        steps = [max(b[STEPS], 1.0) for b in bins]
+        times = [rank_times(b) for b in bins]
+        ranks.append(
+            {
+                "data_ms": [t.data_ms for t in times],
+                "compute_ms": [t.compute_ms for t in times],
+                "comm_ms": [t.comm_ms for t in times],
+                "optimizer_ms": [t.optimizer_ms for t in times],
+                "loss": [b[LOSS] / b[LOSS_N] if b[LOSS_N] else None for b in bins],
+                "samples": [b[SAMPLES] for b in bins],
+                "seconds": [_seconds(b) for b in bins],
+                "steps": steps,
+            }
+        )
+    global_ = []
+    for i in range(n):
+        slowest = max(r["seconds"][i] for r in ranks)
+        global_.append(sum(r["samples"][i] for r in ranks) / slowest if slowest > 0 else 0.0)
+    return {"step": list(bin_ends), "global_samples_per_s": global_, "ranks": ranks}
+
+
+def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
+    """The report as a few lines for the log."""
+    if not report.get("steps"):
+        return f"{title}: no optimizer step measured after the warm-up"
+    head = f"{'rank':>4}  {'step ms':>8}  {'data':>7}  {'compute':>7}  {'comm':>7}  {'optim':>7}  {'samples/s':>9}  {'peak MiB':>8}  {'loss':>8}"
+    lines = [
+        "",
+        f"{title}: {report['steps']} steps, {report['world_size']} rank(s), {report['device']}",
+        head,
+    ]
+    for r in report["ranks"]:
+        loss = f"{r['loss']:8.4g}" if r["loss"] is not None else f"{'-':>8}"
+        lines.append(
+            f"{r['rank']:>4}  {r['step_ms']:8.2f}  {r['data_ms']:7.2f}  {r['compute_ms']:7.2f}  {r['comm_ms']:7.2f}"
+            f"  {r['optimizer_ms']:7.2f}  {r['samples_per_s']:9.1f}  {r['peak_memory_mib']:8.0f}  {loss}"
+        )
+    tp = report["throughput"]
+    line = f"throughput: {tp['global_samples_per_s']:.1f} samples/s global, {tp['per_device_samples_per_s']:.1f} per device"
+    if tp["scaling_efficiency"] is not None:
+        line += f"; scaling efficiency {tp['scaling_efficiency']:.2f} vs {tp['reference_samples_per_s']:.1f} samples/s on one process"
+    lines.append(line)
+    s = report["straggler"]
+    if s["rank"] is not None:
+        lines.append(
+            f"slowest rank: {s['rank']}, {s['behind_ms']:.2f} ms ({s['behind_fraction']:.0%} of the step) behind the others"
+        )
+    lines.append(f"verdict: {report['verdict']['text']}")
+    for i, r in enumerate(report["verdict"]["remedies"], 1):
+        where = f"{r['key']}={r['value']}" if r["key"] else "(outside the config)"
+        lines.append(f"  {i}. {where}: {r['action']} (~{r['gain']:.0%} of the step)")
+    return "\n".join(lines)
+
+
+def write_json(content: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(content, indent=1, default=str))
+    tmp.replace(path)  # a reader never sees half a report
+    return path

@@ -1,0 +1,277 @@
+"""TrainingDoctor: where the time of every rank goes, and what bounds the run, measured live on every rank.
+
+Per optimizer step, on every rank: data wait, forward+backward, optimizer step and the communication DDP
+could not hide behind backward (from DDP's own reducer timings; :mod:`lightning_solo.diagnostics.doctor.timing`);
+samples/s per device and global (measured on every rank and reduced), peak memory (CUDA allocator on GPU,
+RSS on CPU), scaling efficiency against a one-process reference when given, and the slowest rank. At the end
+of training, and every ``every_n_steps`` steps if asked, the ranks' sums are gathered (one collective, at the
+same step on every rank) and the verdict (:mod:`lightning_solo.diagnostics.doctor.verdict`) names the bound (data,
+communication, compute, straggler) with remedies tied to config keys, ranked by expected gain. Rank 0 logs a
+table and writes ``doctor.json`` and ``doctor.png`` (matplotlib: the ``plot`` extra) in the run directory.
+
+Cheap enough to leave on (benchmarks/RESULTS.md): host timestamps on CPU, CUDA events read back a bin later
+on GPU (no per-step synchronisation), DDP's logging data read once per bin of steps.
+
+Example::
+
+    doctor = TrainingDoctor(every_n_steps=500, reference_throughput=1450.0)  # samples/s on one process
+    trainer = L.Trainer(strategy=SoloDDP(), devices=4, callbacks=[doctor])
+    trainer.fit(model, dm)
+    doctor.report["verdict"]["bound"]         # "data" | "communication" | "compute" | "straggler"
+    doctor.files                              # {"json": ".../doctor.json", "chart": ".../doctor.png"}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import psutil
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_solo.core.batch_size import per_device_batch_size
+from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.diagnostics.doctor.chart import plot_doctor
+from lightning_solo.diagnostics.doctor.report import format_table, gather_ranks, series, summarize, write_json
+from lightning_solo.diagnostics.doctor.timing import ExposedComm, StepTimer
+from lightning_solo.diagnostics.doctor.verdict import Setup
+from lightning_solo.diagnostics.loss_watch import LossWatch
+
+_MIB = 2**20
+_RSS_EVERY = 64  # steps between RSS samples on CPU (psutil: 50-200 µs)
+
+
+def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
+    """How often DDP's reducer times an iteration. DDP samples 1 in 100; the doctor needs every window
+    covered: every iteration on CPU (host timestamps, free), every 10th on CUDA, where DDP's timer waits for
+    the previous backward's events at each sampled forward."""
+    if requested is not None:
+        return Decision("ddp_runtime_logging_sample_rate", requested, "given to TrainingDoctor")
+    rate = 10 if device.type == "cuda" else 1
+    why = "every 10th iteration: DDP's CUDA timer waits on its events" if rate > 1 else "every iteration"
+    return Decision("ddp_runtime_logging_sample_rate", rate, f"DDP times {why} (its default: every 100th)")
+
+
+class TrainingDoctor(DecisionLog, L.Callback):
+    """Measures the time split on every rank and says what bounds the run and what to change.
+
+    Args:
+        every_n_steps: also report every this many optimizer steps (the window since the last report);
+            ``None``: at the end of training only.
+        warmup_steps: optimizer steps left out first (DDP's bucket rebuild, loader start-up, allocator
+            warm-up); at most a quarter of the run.
+        reference_throughput: samples/s of the same training on one process, for the scaling efficiency.
+        ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, every 10th on CUDA.
+        filename, chart: the report and chart file names in ``trainer.default_root_dir`` (the run directory).
+        loss_watch: the loss watch (NaN/Inf stop on every rank, spike and rank-spread advice): ``True`` (default)
+            a :class:`~lightning_solo.callbacks.LossWatch` with its defaults, or your own, or ``False``. Left to a
+            ``LossWatch`` among the trainer's callbacks when there is one (the runner has one), so it runs once.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        warmup_steps: int = 3,
+        reference_throughput: float | None = None,
+        ddp_sample_rate: int | None = None,
+        filename: str = "doctor.json",
+        chart: str | None = "doctor.png",
+        loss_watch: bool | LossWatch = True,
+    ) -> None:
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, optional=True)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.reference_throughput = check_number("reference_throughput", reference_throughput, optional=True)
+        self.ddp_sample_rate = check_int("ddp_sample_rate", ddp_sample_rate, optional=True)
+        self.filename, self.chart = filename, chart
+        self.decisions: dict[str, Decision] = {}
+        self.report: dict[str, Any] | None = None  # the end-of-training report (every rank)
+        self.reports: list[dict[str, Any]] = []  # the periodic ones
+        self.files: dict[str, str | None] = {}  # what rank 0 wrote
+        self.loss_watch = LossWatch() if loss_watch is True else (loss_watch or None)
+        self._watch: LossWatch | None = None  # the loss watch this fit drives (None: another callback does)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        standalone = any(isinstance(cb, LossWatch) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        self._watch = None if standalone else self.loss_watch
+        if self._watch is not None:
+            self._watch.on_train_start(trainer, pl_module)
+            self.decisions.update(self._watch.decisions)
+        try:
+            expected = float(trainer.estimated_stepping_batches)
+        except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
+            expected = math.inf
+        rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
+        # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
+        bin_steps = max(1, min(16, int(expected) // 64)) if math.isfinite(expected) else 16
+        self._timer = StepTimer(pl_module.device, ExposedComm(rate), bin_steps=bin_steps)
+        self._warmup = min(
+            self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps
+        )
+        self._steps, self._first_step = 0, trainer.global_step + self._warmup
+        self.report, self.reports, self.files = None, [], {}
+        self._process, self._rss = psutil.Process(), 0
+        if pl_module.automatic_optimization:
+            self._timer.loss_scale = trainer.accumulate_grad_batches
+        if self._warmup == 0:
+            self._timer.start()
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._timer.comm.watch(trainer.strategy.model)
+        self._timer.batch_start()
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._watch is not None:
+            self._watch.on_before_backward(trainer, pl_module, loss)
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._watch is not None:  # a non-finite loss stops every rank here, before the step
+            self._watch.on_before_optimizer_step(trainer, pl_module, optimizer)
+        self._timer.before_optimizer()
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        loss = loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        if not self._timer.batch_end(_samples(batch), loss):
+            return
+        self._steps += 1
+        if self._steps == self._warmup:
+            self._timer.start()
+        if self._steps % _RSS_EVERY == 0:
+            self._sample_rss()
+        if self.every_n_steps and self._timer.recording and trainer.global_step % self.every_n_steps == 0:
+            self.reports.append(self._report(trainer, pl_module, "window"))
+
+    @override
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.training:  # not the sanity check before training
+            self._timer.skip_gap()
+
+    @override
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if trainer.training:
+            self._timer.skip_gap()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # The loss watch this doctor drives keeps its trend over a resume, as a LossWatch callback does.
+        return {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_watch is not None and "loss_watch" in state_dict:
+            self.loss_watch.load_state_dict(state_dict["loss_watch"])
+
+    @property
+    def advice(self) -> list[str]:
+        """The loss watch's advice, when this doctor drives it (the run summary prints it)."""
+        return self._watch.advice if self._watch is not None else []
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report = self._report(trainer, pl_module, "total", final=True)
+        self._timer.comm.release()  # the DDP wrapper is not ours to keep
+
+    def _report(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, which: str, final: bool = False
+    ) -> dict:
+        """Gather every rank's sums (a collective, at the same step everywhere), judge, log, write (rank 0)."""
+        window = self._timer.take_window()
+        self._sample_rss()
+        extra = self._memory(trainer, pl_module)
+        gathered = gather_ranks(window, self._timer.total, self._timer.bins, extra, pl_module.device)
+        report = summarize(gathered, which, self._setup(trainer, pl_module), self.reference_throughput)
+        report["global_step"] = trainer.global_step
+        if trainer.is_global_zero:
+            title = "TrainingDoctor" if final else f"TrainingDoctor @ step {trainer.global_step}"
+            rank_zero_info(format_table(report, title))
+            self._write(Path(trainer.default_root_dir), report, gathered, final)
+        return report
+
+    def _write(self, root: Path, report: dict, gathered: list[dict[str, Any]], final: bool) -> None:
+        """Rank 0: doctor.json (the reports so far and the per-bin series) and, at the end, doctor.png."""
+        steps = [self._first_step + end for end in self._timer.bin_ends]
+        content: dict[str, Any] = {
+            "final": report if final else None,
+            "periodic": [*self.reports, *([] if final else [report])],
+            "warmup_steps": self._warmup,
+            "series": series(gathered, steps),
+        }
+        chart = None
+        if final and self.chart and steps:
+            chart = plot_doctor(content["series"], root / self.chart)
+            if chart is None:
+                rank_zero_info("TrainingDoctor: no chart (pip install 'lightning_solo[plot]' for matplotlib)")
+        self.files = {"json": str(root / self.filename), "chart": str(chart) if chart else None}
+        content["files"] = self.files
+        write_json(content, root / self.filename)
+
+    def _sample_rss(self) -> None:
+        if not self._timer.cuda:
+            self._rss = max(self._rss, self._process.memory_info().rss)
+
+    def _memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """This rank's peak and total memory, and its idle cores (the fullest, the scarcest rank counts)."""
+        device = pl_module.device
+        if device.type == "cuda":
+            peak, total = (
+                torch.cuda.max_memory_allocated(device),
+                torch.cuda.get_device_properties(device).total_memory,
+            )
+        else:
+            peak, total = self._rss, psutil.virtual_memory().total
+        loader = trainer.train_dataloader
+        workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+        return {
+            "peak_memory_mib": peak / _MIB,
+            "memory_total_mib": total / _MIB,
+            "idle_cores": _idle_cores(trainer, workers),
+        }
+
+    def _setup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Setup:
+        loader = trainer.train_dataloader
+        workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+        hook = getattr(trainer.strategy, "_comm", None)  # SoloDDP's comm hook (CommHook / AutoCommHook)
+        return Setup(
+            device=pl_module.device.type,
+            world_size=trainer.world_size,
+            per_device_batch=per_device_batch_size(trainer),
+            accumulate=trainer.accumulate_grad_batches,
+            num_workers=workers,
+            pin_memory=bool(getattr(loader, "pin_memory", False)),
+            prefetch_factor=getattr(loader, "prefetch_factor", None) if workers else None,
+            comm_hook=getattr(hook, "name", None),
+            hook_times_ms=getattr(hook, "measured_ms", None) or None,
+            precision=str(trainer.precision),
+            **self._timer.comm.layout(),
+        )
+
+
+def _samples(batch: Any) -> int:
+    """The batch's size: the first dimension of the batch or its first tensor (fast paths first)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return len(first)
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # noqa: BLE001 - a batch with no tensor in it: counted as one sample
+        return 1
+
+
+def _idle_cores(trainer: L.Trainer, workers: int) -> int:
+    """Cores per process on this node that neither the process nor its loader workers use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, cores // max(1, trainer.num_devices) - 1 - workers)

@@ -1,0 +1,301 @@
+"""The doctor's verdict: from a small record of measured times to what bounds the run and what to change.
+
+A pure function (no torch, no trainer), so it can be read, argued with and tested as a table. Shares are
+fractions of the measured step, per rank, from the :class:`~lightning_solo.diagnostics.doctor.timing.StepTimer`:
+
+* **straggler**: how far the slowest rank's own work (data + compute + optimizer) is behind the others'
+  (every other rank waits that long inside the all-reduce, so it shows there as exposed communication);
+* **communication**: the exposed communication of the slowest rank, the one rank that never waits for
+  another (what is left is the all-reduce itself);
+* **data**: the other ranks' data wait; **compute**: their forward+backward and optimizer step.
+
+The bound is the largest share. Each remedy names the config key that applies it and the fraction
+of the step it is expected to save (the measured share it acts on × the part of it that lever removes, a
+stated estimate: 0.9 for the first loader workers, 1/2 of the all-reduce for twice the batch, ...); they
+come ranked by that gain. Remedies are only offered where they were measured to pay: compression hooks
+never on CPU (measured slower than exact all-reduce over gloo, see benchmarks/RESULTS.md), nor where
+``comm_hook="auto"`` already measured them slower.
+
+Example::
+
+    ranks = [RankTimes(data_ms=40, compute_ms=8, comm_ms=1, optimizer_ms=1)] * 2
+    verdict = diagnose(ranks, Setup(device="cpu", world_size=2, num_workers=0, idle_cores=3))
+    verdict.bound                    # "data"
+    verdict.remedies[0].key          # "data.num_workers"
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BOUNDS = ("data", "communication", "compute", "straggler")
+MIN_GAIN = 0.02  # a remedy expected to save less than 2% of the step is noise, not advice
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's mean time per optimizer step, in milliseconds."""
+
+    data_ms: float
+    compute_ms: float
+    comm_ms: float
+    optimizer_ms: float = 0.0
+
+    @property
+    def busy_ms(self) -> float:
+        """The rank's own work: everything but waiting in communication."""
+        return self.data_ms + self.compute_ms + self.optimizer_ms
+
+    @property
+    def step_ms(self) -> float:
+        return self.busy_ms + self.comm_ms
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the remedies depend on, read from the running trainer (the same on every rank)."""
+
+    device: str = "cpu"  # "cpu" | "cuda"
+    world_size: int = 1
+    per_device_batch: int | None = None
+    accumulate: int = 1
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+    idle_cores: int = 0  # per process: cores neither the process nor its loader workers use
+    comm_hook: str | None = None
+    hook_times_ms: dict[str, float] | None = None  # comm_hook="auto"'s measured ms/step per candidate
+    bucket_count: int = 0
+    gradient_mib: float = 0.0
+    bucket_cap_mb: float = 25.0
+    overlap_fraction: float | None = None  # share of DDP's communication that overlapped backward
+    memory_fraction: float | None = None  # peak memory / device memory, the fullest rank
+    precision: str = "32-true"
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A change to make: ``key=value`` in the runner's config (``key`` None: outside the config)."""
+
+    key: str | None
+    value: Any
+    action: str
+    gain: float  # expected saving, as a fraction of the step
+
+    def __str__(self) -> str:
+        where = f"{self.key}={self.value}" if self.key else "(outside the config)"
+        return f"{where}: {self.action} (expected gain ~{self.gain:.0%} of the step)"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bound: str
+    shares: dict[str, float]
+    straggler: int | None  # the slowest rank
+    behind_ms: float  # how far its own work is behind the others'
+    remedies: tuple[Remedy, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.shares.items(), key=lambda kv: -kv[1]))
+        return f"{self.bound}-bound ({shares})"
+
+
+def diagnose(ranks: Sequence[RankTimes], setup: Setup) -> Verdict:
+    """The bound of a run measured as ``ranks`` (one entry per rank) and the remedies, best first."""
+    if not ranks:
+        raise ValueError("diagnose needs the times of at least one rank")
+    step = statistics.fmean(r.step_ms for r in ranks)
+    slowest = max(range(len(ranks)), key=lambda r: ranks[r].busy_ms)
+    others = [r for i, r in enumerate(ranks) if i != slowest] or list(ranks)
+    behind = max(0.0, ranks[slowest].busy_ms - statistics.median(r.busy_ms for r in others))
+    typical = RankTimes(*(statistics.fmean(getattr(r, f) for r in others) for f in _FIELDS))
+    if step <= 0:
+        return Verdict("compute", dict.fromkeys(BOUNDS, 0.0), None, 0.0)
+    shares = {
+        "data": typical.data_ms / step,
+        "communication": ranks[slowest].comm_ms / step,
+        "compute": (typical.compute_ms + typical.optimizer_ms) / step,
+        "straggler": behind / step if len(ranks) > 1 else 0.0,
+    }
+    bound = max(shares, key=shares.__getitem__)
+    remedies = [
+        *_data_remedies(shares["data"], setup),
+        *_comm_remedies(shares["communication"], typical.optimizer_ms / step, setup),
+        *_straggler_remedies(shares["straggler"], slowest, behind, ranks, typical, setup),
+        *_compute_remedies(shares["compute"], setup),
+    ]
+    remedies = sorted((r for r in remedies if r.gain >= MIN_GAIN), key=lambda r: -r.gain)
+    return Verdict(bound, shares, slowest if len(ranks) > 1 else None, behind, tuple(remedies))
+
+
+_FIELDS = ("data_ms", "compute_ms", "comm_ms", "optimizer_ms")
+
+
+def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
+    out = []
+    if setup.num_workers == 0:
+        # Even without an idle core, one worker overlaps loading (often I/O) with the step.
+        workers = max(1, min(setup.idle_cores, 4))
+        gain = (0.9 if setup.idle_cores else 0.5) * share
+        out.append(
+            Remedy("data.num_workers", workers, "load batches in worker processes, while the step runs", gain)
+        )
+    elif setup.idle_cores > 0:
+        workers = min(2 * setup.num_workers, setup.num_workers + setup.idle_cores)
+        out.append(
+            Remedy(
+                "data.num_workers",
+                workers,
+                f"more loader workers ({setup.idle_cores} cores per process are idle)",
+                0.5 * share,
+            )
+        )
+    else:
+        out.append(
+            Remedy(
+                None,
+                None,
+                "no idle cores for more loader workers: make samples cheaper to load (decode once and cache, augment on the device)",
+                0.5 * share,
+            )
+        )
+    if setup.num_workers > 0 and (setup.prefetch_factor or 2) < 4:
+        out.append(
+            Remedy(
+                "data.prefetch_factor",
+                4,
+                "each worker keeps more batches ready, smoothing slow samples",
+                0.3 * share,
+            )
+        )
+    if setup.device == "cuda" and not setup.pin_memory:
+        out.append(
+            Remedy(
+                "data.pin_memory",
+                True,
+                "page-locked batches copy to the GPU faster and asynchronously",
+                0.2 * share,
+            )
+        )
+    return out
+
+
+def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[Remedy]:
+    if setup.world_size < 2:
+        return []
+    out = []
+    # The all-reduce costs the same per step whatever the batch: twice the work per step halves its share.
+    per_step = (share + optimizer_share) / 2
+    full = setup.memory_fraction is not None and setup.memory_fraction > 0.45
+    if setup.per_device_batch and not full:
+        out.append(
+            Remedy(
+                "data.batch_size",
+                2 * setup.per_device_batch,
+                "twice the work per all-reduce (WarmupScaledLR rescales the learning rate to the global batch)",
+                per_step,
+            )
+        )
+    out.append(
+        Remedy(
+            "trainer.accumulate_grad_batches",
+            2 * setup.accumulate,
+            "one all-reduce per two batches, when the batch cannot grow in memory (the global batch doubles)",
+            0.9 * per_step,
+        )
+    )
+    if setup.comm_hook != "post_local_sgd":
+        # Saves 3 all-reduces in 4, but changes the optimisation: counted at half, for the accuracy it may cost.
+        out.append(
+            Remedy(
+                "parallelism.strategy.comm_hook",
+                "post_local_sgd",
+                "local steps, parameters averaged every 4 steps: skips most all-reduces, changes the optimisation (check accuracy)",
+                0.75 * share / 2,
+            )
+        )
+    if setup.bucket_count == 1 and setup.gradient_mib > 4 and (setup.overlap_fraction or 0.0) < 0.5:
+        cap = max(1, round(setup.gradient_mib / 4))
+        out.append(
+            Remedy(
+                "parallelism.strategy.bucket_cap_mb",
+                cap,
+                "smaller gradient buckets start the all-reduce while backward is still running",
+                0.5 * share,
+            )
+        )
+    elif setup.bucket_count > 16 and setup.gradient_mib / setup.bucket_count < 1:
+        out.append(
+            Remedy(
+                "parallelism.strategy.bucket_cap_mb",
+                4 * setup.bucket_cap_mb,
+                "fewer, larger buckets pay the all-reduce latency fewer times",
+                0.2 * share,
+            )
+        )
+    if _compression_may_pay(setup):
+        out.append(
+            Remedy(
+                "parallelism.strategy.comm_hook",
+                "auto",
+                "measure exact, fp16, bf16 and PowerSGD all-reduce for a few steps each and keep the fastest",
+                0.4 * share,
+            )
+        )
+    return out
+
+
+def _compression_may_pay(setup: Setup) -> bool:
+    """Compression hooks are advised only on GPUs, without a hook yet, and unless "auto" measured them slower."""
+    if setup.device != "cuda" or setup.comm_hook is not None:
+        return False
+    if setup.hook_times_ms:
+        exact = setup.hook_times_ms.get("exact")
+        return exact is not None and min(setup.hook_times_ms.values()) < exact
+    return True
+
+
+def _straggler_remedies(
+    share: float, slowest: int, behind: float, ranks: Sequence[RankTimes], typical: RankTimes, setup: Setup
+) -> list[Remedy]:
+    if len(ranks) < 2:
+        return []
+    slow = ranks[slowest]
+    excess = {f: getattr(slow, f) - getattr(typical, f) for f in ("data_ms", "compute_ms", "optimizer_ms")}
+    where = max(excess, key=excess.__getitem__)
+    if where == "data_ms":
+        return [
+            Remedy(
+                "data.num_workers",
+                max(1, 2 * setup.num_workers),
+                f"rank {slowest} waits {excess[where]:.1f} ms per step longer for data than the others: more workers, or check its node's disk and CPU load",
+                0.8 * share,
+            )
+        ]
+    return [
+        Remedy(
+            None,
+            None,
+            f"rank {slowest} is {behind:.1f} ms per step slower than the others: check its device and node (clocks, temperature, other processes)",
+            share,
+        )
+    ]
+
+
+def _compute_remedies(share: float, setup: Setup) -> list[Remedy]:
+    if setup.device == "cuda" and setup.precision.startswith("32"):
+        return [
+            Remedy(
+                "parallelism.precision",
+                "auto",
+                "bf16 (or fp16) mixed precision: tensor cores, half the activation memory",
+                0.3 * share,
+            )
+        ]
+    return []

@@ -1,0 +1,228 @@
+"""SoloFSDP: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every device of every node, applied
+by the strategy with sound defaults, on GPUs and on CPU (gloo).
+
+Example::
+
+    trainer = L.Trainer(accelerator="gpu", devices=8, strategy=SoloFSDP(), callbacks=[WarmupScaledLR()])
+    trainer.fit(model, dm)   # checkpoints: torch distributed checkpoint directories, verified; then
+    # python -m lightning_solo.consolidate outputs/.../last.ckpt model.pt   -> one file, weights_only-loadable
+
+Built on Lightning's ``ModelParallelStrategy`` (FSDP2, a data-parallel device mesh, DCP save/load), which asks the
+LightningModule to shard itself in ``configure_model``; SoloFSDP does it when the module does not. Lightning's
+``FSDPStrategy`` (FSDP1) refuses CPU, and torch's FSDP1 needs a device id there; FSDP2 runs on a gloo CPU mesh.
+Each choice is a Decision: what gets its own shard group (:func:`decide_wrap`), the mixed-precision policy
+(:func:`decide_fsdp_precision`), the state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from typing_extensions import override
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.io import SoloCheckpointIO
+from lightning_solo.checkpoint.manifest import read_manifest, verify
+from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
+from lightning_solo.core.checks import check_bool, check_int, check_number
+from lightning_solo.core.decision import Decision, DecisionLog
+
+Precision = Literal["auto", "bf16-mixed", "32-true"]
+
+
+def decide_fsdp_precision(precision: str, device: torch.device) -> tuple[Any, Decision]:
+    """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``. ``"auto"``: bf16 parameters with fp32
+    gradient reduction on GPUs that have bf16, fp32 elsewhere (CPU included)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in ("auto", "bf16-mixed", "32-true"):
+        raise ValueError(f"precision must be 'auto', 'bf16-mixed' or '32-true', got {precision!r}")
+    bf16 = precision == "bf16-mixed" or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
+    if not bf16:
+        why = "asked for" if precision == "32-true" else f"auto: no bf16 path on {device.type} here"
+        return None, Decision("fsdp_precision", "32-true", why)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    why = "bf16 parameters and compute, gradients reduced in fp32"
+    return policy, Decision("fsdp_precision", "bf16-mixed", why if precision != "auto" else f"auto: {why}")
+
+
+def decide_wrap(
+    module: nn.Module, wrap_classes: list[str] | None, min_num_params: int
+) -> tuple[list[nn.Module], Decision]:
+    """The modules that get their own shard group, innermost first: those whose class is in ``wrap_classes``;
+    without it, every module holding ``min_num_params`` parameters not already in such a group (torch's
+    size-based policy). The LightningModule's direct children with parameters close the list: FSDP2 gathers a
+    group's parameters in its ``forward``, which Lightning never calls on the LightningModule itself."""
+    chosen: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> int:  # parameters of m not yet in a chosen group
+        free = sum(p.numel() for p in m.parameters(recurse=False))
+        for child in m.children():
+            free += visit(child)
+        if m is not module and (type(m).__name__ in wrap_classes if wrap_classes else free >= min_num_params):
+            chosen.append(m)
+            return 0
+        return free
+
+    visit(module)
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} holds parameters itself: SoloFSDP shards its submodules, so keep them in a "
+            "submodule, or shard the model yourself in configure_model()"
+        )
+    roots = [c for c in module.children() if c not in chosen and any(True for _ in c.parameters())]
+    rule = f"classes {wrap_classes}" if wrap_classes else f">= {min_num_params:,} parameters"
+    why = f"{len(chosen)} module(s) by {rule}, then {len(roots)} top-level module(s)"
+    return [*chosen, *roots], Decision("fsdp_wrap", len(chosen) + len(roots), why)
+
+
+class SoloFSDP(DecisionLog, ModelParallelStrategy):
+    """FSDP2 over all ranks (parameters, gradients and optimizer state sharded), checkpoints through torch's
+    distributed checkpoint, written atomically and verified.
+
+    Args:
+        precision: ``"auto"`` (bf16 on GPUs that have it, else fp32), ``"bf16-mixed"`` or ``"32-true"``.
+        wrap_classes: class names that each get their own shard group (e.g. ``["BasicBlock", "Bottleneck"]``,
+            ``["TransformerEncoderLayer"]``); ``None``: by size, ``min_num_params``.
+        min_num_params: the size rule's threshold.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3, least memory); ``False`` keeps them
+            until backward (ZeRO-2-like, less communication).
+        state_dict: ``"sharded"``: one DCP directory per checkpoint, each rank writes its shards (consolidate with
+            ``python -m lightning_solo.consolidate``); ``"full"``: one file gathered on rank 0.
+        timeout: collective timeout, seconds or a ``timedelta``.
+    """
+
+    strategy_name = "solo_fsdp"
+
+    def __init__(
+        self,
+        *,
+        precision: Precision = "auto",
+        wrap_classes: list[str] | None = None,
+        min_num_params: int = 1_000_000,
+        reshard_after_forward: bool = True,
+        state_dict: Literal["sharded", "full"] = "sharded",
+        timeout: timedelta | float | int = timedelta(minutes=30),
+        process_group_backend: str | None = None,
+        cluster_environment: Any = None,
+    ) -> None:
+        if state_dict not in ("sharded", "full"):
+            raise ValueError(f"state_dict must be 'sharded' or 'full', got {state_dict!r}")
+        decide_fsdp_precision(precision, torch.device("cpu"))  # checks the value now, not in the workers
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=check_number("timeout", timeout))
+        super().__init__(
+            save_distributed_checkpoint=state_dict == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.precision = precision
+        self.wrap_classes = list(wrap_classes) if wrap_classes else None
+        self.min_num_params = check_int("min_num_params", min_num_params)
+        self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
+        self.state_dict_type = state_dict
+        self.checkpoint_io = SoloCheckpointIO()
+        if cluster_environment is not None:
+            self.cluster_environment = cluster_environment
+        self.decisions: dict[str, Decision] = {}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # ModelParallelStrategy makes no launcher in a process another started (rank 0's popen launcher, torchrun),
+        # so such a rank skips the launcher's split of the CPU threads (OMP_NUM_THREADS, torch.set_num_threads)
+        # that rank 0 made, and the ranks differ. DDPStrategy always makes one; so does SoloFSDP.
+        assert self.cluster_environment is not None
+        self._launcher = lightning_compat.SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        # Pure FSDP: one data-parallel dimension over every rank of every node, no tensor parallelism.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if is_overridden("configure_model", self.lightning_module):
+            self._decide(Decision("fsdp_wrap", "configure_model", "the LightningModule shards itself"))
+        else:
+            policy, decision = decide_fsdp_precision(self.precision, self.root_device)
+            self._decide(decision)
+            groups, decision = decide_wrap(self.model, self.wrap_classes, self.min_num_params)
+            self._decide(decision)
+            mesh = self.device_mesh["data_parallel"]
+            for group in groups:
+                kwargs = {"mp_policy": policy} if policy is not None else {}
+                fully_shard(group, mesh=mesh, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        # As ModelParallelStrategy.setup, less its demand for configure_model.
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        why = (
+            "torch distributed checkpoint, one shard per rank"
+            if self.state_dict_type == "sharded"
+            else "rank 0"
+        )
+        self._decide(Decision("fsdp_state_dict", self.state_dict_type, why))
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
+        if self.state_dict_type == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0, SoloCheckpointIO
+        path = self.broadcast(os.fspath(filepath))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        io = self.checkpoint_io if isinstance(self.checkpoint_io, SoloCheckpointIO) else None
+        save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(os.fspath(checkpoint_path))
+        if os.path.isdir(path):
+            verify_sharded(path)
+        elif read_manifest(path) is not None:
+            verify(path)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            if os.path.isdir(filepath):
+                shutil.rmtree(filepath)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    def settings(self) -> dict[str, Any]:
+        """The effective FSDP settings, for the run summary."""
+        return {
+            "world_size": self.world_size,
+            "num_nodes": self.num_nodes,
+            "backend": self.process_group_backend,
+            "precision": self.precision,
+            "wrap_classes": self.wrap_classes,
+            "min_num_params": self.min_num_params,
+            "reshard_after_forward": self.reshard_after_forward,
+            "state_dict": self.state_dict_type,
+            "timeout_s": self._timeout.total_seconds() if self._timeout else None,
+        }
