@@ -35,6 +35,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -553,14 +554,12 @@ def machine_line() -> str:
     import torch
 
     model = platform.processor() or "?"
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         model = next(
             line.split(":", 1)[1].strip()
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
-    except (OSError, StopIteration):
-        pass
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"{datetime.date.today().isoformat()}; nproc {os.cpu_count()}; {model}; load average {load}; "

@@ -279,7 +279,7 @@ def _fork_child() -> None:
     )
     try:
         trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
-    except Exception as err:  # noqa: BLE001 - what the user would see
+    except Exception as err:
         print(f"REFUSED {type(err).__name__}: {err}", flush=True)
         return
     print("NOT REFUSED", flush=True)
@@ -743,7 +743,7 @@ def render(rows: list[dict], device: str) -> str:
             detail = "table below"
         result = "SKIPPED" if row["ok"] is None else "PASS" if row["ok"] else "FAIL"
         lines.append(f"| {row['check']} | {result} | {row['seconds']} | {detail.replace('|', '/')} |")
-    return "\n".join(lines + [""] + tables) + "\n"
+    return "\n".join([*lines, "", *tables]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

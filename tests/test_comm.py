@@ -45,7 +45,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "kwargs, expected",
+    ("kwargs", "expected"),
     [
         ({"comm_hook": "fp8"}, "'fp16', 'bf16', 'powersgd', 'post_local_sgd'"),
         ({"comm_hook": "batched_powersgd"}, "'powersgd'"),

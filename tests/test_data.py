@@ -73,7 +73,7 @@ def test_image_folder(tmp_path):
     dm = ImageFolderDataModule(root=str(tmp_path), image_size=16, batch_size=2)
     assert dm.num_classes == 2
     dm.setup("fit")
-    x, y = next(iter(dm.train_dataloader()))
+    x, _y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 3, 16, 16)
     with pytest.raises(ValueError, match="num_classes=3"):
         ImageFolderDataModule(root=str(tmp_path), num_classes=3)

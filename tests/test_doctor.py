@@ -125,7 +125,7 @@ def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp
     assert [r["verdict"] for r in r1["reports"]] == [
         r["verdict"] for r in r0["reports"]
     ]  # one verdict, all ranks
-    compute, data, comm, straggler = r0["reports"]
+    _compute, data, _comm, straggler = r0["reports"]
     assert straggler["straggler"]["rank"] == 1 and straggler["straggler"]["behind_ms"] > 0.5 * SLOW_S * 1e3
     assert data["verdict"]["remedies"][0]["key"] == "data.num_workers"
     advised = {(r["key"], r["value"]) for report in r0["reports"] for r in report["verdict"]["remedies"]}

@@ -235,11 +235,11 @@ def test_the_runner_turns_the_doctor_on_and_checks_its_keys(tmp_path):
         doctor = hydra.utils.instantiate(cfg.callbacks.doctor)
         assert isinstance(doctor, TrainingDoctor) and doctor.every_n_steps == 100
         assert hydra.utils.instantiate(cfg.data).prefetch_factor == 4
-    with composed(["+callbacks.doctor.every_n_step=100"], tmp_path) as cfg:
-        with pytest.raises(
-            ConfigError, match="callbacks.doctor.every_n_step: .*Did you mean 'every_n_steps'"
-        ):
-            check_config(cfg)
+    with (
+        composed(["+callbacks.doctor.every_n_step=100"], tmp_path) as cfg,
+        pytest.raises(ConfigError, match="callbacks.doctor.every_n_step: .*Did you mean 'every_n_steps'"),
+    ):
+        check_config(cfg)
 
 
 def test_one_process_without_ddp_is_measured_too(tmp_path):

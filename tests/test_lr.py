@@ -160,7 +160,7 @@ def test_plot_a_planned_schedule(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    ("kwargs", "match"),
     [
         (dict(reference_batch_size=0), "reference_batch_size must be a positive integer"),
         (dict(reference_batch_size=-256), "reference_batch_size must be a positive integer"),
@@ -213,7 +213,7 @@ def test_per_step_lr_with_accumulation_matches_formula(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "make, interval",
+    ("make", "interval"),
     [
         (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5), "step"),
         (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "epoch"),
@@ -298,7 +298,9 @@ class SaveAt(L.Callback):
 
 
 @pytest.mark.parametrize(
-    "accumulate, save_after_batch, step", [(1, 5, 6), (2, 6, 3)], ids=["after-a-step", "mid-accumulation"]
+    ("accumulate", "save_after_batch", "step"),
+    [(1, 5, 6), (2, 6, 3)],
+    ids=["after-a-step", "mid-accumulation"],
 )
 def test_resume_mid_warmup_continues_the_uninterrupted_curve(tmp_path, accumulate, save_after_batch, step):
     # With a user StepLR too (it moves the lr right at step 6), so the restored scheduler state, the

@@ -16,7 +16,9 @@ from tests.helpers import REPO
 def test_version_is_written_in_one_place():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_solo._version.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "lightning_solo._version.__version__"
+    }
     assert lightning_solo.__version__ == installed_version("lightning_solo")
 
 

@@ -131,17 +131,17 @@ def test_a_getitems_only_dataset_keeps_its_batched_fetching_with_plain_indices()
     loader, decision = make_resumable(DataLoader(user, batch_size=4, sampler=shuffled), seed=5)
     assert decision.value is True
     loader.sampler.set_epoch(1)
-    first = [batch for batch in loader]
+    first = list(loader)
     assert all(type(c) is list and len(c) == 4 and all(type(i) is int for i in c) for c in user.calls)
     assert len(user.calls) == 6  # one call per batch
     assert sorted(torch.cat(first)[:, 0].long().tolist()) == list(range(24))
     before = _rng_fingerprint()
     loader.dataset.__getitems__([Key(1, i) for i in range(4)])  # the batch's draws leave the caller's RNG
     assert _same_rngs(before)
-    again = [batch for batch in loader]  # the same epoch again: the same order and the same batch draws
+    again = list(loader)  # the same epoch again: the same order and the same batch draws
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     loader.sampler.set_epoch(2)
-    other = [batch for batch in loader]
+    other = list(loader)
     assert not torch.equal(torch.cat(first)[:, 1], torch.cat(other)[:, 1])
     # And the user's own call, from the user's side, is the user's: plain indices, the user's RNG.
     expected = torch.manual_seed(9) and torch.rand(()).item()

@@ -320,7 +320,7 @@ class DefaultsNet(RealNet):
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "bn, local_sgd",
+    ("bn", "local_sgd"),
     [(True, False), (False, False), (True, True)],
     ids=["syncbn", "fast_path", "post_local_sgd"],
 )

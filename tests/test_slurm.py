@@ -4,6 +4,7 @@ the requeued launch resumes from the verified checkpoint. Also: the submitit lau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -76,10 +77,8 @@ def _logs(tmp_path: Path) -> str:
 
 def _kill(procs) -> None:
     for proc in procs:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=10)
 
 

@@ -110,7 +110,7 @@ def test_collectives_in_and_after_backward_stay_in_order(tmp_path, case):
 @pytest.mark.timeout(120)
 def test_adamw_leaves_a_parameter_no_rank_used_alone(tmp_path):
     torch.manual_seed(0)
-    off = {step: (0, 1) for step in range(8, STEPS)}  # unused on every rank from step 8 on
+    off = dict.fromkeys(range(8, STEPS), (0, 1))  # unused on every rank from step 8 on
     runs = compare_with_true(tmp_path, Combo(make_data(STEPS, branch_off=off), adamw=True))
     assert (
         "switched to find_unused_parameters=True from step 9"

@@ -56,7 +56,7 @@ def _target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
 def _signature(target: str, path: str) -> tuple[Callable, dict[str, inspect.Parameter], dict[str, Any]]:
     try:
         obj = get_object(target)
-    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, ... all mean "cannot find it"
+    except Exception as err:
         raise ConfigError(f"{path}._target_: cannot import {target!r} ({err})") from err
     params, hints = _parameters(obj)
     return obj, params, hints
@@ -72,7 +72,7 @@ def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
         return {}, {}
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: skip type checks, keep key checks
+    except Exception:
         hints = {}
     forwarded = [n for n, p in params.items() if p.kind is p.VAR_KEYWORD]
     base = obj.__mro__[1] if inspect.isclass(obj) and len(obj.__mro__) > 1 else None
@@ -85,7 +85,7 @@ def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
 
 
 def _check_node(path: str, node: dict) -> None:
-    obj, params, hints = _signature(node["_target_"], path)
+    _obj, params, hints = _signature(node["_target_"], path)
     if not params:
         return
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -10,6 +10,7 @@ removed the next time this IO writes into that directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -213,10 +214,8 @@ def _atomic_write(
             raise CheckpointVerificationError(tmp, "the written file does not read back as written")
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     if fsync:
         _fsync_dir(directory)

@@ -47,7 +47,7 @@ def pack(value: Any) -> bytes | None:
     does not), else ``None``."""
     try:
         return pickle.dumps(_plain(value))
-    except Exception:  # noqa: BLE001 - anything that cannot travel stays behind
+    except Exception:
         return None
 
 
@@ -58,7 +58,7 @@ def unpack(blob: bytes | None, what: str) -> Any:
     try:
         # Our own worker's bytes, of the kind Lightning's result queue already unpickles.
         return pickle.loads(blob)
-    except Exception as err:  # noqa: BLE001 - e.g. a class of a spawn worker's __mp_main__
+    except Exception as err:
         rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
         return LEFT_BEHIND
 

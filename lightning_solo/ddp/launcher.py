@@ -70,7 +70,7 @@ _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 def in_notebook() -> bool:
     """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
     return (
-        hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules and _ipython_active()
+        hasattr(sys, "ps1") or bool(sys.flags.interactive) or ("IPython" in sys.modules and _ipython_active())
     )
 
 
@@ -190,7 +190,7 @@ def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, byt
     keeps its scale and growth tracker as numbers, no device tensors) and the comm hook's state."""
     try:
         plugin = pickle.dumps(trainer.strategy.precision_plugin)
-    except Exception:  # noqa: BLE001 - a plugin that does not pickle stays behind; the parent keeps its own
+    except Exception:
         plugin = None
     return {"precision_plugin": plugin, "comm_hook": pack(getattr(launcher, "_comm_state", None))}
 
@@ -257,7 +257,7 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, di
             continue
         try:
             callback.load_state_dict(state_dict)
-        except Exception as err:  # noqa: BLE001 - the fit itself succeeded; don't fail it over this
+        except Exception as err:
             rank_zero_warn(
                 f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
                 "its data attributes were restored"

@@ -172,7 +172,7 @@ class SigtermAgreement:
         solo_io = isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO)
         try:  # every rank; the strategy's barrier follows
             trainer.save_checkpoint(path, storage_options={"trigger": "sigterm"} if solo_io else None)
-        except Exception:  # noqa: BLE001 - the stop goes on; the newest regular checkpoint remains
+        except Exception:
             log.exception("SIGTERM: saving %s failed", path)
             return
         self.checkpoint_path = path

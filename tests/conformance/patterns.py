@@ -825,7 +825,7 @@ class GatherOutputs(Classifier):
         self.outs, self.ids = [], []
 
     def validation_step(self, batch, batch_idx):
-        x, y, i = batch
+        x, _y, i = batch
         self.outs.append(self(x).softmax(-1))
         self.ids.append(i)
 

@@ -8,6 +8,7 @@ optimizer in ``configure_optimizers``, its own data in ``train_dataloader``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import lightning as L
@@ -106,7 +107,7 @@ def _hidden_layers(
     widths: Sequence[int], activation: type[nn.Module] | None, batchnorm: bool, dropout: float
 ) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for width_in, width in zip(widths[:-2], widths[1:-1]):
+    for width_in, width in itertools.pairwise(widths):
         layers.append(nn.Linear(width_in, width))
         layers += [nn.BatchNorm1d(width)] if batchnorm else []
         layers += [activation()] if activation is not None else []

@@ -3,6 +3,7 @@ loopback through a static rendezvous (or c10d, for elastic restarts), every proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,10 +64,8 @@ def torchrun_nodes(
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
     finally:
         statuses = [proc.poll() for proc in procs]
         for proc in procs:
@@ -80,11 +79,7 @@ def torchrun_nodes(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass

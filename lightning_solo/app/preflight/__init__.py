@@ -34,9 +34,8 @@ def check_devices(accelerator: str, devices, num_nodes: int, dry_run_hint: str |
                 f"parallelism.devices={devices!r} asks for {need or 'all'} GPU(s) per node but this machine has "
                 f"{have}.{hint}"
             )
-    elif accelerator == "cpu":
-        if is_int(wanted) and wanted < 1:
-            raise PreflightError(f"parallelism.devices must be >= 1 processes on CPU, got {devices!r}")
+    elif accelerator == "cpu" and is_int(wanted) and wanted < 1:
+        raise PreflightError(f"parallelism.devices must be >= 1 processes on CPU, got {devices!r}")
 
 
 def check_world_size_env(devices, num_nodes: int) -> None:

@@ -92,10 +92,7 @@ def search_batch_size(
             break
     in_band = [b for b, f in measured.items() if low <= f <= high]
     fits = [b for b, f in measured.items() if f <= high]
-    if in_band:
-        chosen = min(in_band, key=lambda b: (abs(measured[b] - target), -b))
-    else:
-        chosen = max(fits, default=1)
+    chosen = min(in_band, key=lambda b: (abs(measured[b] - target), -b)) if in_band else max(fits, default=1)
     return Search(chosen, measured.get(chosen, math.inf), bool(in_band), list(measured.items()))
 
 

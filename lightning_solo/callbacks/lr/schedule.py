@@ -124,7 +124,7 @@ class LRSchedule:
                 f"warmup ({self.warmup_steps} steps) is longer than the run ({self.total_steps} optimizer steps); "
                 "shorten the warmup or train longer"
             )
-        if not 0.0 <= self.start_factor:
+        if not self.start_factor >= 0.0:
             raise ValueError(f"start_factor must be >= 0, got {self.start_factor!r}")
         if not 0.0 <= self.min_factor <= 1.0:
             raise ValueError(f"min_factor must be in [0, 1], got {self.min_factor!r}")

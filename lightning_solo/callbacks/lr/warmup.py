@@ -169,7 +169,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         for decision in decisions:
             self._decide(decision)
 
-        groups = [[g for g in opt.param_groups] for opt in trainer.optimizers]
+        groups = [list(opt.param_groups) for opt in trainer.optimizers]
         if self._restored is not None:
             user_lrs = self._resume(groups, self._restored)
             self._restored = None

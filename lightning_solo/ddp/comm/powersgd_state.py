@@ -31,7 +31,7 @@ class _PowerSGDState(powersgd.PowerSGDState):
     after which DDP no longer re-buckets).
     """
 
-    __slots__ = ("names", "shapes", "pending", "layout", "watch", "seen", "serial")
+    __slots__ = ("layout", "names", "pending", "seen", "serial", "shapes", "watch")
 
 
 def resumable_powerSGD_hook(

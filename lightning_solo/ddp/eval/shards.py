@@ -58,7 +58,7 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
     cached = getattr(sampler, _ORDER_CACHE, None)
     if cached is not None and cached[0] == epoch:
         return cached[1], cached[2]
-    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) or isinstance(sampler, SequentialSampler):
+    if isinstance(sampler, (UnrepeatedDistributedSamplerWrapper, SequentialSampler)):
         indices = [int(i) for i in sampler]
         valid = [True] * len(indices)
     elif isinstance(sampler, DistributedSampler):

@@ -300,7 +300,7 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
         sampler = ResumableSampler(inner, dataloader.batch_size, tag_epoch=True, replay_rng=replay)
         args, kwargs = with_seeded_dataset(*lightning_compat.dataloader_init_args(dataloader, sampler))
         wrapped = lightning_compat.reinstantiate(dataloader, args, kwargs)
-    except Exception as err:  # noqa: BLE001 - any re-instantiation failure just means "not resumable"
+    except Exception as err:
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
     return wrapped, Decision(
         "resumable_data",

@@ -108,7 +108,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
             self.decisions.update(self._watch.decisions)
         try:
             expected = float(trainer.estimated_stepping_batches)
-        except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
+        except Exception:
             expected = math.inf
         rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
         # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
@@ -267,7 +267,7 @@ def _samples(batch: Any) -> int:
         return len(first)
     try:
         return extract_batch_size(batch)
-    except Exception:  # noqa: BLE001 - a batch with no tensor in it: counted as one sample
+    except Exception:
         return 1
 
 
