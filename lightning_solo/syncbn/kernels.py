@@ -93,9 +93,11 @@ def _backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     norm = count.sum().to(mean.dtype).reciprocal()
     proj = invstd.square() * sum_dy_xmu * norm
     scale = invstd if weight is None else invstd * weight
-    grad = x.sub(_view(mean, x))  # a new tensor in the accumulation dtype (type promotion), x's layout
-    grad.mul_(_view(-proj, x)).add_(dy).sub_(_view(sum_dy * norm, x)).mul_(_view(scale, x))
-    return grad.to(x.dtype)
+    # As dy·scale + x·a + c with per-channel a and c: two passes over the activations, in x's layout; the
+    # first makes a new tensor of the accumulation dtype (type promotion), the second adds to it in place.
+    a, c = -proj * scale, (mean * proj - sum_dy * norm) * scale
+    grad = torch.addcmul(_view(c, x), x, _view(a, x))
+    return grad.addcmul_(dy, _view(scale, x)).to(x.dtype)
 
 
 NATIVE = Kernels(
