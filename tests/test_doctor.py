@@ -27,6 +27,7 @@ from lightning_solo.callbacks import TrainingDoctor
 from lightning_solo.callbacks.run_summary import RunSummary
 from lightning_solo.diagnostics.report import rank_times
 from lightning_solo.diagnostics.timing import StepTimer
+from lightning_solo.syncbn.wait import SYNCBN_WAIT
 from lightning_solo.testing import run_ranks
 from tests.helpers.records import read_rank_records, write_rank_record
 
@@ -180,3 +181,39 @@ def test_time_waiting_in_syncbn_collectives_is_communication_not_compute():
     assert late["compute_ms"] > 0.9 * late_ms and late["comm_ms"] < 0.5 * late_ms, (
         late
     )  # its sleep: its own work
+
+
+class _HostEvent:
+    """A stand-in for ``torch.cuda.Event`` on the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_syncbn_waits_are_read_back_with_the_timers_own_events(monkeypatch):
+    timer = StepTimer(torch.device("cpu"), bin_steps=2)
+    timer.cuda, timer.event = True, _HostEvent
+    monkeypatch.setattr(SYNCBN_WAIT, "event", _HostEvent)
+    cuda = torch.device("cuda")
+    timer.comm.watch(None)
+    timer.start()
+    for _ in range(4):
+        timer.batch_start()
+        mark = SYNCBN_WAIT.start(cuda)  # what SyncBN does around each all-reduce
+        time.sleep(0.01)
+        SYNCBN_WAIT.stop(mark, cuda)
+        timer.before_optimizer()
+        timer.batch_end(4, None)
+    times = rank_times(timer.take_window().values())
+    timer.comm.release()
+    assert times.comm_ms >= 9.0 and times.compute_ms < times.comm_ms, times
+    assert SYNCBN_WAIT.start(cuda) is None  # nobody listens after release: nothing is timed

@@ -29,6 +29,7 @@ class CollectiveWait:
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._seconds = 0.0  # host-clock waits since the last take
         self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) events since the last take
+        self.event = torch.cuda.Event  # the CUDA marks (a test may pass its own)
 
     def listen(self, reader: Any) -> None:
         """Start timing, for as long as ``reader`` lives or until :meth:`unlisten`."""
@@ -48,8 +49,8 @@ class CollectiveWait:
             return None
         if device.type != "cuda":
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
+        event = self.event(enable_timing=True)
+        event.record()  # on the current stream: the one the collective's wait is enqueued on
         return event
 
     def stop(self, mark: Any, device: torch.device) -> None:
@@ -59,8 +60,8 @@ class CollectiveWait:
         if device.type != "cuda":
             self._seconds += time.perf_counter() - mark
             return
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
+        event = self.event(enable_timing=True)
+        event.record()
         self._events.append((mark, event))
 
     def take(self) -> tuple[float, list[tuple[Any, Any]]]:
