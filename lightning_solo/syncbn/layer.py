@@ -94,7 +94,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     The same code runs on every device; only the five kernels differ (:mod:`.kernels`). It keeps three
     properties a GPU run needs:
 
-    * no host sync: the global count stays a device tensor (shapes alone choose the branches);
+    * no host sync: the global count stays a device tensor (shapes alone choose the branches), read only by a
+      rank with at most one value per channel (:func:`_check_count`);
     * no copy of the activations in another dtype: the kernels take fp16/bf16 activations with fp32
       statistics and parameters, compute in fp32 and round once;
     * every rank sends the same collectives, whatever its batch (empty included) or autocast dtype:
@@ -115,7 +116,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             # Combined as float64 sums (n·mean, n·(var + mean²), n): exact even far from zero, one all-reduce of
             # a fixed size and dtype whatever the world size, and uneven batches weighted by their counts.
             stats = torch.cat([mean, invstd, invstd.new_ones(1)]).double()
-            stats[channels:-1].pow_(-2).sub_(eps).addcmul_(stats[:channels], stats[:channels])
+            stats[channels:-1].pow_(-2).sub_(eps).addcmul_(stats[:channels], stats[:channels])  # var + mean²
             stats.mul_(count)
             _all_reduce(stats, group)
             _check_count(stats, count)
