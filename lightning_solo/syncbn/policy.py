@@ -102,7 +102,8 @@ def sync_group(timeout: timedelta | None = None) -> Any:
     world = dist.group.WORLD
     if _own_group is None or _own_group[0] is not world:
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        _own_group = (world, dist.new_group(backend="nccl", timeout=timeout, pg_options=options))
+        group = dist.new_group(backend="nccl", timeout=timeout, pg_options=options, group_desc="syncbn")
+        _own_group = (world, group)
     return _own_group[1]
 
 
