@@ -1,8 +1,10 @@
-"""Step-time overhead of SoloSyncBatchNorm against plain BatchNorm, 2 CPU processes over gloo.
+"""Step-time overhead of SoloSyncBatchNorm against plain BatchNorm, 2 CPU processes over gloo, with SyncBN's
+collectives on the world group (what SoloDDP does on gloo) and on a gloo group of their own (what it does on
+NCCL, with an NCCL group).
 
-Both variants are DDP-wrapped copies of the same model in the same process group. Steps alternate
-A, B, A, B, ... so that load on the machine hits both alike; after warm-up the median step time of each
-is taken per round, and the figure is the median over rounds of the per-round ratio.
+The variants are DDP-wrapped copies of the same model in the same process group. Steps alternate
+A, B, C, A, B, C, ... so that load on the machine hits all alike; after warm-up the median step time of each
+is taken per round, and the figures are the medians over rounds of the per-round ratios to plain BatchNorm.
 
     python benchmarks/bench_syncbn.py                      # resnet18 (32x32) and a BN-heavy small net
     python benchmarks/bench_syncbn.py --rounds 5 --steps 10 --batch 16
@@ -17,6 +19,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torch import nn
@@ -48,13 +51,21 @@ def _step(ddp, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
+VARIANTS = ("plain", "synced", "synced_own_group")
+
+
 def _rank(rank: int, world: int, args) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     torch.manual_seed(0)
+    own_group = dist.new_group(backend="gloo")
     results = {}
     for name in args.models:
         base = MODELS[name]()
-        variants = {"plain": copy.deepcopy(base), "synced": syncbn.convert(copy.deepcopy(base))}
+        variants = {
+            "plain": copy.deepcopy(base),
+            "synced": syncbn.convert(copy.deepcopy(base)),
+            "synced_own_group": syncbn.convert(copy.deepcopy(base), process_group=own_group),
+        }
         runs = {}
         for key, model in variants.items():
             ddp = nn.parallel.DistributedDataParallel(model)
@@ -64,22 +75,21 @@ def _rank(rank: int, world: int, args) -> dict:
         for key in runs:  # warm-up
             for _ in range(2):
                 _step(*runs[key], x, y)
-        ratios, medians = [], {"plain": [], "synced": []}
+        medians: dict[str, list[float]] = {key: [] for key in VARIANTS}
+        ratios: dict[str, list[float]] = {key: [] for key in VARIANTS[1:]}
         for _ in range(args.rounds):
-            times = {"plain": [], "synced": []}
+            times: dict[str, list[float]] = {key: [] for key in VARIANTS}
             for _ in range(args.steps):
-                for key in ("plain", "synced"):
+                for key in VARIANTS:
                     times[key].append(_step(*runs[key], x, y))
             round_medians = {k: statistics.median(v) for k, v in times.items()}
             for key, value in round_medians.items():
                 medians[key].append(value)
-            ratios.append(round_medians["synced"] / round_medians["plain"])
+            for key in ratios:
+                ratios[key].append(round_medians[key] / round_medians["plain"])
         results[name] = dict(
-            plain_ms=1e3 * statistics.median(medians["plain"]),
-            synced_ms=1e3 * statistics.median(medians["synced"]),
-            ratio=statistics.median(ratios),
-            ratio_min=min(ratios),
-            ratio_max=max(ratios),
+            ms={key: 1e3 * statistics.median(v) for key, v in medians.items()},
+            ratio={key: (statistics.median(v), min(v), max(v)) for key, v in ratios.items()},
             bn_layers=sum(isinstance(m, nn.BatchNorm2d) for m in base.modules()),
         )
     return results
@@ -97,15 +107,16 @@ def main() -> None:
     results = run_ranks(_rank, 2, args, timeout=1800)[0]
 
     print(f"2 CPU processes (gloo), per-process batch {args.batch}, {args.size}x{args.size} inputs, "
-          f"{args.rounds} rounds x {args.steps} interleaved steps")  # fmt: skip
+          f"{args.rounds} rounds x {args.steps} interleaved steps; ratio to plain BN (min-max over rounds)")  # fmt: skip
     print(
-        f"{'model':<14}{'BN layers':>10}{'plain ms':>11}{'synced ms':>11}{'ratio':>8}  (min-max over rounds)"
+        f"{'model':<14}{'BN layers':>10}{'plain ms':>10}{'synced (world group)':>32}{'synced (own group)':>32}"
     )
     for name, r in results.items():
-        print(
-            f"{name:<14}{r['bn_layers']:>10}{r['plain_ms']:>11.1f}{r['synced_ms']:>11.1f}{r['ratio']:>8.3f}"
-            f"  ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        )
+        cells = [
+            f"{r['ms'][key]:7.1f} ms {r['ratio'][key][0]:5.3f} ({r['ratio'][key][1]:.3f}-{r['ratio'][key][2]:.3f})"
+            for key in VARIANTS[1:]
+        ]
+        print(f"{name:<14}{r['bn_layers']:>10}{r['ms']['plain']:>10.1f}{cells[0]:>32}{cells[1]:>32}")
 
 
 if __name__ == "__main__":

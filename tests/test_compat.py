@@ -118,7 +118,6 @@ def test_torch_names_exist():
     for name in ("_get_local_used_map", "_autograd_hook", "_ddp_graph_static"):
         assert hasattr(reducer, name), name
     assert callable(powerSGD_hook._should_compress) and callable(default_hooks._compress_hook)
-    assert callable(torch._assert_async)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     assert torch_compat.scaler_scale(scaler) is None and torch_compat.scaler_init_scale(scaler) == 8.0
     assert torch_compat.should_compress(64, 64, 1, 2.0) is True

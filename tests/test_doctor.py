@@ -25,6 +25,11 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_solo import SoloDDP
 from lightning_solo.app.run_summary import RunSummary
 from lightning_solo.callbacks import TrainingDoctor
+from lightning_solo.ddp import syncbn
+from lightning_solo.ddp.syncbn.wait import SYNCBN_WAIT
+from lightning_solo.diagnostics.doctor.report import rank_times
+from lightning_solo.diagnostics.doctor.timing import StepTimer
+from lightning_solo.testing import run_ranks
 from tests.helpers.records import read_rank_records, write_rank_record
 
 PHASE = 8  # optimizer steps per phase, = the doctor's every_n_steps
@@ -146,3 +151,70 @@ def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp
         assert image.size[0] > 500 and len(image.getcolors(maxcolors=1 << 16) or range(256)) > 8  # not blank
     assert doctor.files == {"json": str(tmp_path / "doctor.json"), "chart": str(png)}  # back in the parent
     assert summary.summary["doctor"]["json"] == str(tmp_path / "doctor.json")
+
+
+LATE_S, LATE_STEPS = 0.15, 3
+
+
+def _syncbn_wait(rank: int, world_size: int) -> dict:
+    """Rank 1 reaches each step's SyncBN late; rank 0 waits for it inside SyncBN's forward all-reduce."""
+    bn = syncbn.convert(nn.BatchNorm1d(4))
+    timer = StepTimer(torch.device("cpu"))
+    timer.comm.watch(bn)  # what the doctor does at each batch start: SyncBN's waits are timed from here
+    timer.start()
+    for _ in range(LATE_STEPS):
+        timer.comm.watch(bn)
+        timer.batch_start()
+        time.sleep(LATE_S if rank == 1 else 0.0)
+        bn(torch.randn(8, 4)).square().sum().backward()
+        timer.before_optimizer()
+        timer.batch_end(8, None)
+    times = rank_times(timer.take_window().values())
+    timer.comm.release()
+    return {"comm_ms": times.comm_ms, "compute_ms": times.compute_ms}
+
+
+@pytest.mark.multiproc
+def test_time_waiting_in_syncbn_collectives_is_communication_not_compute():
+    waiting, late = run_ranks(_syncbn_wait, 2)
+    late_ms = LATE_S * 1e3
+    assert waiting["comm_ms"] > 0.7 * late_ms and waiting["compute_ms"] < 0.5 * late_ms, waiting
+    assert late["compute_ms"] > 0.9 * late_ms and late["comm_ms"] < 0.5 * late_ms, (
+        late
+    )  # its sleep: its own work
+
+
+class _HostEvent:
+    """A stand-in for ``torch.cuda.Event`` on the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_syncbn_waits_are_read_back_with_the_timers_own_events(monkeypatch):
+    timer = StepTimer(torch.device("cpu"), bin_steps=2)
+    timer.cuda, timer.event = True, _HostEvent
+    monkeypatch.setattr(SYNCBN_WAIT, "event", _HostEvent)
+    cuda = torch.device("cuda")
+    timer.comm.watch(None)
+    timer.start()
+    for _ in range(4):
+        timer.batch_start()
+        mark = SYNCBN_WAIT.start(cuda)  # what SyncBN does around each all-reduce
+        time.sleep(0.01)
+        SYNCBN_WAIT.stop(mark, cuda)
+        timer.before_optimizer()
+        timer.batch_end(4, None)
+    times = rank_times(timer.take_window().values())
+    timer.comm.release()
+    assert times.comm_ms >= 9.0 and times.compute_ms < times.comm_ms, times
+    assert SYNCBN_WAIT.start(cuda) is None  # nobody listens after release: nothing is timed

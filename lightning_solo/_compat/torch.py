@@ -77,11 +77,6 @@ def compress_hook(dtype: torch.dtype, process_group: Any, bucket: Any) -> torch.
     return default_hooks._compress_hook(dtype, process_group, bucket)
 
 
-def assert_async(condition: torch.Tensor, message: str) -> None:
-    """``torch._assert_async``: a device-side assertion, no host sync (checked on torch 2.14.1)."""
-    torch._assert_async(condition, message)
-
-
 def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     """``GradScaler._scale``: the scale tensor, ``None`` before the first ``scale()`` (checked on torch 2.14.1)."""
     return scaler._scale

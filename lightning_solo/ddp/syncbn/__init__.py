@@ -4,10 +4,11 @@
 ``sync_batchnorm=True`` reverts layers to a generic ``_BatchNormXd`` after fit. This module gives:
 
 * :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
-  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` float64 values),
-  running statistics identical to BatchNorm over the concatenated batch, uneven or empty per-rank batches
-  weighted by their element counts, no communication in eval mode. The same code on CPU and CUDA: no host
-  sync, no copy of fp16/bf16 activations, same collectives on every rank whatever its autocast dtype.
+  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` values), running
+  statistics identical to BatchNorm over the concatenated batch, uneven or empty per-rank batches weighted by
+  their element counts, no communication in eval mode. The same code on CPU and CUDA (torch's SyncBN kernels
+  there): no host sync, no copy of fp16/bf16 activations, the input gradient computed in fp32 and rounded once,
+  same collectives on every rank whatever its autocast dtype. :func:`sync_batch_norm` is its functional form.
 * :func:`convert` / :func:`revert`: swap a model's BatchNorm layers in place and back to their
   *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible).
 * :func:`decide`: the ``sync_batchnorm="auto"`` policy, returning a :class:`Decision`
@@ -25,10 +26,12 @@ Example::
     syncbn.revert(model)                                                  # BatchNorm2d again
 
 With SoloDDP none of this is needed: ``SoloDDP(sync_batchnorm="auto")`` converts before the DDP wrap
-and reverts at teardown; see :func:`decide_layer_sync`.
+(on NCCL with a process group of SyncBN's own, so that its collectives never wait behind DDP's buckets) and
+reverts at teardown; see :func:`decide_layer_sync`. Converting by hand, pass
+``process_group=torch.distributed.new_group(backend="nccl")`` to :func:`convert` for the same.
 """
 
-from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm, convert, has_batchnorm, revert
+from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm, convert, has_batchnorm, revert, sync_batch_norm
 from lightning_solo.ddp.syncbn.policy import SyncOption, decide, decide_layer_sync, validate
 
 __all__ = [
@@ -39,5 +42,6 @@ __all__ = [
     "decide_layer_sync",
     "has_batchnorm",
     "revert",
+    "sync_batch_norm",
     "validate",
 ]

@@ -1,11 +1,13 @@
-"""SoloSyncBatchNorm: BatchNorm synchronised over any process-group backend (gloo on CPU, nccl on GPU), and
-:func:`convert` / :func:`revert`, which swap a model's BatchNorm layers to it and back to their original classes.
+"""SoloSyncBatchNorm: BatchNorm synchronised over any process-group backend (gloo on CPU, nccl on GPU),
+:func:`sync_batch_norm` (its functional form), and :func:`convert` / :func:`revert`, which swap a model's
+BatchNorm layers to it and back to their original classes.
 
 * :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
-  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` float64 values),
-  running statistics identical to BatchNorm over the concatenated batch, uneven or empty per-rank batches
-  weighted by their element counts, no communication in eval mode. The same code on CPU and CUDA: no host
-  sync, no copy of fp16/bf16 activations, same collectives on every rank whatever its autocast dtype.
+  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` values in the
+  statistics' dtype), running statistics identical to BatchNorm over the concatenated batch, uneven or empty
+  per-rank batches weighted by their element counts, no communication in eval mode. No host sync, no copy of
+  fp16/bf16 activations, same collectives on every rank whatever its autocast dtype. On CUDA it runs torch's
+  fused SyncBN kernels; elsewhere the same arithmetic from CPU-capable ops (:mod:`.kernels`).
 * :func:`convert` / :func:`revert`: in place, same objects, same state-dict keys, so checkpoints stay
   torchvision-compatible.
 """
@@ -25,115 +27,162 @@ from typing_extensions import override
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core import ranks
+from lightning_solo.ddp.syncbn import kernels
+from lightning_solo.ddp.syncbn.wait import SYNCBN_WAIT
 
 # Set on a converted layer: the class to restore at revert.
 _ORIGINAL_CLS = "_solo_original_cls"
+_FLOAT = (torch.float32, torch.float64)
 
 
-def _channel_view(t: Tensor, x: Tensor) -> Tensor:
-    return t.view(1, -1, *([1] * (x.dim() - 2)))
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """The layout the kernels take ``x`` in: channels-last as it is (they have kernels for it), else contiguous."""
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if layout is not None and not x.is_contiguous() and x.is_contiguous(memory_format=layout):
+        return layout
+    return torch.contiguous_format
 
 
-def _stats_dtype(x: Tensor) -> torch.dtype:
-    # Statistics of fp16/bf16 activations are kept in fp32, as torch's BN does; the activations never are.
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def _all_reduce(t: Tensor, group: Any) -> None:
+    mark = SYNCBN_WAIT.start(t.device)  # for TrainingDoctor: the wait is communication, not compute
+    dist.all_reduce(t, group=group)
+    SYNCBN_WAIT.stop(mark, t.device)
+
+
+def _check_count(stats: Tensor, local: int) -> None:
+    """Native BatchNorm's error for a batch of one value per channel, raised by every rank alike.
+
+    A rank with more than one value knows the global count is too (no read). Only ranks with at most one read
+    the all-reduced count, and when it is too small every rank is such a rank, so all of them raise. A
+    device-side assert instead would kill the CUDA context with a message that names no layer.
+    """
+    if local <= 1 and (total := int(stats[-1].item())) <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got {total} over all ranks "
+            f"(this rank: {local})"
+        )
+
+
+def _update_running(k, x, stats, mean_invstd, running_mean, running_var, factor, eps) -> None:
+    """Running statistics from the global ones: torch's kernel when it can take them (a float momentum,
+    fp32/fp64 buffers of the statistics' dtype), else the same update with ``lerp_``, which also takes the
+    device-side factor of ``momentum=None``."""
+    if running_mean is None or running_var is None:
+        return
+    total, dtype = stats[-1:], running_mean.dtype
+    if isinstance(factor, float) and dtype in _FLOAT and dtype == mean_invstd.dtype:
+        counts = total.to(dtype)
+        k.gather_stats_with_counts(
+            x, mean_invstd[:1], mean_invstd[1:], running_mean, running_var, factor, eps, counts
+        )
+        return
+    mean, var = _moments(stats)
+    factor = factor.to(dtype) if isinstance(factor, Tensor) else factor
+    running_mean.lerp_(mean.to(dtype), factor)
+    running_var.lerp_((var * (total / (total - 1).clamp_min(1))).to(dtype), factor)
+
+
+def _moments(stats: Tensor) -> tuple[Tensor, Tensor]:
+    """Global mean and biased variance (float64) from the all-reduced sums (n·mean, n·(var + mean²), n)."""
+    moments = stats[:-1].view(2, -1) / stats[-1:]
+    return moments[0], moments[1].addcmul_(moments[0], moments[0], value=-1).clamp_min_(0)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch-norm over the batch of all ranks in ``group``; each rank holds its own slice of it.
 
-    The same code runs on CPU/gloo and CUDA/nccl, with three properties a GPU run needs:
+    The same code runs on every device; only the five kernels differ (:mod:`.kernels`). It keeps three
+    properties a GPU run needs:
 
-    * no host sync: the global count stays a device tensor (shapes alone choose the branches);
-    * no copy of the activations in another dtype: torch's BN kernels take fp16/bf16 activations with
-      fp32 statistics and parameters and accumulate in fp32 themselves;
+    * no host sync: the global count stays a device tensor (shapes alone choose the branches), read only by a
+      rank with at most one value per channel (:func:`_check_count`);
+    * no copy of the activations in another dtype: the kernels take fp16/bf16 activations with fp32
+      statistics and parameters, compute in fp32 and round once;
     * every rank sends the same collectives, whatever its batch (empty included) or autocast dtype:
-      ``2C + 1`` float64 values forward, ``2C`` backward.
+      ``2C + 1`` float64 values forward, ``2C`` of the statistics' dtype backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
+        k = kernels.for_device(x.device)
+        x = x.contiguous(memory_format=_memory_format(x))
         channels, count = x.shape[1], x.numel() // x.shape[1]
-        dtype = _stats_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):  # the kernels below handle mixed dtypes natively
+        acc = kernels.acc_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the kernels handle mixed dtypes natively
             if count:
-                # The fused statistics kernel; scratch running buffers (momentum 0) make it return fp32 stats
-                # of fp16/bf16 input on CPU as well (without them the CPU kernel rounds them to bf16).
-                scratch = x.new_zeros(channels, dtype=dtype), x.new_ones(channels, dtype=dtype)
-                mean, var = torch.batch_norm_update_stats(x, *scratch, 0.0)
-            else:  # an empty slice still takes part in the collectives
-                mean = var = x.new_zeros(channels, dtype=dtype)
-            # Combined as float64 sums (n·mean, n·(var + mean²), n): exact enough, one all-reduce of a fixed
-            # size and dtype whatever the world size, and uneven batches weighted by their counts.
-            mean64, var64 = mean.double(), var.double()
-            stats = torch.cat(
-                [mean64 * count, (var64 + mean64.square()) * count, mean64.new_full((1,), count)]
-            )
-            dist.all_reduce(stats, group=group)
-            total = stats[-1:]
-            # A device-side check: on CUDA it fails the step later rather than sync now.
-            torch_compat.assert_async(
-                total > 1, "Expected more than 1 value per channel when training, in all ranks"
-            )
-            g_mean = stats[:channels] / total
-            g_var = (stats[channels:-1] / total - g_mean.square()).clamp_min_(0)
-            if running_mean is not None:
-                running_mean.mul_(1 - factor).add_(g_mean.to(running_mean.dtype), alpha=factor)
-            if running_var is not None:
-                unbiased = g_var * total / (total - 1).clamp_min(1)
-                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-            mean, var = g_mean.to(dtype), g_var.to(dtype)
-            w = weight.to(dtype) if weight is not None else None
-            b = bias.to(dtype) if bias is not None else None
-            # Normalising with given statistics is batch_norm in eval mode: one fused kernel, output in x's dtype.
-            y = F.batch_norm(x, mean, var, w, b, training=False, momentum=0.0, eps=eps)
-        ctx.save_for_backward(x, weight, mean, var, total)
-        ctx.eps, ctx.group = eps, group
+                mean, invstd = k.stats(x, eps)
+            else:  # an empty slice still takes part in the collectives, with a count of 0
+                mean, invstd = x.new_zeros(channels, dtype=acc), x.new_ones(channels, dtype=acc)
+            # Combined as float64 sums (n·mean, n·(var + mean²), n): exact even far from zero, one all-reduce of
+            # a fixed size and dtype whatever the world size, and uneven batches weighted by their counts.
+            stats = torch.cat([mean, invstd, invstd.new_ones(1)]).double()
+            stats[channels:-1].pow_(-2).sub_(eps).addcmul_(stats[:channels], stats[:channels])  # var + mean²
+            stats.mul_(count)
+            _all_reduce(stats, group)
+            _check_count(stats, count)
+            g_mean, g_var = _moments(stats)
+            mean_invstd = torch.stack([g_mean, g_var.add_(eps).rsqrt_()]).to(acc)
+            _update_running(k, x, stats, mean_invstd, running_mean, running_var, factor, eps)
+            mean, invstd = mean_invstd
+            w = weight.to(acc) if weight is not None else None
+            b = bias.to(acc) if bias is not None else None
+            y = k.elemt(x, w, b, mean, invstd, eps) if count else torch.empty_like(x)
+        ctx.save_for_backward(x, weight, mean, invstd, stats[-1:].to(torch.int32))
+        ctx.group = group
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, weight, mean, var, total = ctx.saved_tensors
-        channels = mean.numel()
+        x, weight, mean, invstd, total = ctx.saved_tensors
+        k = kernels.for_device(x.device)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(mean.dtype) if weight is not None else None
         with torch.autocast(x.device.type, enabled=False):
-            invstd = torch.rsqrt(var + ctx.eps)
             if x.numel():
-                # The fused BN backward kernel's weight/bias gradients are exactly the per-channel sums
-                # Σ dy·x̂ and Σ dy; its input gradient (local-batch formula) is not asked for.
-                _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                    grad_out,
-                    x,
-                    torch.ones_like(mean),
-                    None,
-                    None,
-                    mean,
-                    invstd,
-                    True,
-                    0.0,
-                    [False, True, True],
+                dy = grad_out.contiguous(memory_format=_memory_format(x))
+                sum_dy, sum_dy_xmu, grad_w, grad_b = k.backward_reduce(
+                    dy, x, mean, invstd, w, need_x, need_w and w is not None, need_b and w is not None
                 )
             else:
-                sum_dy_xhat = sum_dy = mean.new_zeros(channels)
-            grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+                sum_dy = sum_dy_xmu = mean.new_zeros(mean.numel())
+                grad_w = grad_b = mean.new_zeros(mean.numel()) if w is not None else None
             grad_x = None
             # Every rank has the same graph, so either all of them or none take part in this all-reduce.
             # Weight/bias gradients stay local: DDP averages them like any other parameter's.
-            if ctx.needs_input_grad[0]:
-                sums = torch.cat([sum_dy, sum_dy_xhat]).double()
-                dist.all_reduce(sums, group=ctx.group)
-                means = (sums / total).to(mean.dtype)
-                scale = invstd if weight is None else invstd * weight.to(mean.dtype)
-                # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs):
-                #   scale·(dy - mean(dy)) - scale·mean(dy·x̂)·x̂,  x̂ = (x - μ)·invstd,  means over the global batch.
-                # The x̂ term is batch_norm in eval mode (weight -scale·mean(dy·x̂), bias -scale·mean(dy)): fused,
-                # x - μ in fp32, output in x's dtype; then dy·scale is added in that dtype.
-                grad_x = F.batch_norm(
-                    x, mean, var, -scale * means[channels:], -scale * means[:channels], False, 0.0, ctx.eps
+            if need_x:
+                sums = torch.cat([sum_dy, sum_dy_xmu])
+                _all_reduce(sums, ctx.group)
+                sum_dy, sum_dy_xmu = sums.view(2, -1)
+                # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs), computed in
+                # the statistics' dtype and rounded once to x's.
+                grad_x = (
+                    k.backward_elemt(dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, total)
+                    if x.numel()
+                    else torch.zeros_like(x)
                 )
-                grad_x.addcmul_(grad_out, _channel_view(scale.to(grad_out.dtype), x))
+        grad_weight = grad_w.to(weight.dtype) if need_w and grad_w is not None else None
+        grad_bias = grad_b.to(weight.dtype) if need_b and grad_b is not None else None
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def sync_batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    factor: float | Tensor,
+    group: Any = None,
+) -> Tensor:
+    """Training-mode batch norm over the batch of every rank of ``group``, whatever its size (one included).
+
+    ``factor`` is the running statistics' update weight: the momentum, or a device tensor (``momentum=None``'s
+    1/num_batches_tracked, read without a host sync). What :class:`SoloSyncBatchNorm` calls in training with
+    more than one rank; ``benchmarks/gpu_check.py`` calls it on a one-rank NCCL group.
+    """
+    return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps, factor, group)
 
 
 class SoloSyncBatchNorm(BatchNormBase):
@@ -183,24 +232,26 @@ class SoloSyncBatchNorm(BatchNormBase):
         self._check_input_dim(input)
         if input.shape[1] == 0:
             raise ValueError("SoloSyncBatchNorm number of input channels should be non-zero")
-        factor = 0.0 if self.momentum is None else self.momentum
+        group = getattr(self, "process_group", None)
+        # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
+        # communicates (with track_running_stats=False it normalises with the local batch's statistics).
+        synced = self.training and ranks.world_size(group) > 1
+        factor: float | Tensor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            if self.momentum is None:  # a cumulative average; synced, its weight stays on the device
+                tracked = self.num_batches_tracked
+                factor = tracked.reciprocal() if synced else 1.0 / float(tracked)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         # Buffers are read in eval mode and updated in training mode only when tracked.
         pass_buffers = not self.training or self.track_running_stats
         running_mean = self.running_mean if pass_buffers else None
         running_var = self.running_var if pass_buffers else None
-
-        # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
-        # communicates (with track_running_stats=False it normalises with the local batch's statistics).
-        group = getattr(self, "process_group", None)
-        if not (self.training and ranks.world_size(group) > 1):
+        if not synced:
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
-        return _SyncBatchNormFunction.apply(
+        return sync_batch_norm(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
         )
 

@@ -1,10 +1,13 @@
-"""The ``sync_batchnorm="auto"`` policy (:func:`decide`, a pure function returning a Decision) and SoloDDP's
-SyncBN step for one fit (:func:`decide_layer_sync`: the decision and the LayerSync plugin DDPStrategy applies)."""
+"""The ``sync_batchnorm="auto"`` policy (:func:`decide`, a pure function returning a Decision), SoloDDP's
+SyncBN step for one fit (:func:`decide_layer_sync`: the decision and the LayerSync plugin DDPStrategy applies) and
+the process group SyncBN's collectives use there (:func:`sync_group`)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch import nn
 from typing_extensions import override
@@ -12,7 +15,8 @@ from typing_extensions import override
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.core.checks import check_choice, check_int
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.syncbn.layer import convert, has_batchnorm, revert
+from lightning_solo.ddp.comm.barrier import backend_for
+from lightning_solo.ddp.syncbn.layer import _ORIGINAL_CLS, SoloSyncBatchNorm, convert, has_batchnorm, revert
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -78,12 +82,53 @@ def decide(
     )
 
 
+_own_group: tuple[Any, Any] | None = None  # (the default group it was made in, SyncBN's own group)
+
+
+def sync_group(timeout: timedelta | None = None) -> Any:
+    """The group SoloSyncBatchNorm's collectives use in a SoloDDP fit: on NCCL a group of their own, else the
+    world (``None``).
+
+    On one NCCL communicator, SyncBN's backward all-reduce would queue behind every DDP bucket launched before
+    it: backward stalls until they finish (the overlap DDP exists for is lost), and when ranks' graphs differ a
+    SyncBN buffer can pair with a bucket. Its own communicator has its own stream (high priority: backward waits
+    on it), so it runs at once and can only ever pair with SyncBN's. The price: one more NCCL communicator's
+    buffers on each GPU. Made once per default group, at setup, by every rank alike (``new_group`` is a
+    collective over the world). On gloo the world is kept: see docs/design.md (SyncBN) for why.
+    """
+    global _own_group
+    if not _nccl_world():
+        return None
+    world = dist.group.WORLD
+    if _own_group is None or _own_group[0] is not world:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        group = dist.new_group(backend="nccl", timeout=timeout, pg_options=options, group_desc="syncbn")
+        _own_group = (world, group)
+    return _own_group[1]
+
+
+def _nccl_world() -> bool:
+    """A live default group of several ranks whose CUDA tensors go through NCCL."""
+    live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return live and backend_for(dist.get_backend(), "cuda") == "nccl"
+
+
 class _SoloLayerSync(LayerSync):
     """What SoloDDP hands to DDPStrategy.setup/teardown in place of Lightning's CUDA-only plugin."""
 
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout
+
     @override
     def apply(self, model: nn.Module) -> nn.Module:
-        return convert(model)
+        convert(model)
+        group = sync_group(self.timeout)
+        # Layers that were plain BatchNorm get the group; a SyncBatchNorm of the user's keeps its own.
+        for module in model.modules():
+            original = getattr(module, _ORIGINAL_CLS, None)
+            if original is not None and not issubclass(original, (nn.SyncBatchNorm, SoloSyncBatchNorm)):
+                module.process_group = group
+        return model
 
     @override
     def revert(self, model: nn.Module) -> nn.Module:
@@ -115,4 +160,8 @@ def decide_layer_sync(
     )
     if not decision.value:
         return decision, None
-    return Decision(decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm"), _SoloLayerSync()
+    timeout = getattr(trainer.strategy, "collective_timeout", None)
+    group = "its own NCCL group" if _nccl_world() else "the world group"
+    return Decision(
+        decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm on {group}"
+    ), _SoloLayerSync(timeout)

@@ -12,6 +12,10 @@ could not hide, summed per optimizer step into a few hundred bins (the chart) an
   recorded under ``no_sync`` (gradient accumulation) nor in eval: one value per optimizer step, from the
   micro-batch that synchronises. Work a comm hook does synchronously in the backward thread counts as backward
   compute there, not communication.
+* **SyncBN's waits** are communication too: SoloSyncBatchNorm times its own all-reduces while a reader listens
+  (:mod:`lightning_solo.ddp.syncbn.wait`; host clock on CPU, event pairs on CUDA read back with the timer's own), and
+  :class:`ExposedComm` listens from its first :meth:`~ExposedComm.watch` to :meth:`~ExposedComm.release`. DDP
+  counts that stall as overlap (it lies inside backward), so nothing is counted twice.
 
 Example::
 
@@ -32,6 +36,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo.ddp.syncbn.wait import SYNCBN_WAIT
 
 # One optimizer step's parts, summed; times in seconds.
 FIELDS = ("steps", "data", "fwd_bwd", "optimizer", "comm", "samples", "loss", "loss_n")
@@ -75,7 +80,9 @@ class ExposedComm:
 
     def watch(self, model: Any) -> None:
         """Follow ``model`` (cheap: an identity check per batch). A new DDP wrapper (SoloDDP re-wraps when the
-        unused-parameter policy or the comm hook changes) gets the sample rate; the old one is read out."""
+        unused-parameter policy or the comm hook changes) gets the sample rate; the old one is read out.
+        Also starts timing SyncBN's collectives."""
+        SYNCBN_WAIT.listen(self)
         if model is self._ddp or not isinstance(model, DistributedDataParallel):
             return
         if self._ddp is not None:
@@ -85,8 +92,13 @@ class ExposedComm:
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
 
     def release(self) -> None:
-        """Stop following the DDP wrapper (at the end of fit)."""
+        """Stop following the DDP wrapper and timing SyncBN (at the end of fit)."""
         self._ddp = None
+        SYNCBN_WAIT.unlisten(self)
+
+    def syncbn_wait(self) -> tuple[float, list[tuple[Any, Any]]]:
+        """SyncBN's collective waits since the last call: host seconds and CUDA (start, end) events."""
+        return SYNCBN_WAIT.take() if self in SYNCBN_WAIT else (0.0, [])
 
     def mean_since_last_read(self) -> float:
         """Seconds of exposed communication per synchronised iteration since the last call (the previous
@@ -192,6 +204,7 @@ class StepTimer:
         """Close the micro-batch; True when it ended an optimizer step."""
         end = self._mark()
         stepped = self._opt is not None
+        self._take_syncbn_wait()  # before this batch's own interval, so that a bin's last event is its latest
         if self._start is not None:
             self._interval(*((self._opt, end, OPTIMIZER) if stepped else (self._start, end, FWD_BWD)))
         self._last_end, self._start = end, None
@@ -206,6 +219,13 @@ class StepTimer:
                 if self._open.v[STEPS] >= self.bin_steps:
                     self.close_bin()
         return stepped
+
+    def _take_syncbn_wait(self) -> None:
+        """SyncBN's waits since the last batch: communication, inside forward+backward."""
+        seconds, events = self.comm.syncbn_wait()
+        if self.recording:
+            self._open.v[COMM] += seconds
+            self._open.pending += [(start, end, COMM) for start, end in events]
 
     def skip_gap(self) -> None:
         """The time until the next batch is not data wait (validation ran, a checkpoint was saved)."""
@@ -222,7 +242,7 @@ class StepTimer:
         if bin_.v[STEPS] == 0 and not bin_.pending:
             self._open = bin_  # nothing in it yet
             return
-        bin_.v[COMM] = self.comm.mean_since_last_read() * bin_.v[STEPS]
+        bin_.v[COMM] += self.comm.mean_since_last_read() * bin_.v[STEPS]  # SyncBN's waits are in already
         if bin_.losses:
             bin_.loss = _total(bin_.losses) * self.loss_scale
             bin_.losses = []
