@@ -254,7 +254,7 @@ def run_lightning(spec: dict, net: nn.Module, data: TensorDataset, window: Windo
     if spec["kind"] == "stock":
         strategy: Any = "ddp"
     else:
-        from lightning_solo import SoloDDP
+        from lightning_solo import SoloDDP  # every module loaded before ablate/profile patch them
 
         for what in spec.get("ablate", []):
             ablate(what)

@@ -50,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         # Plain pickle, not torch's shared-memory reduction: a tensor must outlive the rank that made it.
         result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

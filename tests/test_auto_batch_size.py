@@ -49,7 +49,7 @@ def test_search_lands_in_the_band_or_takes_the_largest_fit(measure, start, max_b
 def test_band_checks():
     assert check_band(0.7, 0.1) == pytest.approx((0.6, 0.8))
     for fraction, tolerance in ((0.95, 0.1), (0.05, 0.1), (0.0, 0.0)):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="must"):
             check_band(fraction, tolerance)
 
 

@@ -16,6 +16,7 @@ so the forks are safe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -128,14 +129,12 @@ def _fork(fn, *args) -> int:
         try:
             os.setpgid(0, 0)  # the training process and its ranks form one group: one killpg takes all
             fn(*args)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - report and exit with a code the driver checks
             traceback.print_exc()
             code = 1
         os._exit(code)
-    try:
+    with contextlib.suppress(OSError):  # the child may be gone already
         os.setpgid(pid, pid)  # also here, so that the group exists whichever process runs first
-    except OSError:
-        pass
     return pid
 
 
@@ -179,7 +178,7 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
         try:
             out["steps"].append(verify(last)["global_step"])
             out["last_verified"] += 1
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - counted and reported
             out["errors"].append(f"trial {trial}: {err}")
 
     # A run that is left alone resumes, finishes, and cleans the temp files its killed predecessors left.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -145,3 +147,56 @@ def test_ranks_that_compose_different_configs_are_stopped(tmp_path):
     assert proc.returncode != 0
     assert "rank(s) [1] composed a different configuration than rank 0" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _readme_command(module: str, containing: str = "") -> list[str]:
+    """The arguments of the first ``python -m <module>`` command in the README's code blocks with ``containing``."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    for line in "\n".join(blocks).splitlines():
+        if f"python -m {module}" in line and containing in line:
+            return shlex.split(line.split(f"python -m {module}", 1)[1].split("#", 1)[0])
+    raise AssertionError(f"the README shows no `python -m {module}` command with {containing!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_first_command_then_its_evaluate_commands(tmp_path):
+    # The README's first command (shortened to one epoch), then its evaluate commands on that run, as written.
+    first = _readme_command("lightning_solo.run")
+    assert first == [], "the first command is the defaults"
+    proc = run_cli([*first, "trainer.max_epochs=1", "trainer.enable_progress_bar=false"], cwd=tmp_path,
+                   timeout=150, module="lightning_solo.run")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = (tmp_path / "outputs" / "train").iterdir()  # the default run directory, outputs/train/<run>
+    trained = json.loads((run / "summary.json").read_text())
+
+    evaluate = [a.replace("<run>", run.name) for a in _readme_command("lightning_solo.evaluate", "ckpt=auto")]
+    assert evaluate == ["ckpt=auto", f"ckpt_dir=outputs/train/{run.name}"]
+    proc = run_cli(evaluate, cwd=tmp_path, timeout=120, module="lightning_solo.evaluate")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (evaluated,) = (tmp_path / "outputs" / "evaluate").iterdir()
+    report = json.loads((evaluated / "evaluation.json").read_text())
+    assert report["checkpoint"] == trained["checkpoint_last"]
+    assert report["decisions"][1]["setting"] == "eval_config"  # small_cnn on digits, as the run trained
+    assert report["decisions"][1]["value"]["from_run"] == ["model", "data"]
+    # The same weights on the same 360 held-out digits: the accuracy the run reported.
+    assert report["metrics"]["val/samples"] == 360
+    assert report["metrics"]["val/acc"] == pytest.approx(trained["val_acc"], abs=1e-6)
+
+    # The README's other form: a checkpoint inside the run directory, more processes, every stage.
+    other = [a.replace("<run>", run.name) for a in _readme_command("lightning_solo.evaluate", "last.ckpt")]
+    proc = run_cli([*other, "hydra.run.dir=eval4", "trainer.enable_progress_bar=false"], cwd=tmp_path,
+                   timeout=150, module="lightning_solo.evaluate")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "eval4" / "evaluation.json").read_text())
+    assert report["world_size"] == 4 and report["metrics"]["test/acc"] == pytest.approx(
+        trained["val_acc"], abs=1e-6
+    )
+    assert len((tmp_path / "eval4" / "predictions_predict.csv").read_text().splitlines()) == 361
+
+    # A checkpoint that does not fit the model: one line, exit status 2, before any worker starts.
+    proc = run_cli([*evaluate, "model=resnet18", "hydra.run.dir=bad"], cwd=tmp_path, timeout=100,
+                   module="lightning_solo.evaluate", full_error=False)  # fmt: skip
+    line = _one_line_error(proc)
+    assert "does not fit the model" in line and "model.fc.weight" in line and "chose model itself" in line
+    assert not (tmp_path / "bad" / "evaluation.json").exists()

@@ -312,10 +312,10 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
         read(ckpt, saved["shards"], 1, "PowerSGD error feedback").keys() == errors[1].keys()
     )  # memory-mapped, this rank's only
     shards[1].write_bytes(shards[1].read_bytes()[:-8] + b"damaged!")
-    with pytest.raises(RuntimeError, match="rank 1 .* does not match the sha256"):
+    with pytest.raises(RuntimeError, match=r"rank 1 .* does not match the sha256"):
         read(ckpt, saved["shards"], 1, "PowerSGD error feedback")
     shards[0].unlink()
-    with pytest.raises(RuntimeError, match="rank 0 .* is missing"):
+    with pytest.raises(RuntimeError, match=r"rank 0 .* is missing"):
         read(ckpt, saved["shards"], 0, "PowerSGD error feedback")
 
 
@@ -371,7 +371,7 @@ def test_post_local_sgd_resume_between_averages_continues_every_replica(tmp_path
     # Without its shards the checkpoint is refused with the rank named, not silently resumed from rank 0's model.
     for shard in Path(shard_dir(ckpt, "local_sgd")).glob("rank1.*.pt"):
         shard.unlink()
-    with pytest.raises(Exception, match="post-local-SGD replica .* of rank 1 .* is missing"):
+    with pytest.raises(Exception, match=r"post-local-SGD replica .* of rank 1 .* is missing"):
         fit(tmp_path / "broken", max_epochs=2, ckpt_path=str(ckpt), **opts)
 
 
@@ -460,7 +460,7 @@ def test_post_local_sgd_save_without_the_other_ranks_says_it_keeps_rank_0s_repli
 
 
 def test_hydra_parallelism_group_reaches_the_hook(tmp_path):
-    overrides = ["parallelism.strategy.comm_hook=powersgd", "parallelism.strategy.powersgd_rank=4"]
+    overrides = ["++parallelism.strategy.comm_hook=powersgd", "++parallelism.strategy.powersgd_rank=4"]
     with composed(overrides, tmp_path) as cfg:
         strategy = hydra.utils.instantiate(cfg.parallelism.strategy)
     assert (strategy._comm.name, strategy._comm.powersgd_rank) == ("powersgd", 4)

@@ -72,13 +72,13 @@ def test_a_checkpoint_choice_is_kept_only_for_the_same_candidates_and_ranks(tmp_
     again.load_state_dict(hook.state_dict())  # a resume of a resumed run: said once
     assert again._decision.reason.count("not measured again") == 1
 
+    other = AutoCommHook()
     with pytest.warns(UserWarning, match=r"other candidates \(exact, bf16\): measuring again"):
-        other = AutoCommHook()
         other.load_state_dict({"auto": decided})
     assert not other.decided and other.name is None
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    fewer = AutoCommHook(candidates=("bf16",))
     with pytest.warns(UserWarning, match="2 ranks, this run has 1: measuring again"):
-        fewer = AutoCommHook(candidates=("bf16",))
         fewer.load_state_dict({"auto": decided})
     assert not fewer.decided
     with warnings.catch_warnings():

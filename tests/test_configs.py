@@ -69,7 +69,10 @@ def test_every_group_option_composes(group, tmp_path):
         ("model.stem=foo", "model.stem"),
         ("parallelism.precision=17", "parallelism.precision"),
         ("+parallelism.devics=3", "parallelism.devics"),
-        ("parallelism.strategy.timeout=soon", "parallelism.strategy.timeout"),
+        (
+            "++parallelism.strategy.timeout=soon",
+            "parallelism.strategy.timeout",
+        ),  # ++: an option the YAML leaves to SoloDDP
         ("+callbacks.loss_watch.windw=10", "callbacks.loss_watch.windw"),
         ("callbacks.preflight.strict=maybe", "callbacks.preflight.strict"),
         ("callbacks.resource_monitor.every_n_steps=often", "callbacks.resource_monitor.every_n_steps"),
@@ -81,12 +84,16 @@ def test_bad_values_name_the_key(override, named, tmp_path):
 
 
 def test_misspelled_key_and_unknown_option_fail_at_composition(tmp_path):
-    with pytest.raises((ConfigCompositionException, ConfigKeyError, HydraException), match="max_epoch"):
-        with composed(["trainer.max_epoch=3"], tmp_path):
-            pass
-    with pytest.raises(ConfigCompositionException, match="resnet999"):
-        with composed(["model=resnet999"], tmp_path):
-            pass
+    with (
+        pytest.raises((ConfigCompositionException, ConfigKeyError, HydraException), match="max_epoch"),
+        composed(["trainer.max_epoch=3"], tmp_path),
+    ):
+        pass
+    with (
+        pytest.raises(ConfigCompositionException, match="resnet999"),
+        composed(["model=resnet999"], tmp_path),
+    ):
+        pass
 
 
 def test_device_preflight():

@@ -34,16 +34,16 @@ def same(times: RankTimes, n: int = 2) -> list[RankTimes]:
 @pytest.mark.parametrize(
     ("ranks", "setup", "bound", "first", "straggler"),
     [
-        (same(RankTimes(40, 8, 1, 1)), CPU, "data", ("data.num_workers", 3), 0),
-        (same(RankTimes(1, 10, 30, 1)), CPU, "communication", ("data.batch_size", 64), 0),
-        (same(RankTimes(1, 10, 30, 1), 8), GPU, "communication", ("data.batch_size", 128), 0),
-        (same(RankTimes(1, 30, 2, 1)), CPU, "compute", ("data.batch_size", 64), 0),  # small, but measured
+        (same(RankTimes(40, 8, 1, 1)), CPU, "data", ("DataLoader.num_workers", 3), 0),
+        (same(RankTimes(1, 10, 30, 1)), CPU, "communication", ("DataLoader.batch_size", 64), 0),
+        (same(RankTimes(1, 10, 30, 1), 8), GPU, "communication", ("DataLoader.batch_size", 128), 0),
+        (same(RankTimes(1, 30, 2, 1)), CPU, "compute", ("DataLoader.batch_size", 64), 0),  # small, but measured
         (same(RankTimes(1, 30, 2, 1), 8), Setup(device="cuda", world_size=8, precision="32-true"), "compute",
-         ("parallelism.precision", "auto"), 0),
+         ("SoloDDP.precision", "auto"), 0),
         # rank 1 computes 40 ms longer; rank 0 waits for it in the all-reduce
         ([RankTimes(1, 10, 42, 1), RankTimes(1, 50, 2, 1)], CPU, "straggler", (None, None), 1),
         # rank 0 waits 40 ms longer for its data
-        ([RankTimes(41, 10, 2, 1), RankTimes(1, 10, 42, 1)], CPU, "straggler", ("data.num_workers", 1), 0),
+        ([RankTimes(41, 10, 2, 1), RankTimes(1, 10, 42, 1)], CPU, "straggler", ("DataLoader.num_workers", 1), 0),
         ([RankTimes(0.5, 30, 0, 1)], Setup(), "compute", None, None),  # one process, nothing to gain
     ],
 )  # fmt: skip
@@ -55,7 +55,7 @@ def test_verdict_table(ranks, setup, bound, first, straggler):
     if first is None:
         assert not verdict.remedies
     else:
-        assert (verdict.remedies[0].key, verdict.remedies[0].value) == first, verdict.remedies
+        assert (verdict.remedies[0].setting, verdict.remedies[0].value) == first, verdict.remedies
     gains = [r.gain for r in verdict.remedies]
     assert gains == sorted(gains, reverse=True) and all(g >= MIN_GAIN for g in gains)
 
@@ -73,9 +73,7 @@ def test_no_compression_advice_on_cpu_nor_where_auto_measured_it_slower():
     comm_bound = same(RankTimes(1, 10, 30, 1))
 
     def hooks(setup):
-        return {
-            r.value for r in diagnose(comm_bound, setup).remedies if r.key == "parallelism.strategy.comm_hook"
-        }
+        return {r.value for r in diagnose(comm_bound, setup).remedies if r.setting == "SoloDDP.comm_hook"}
 
     assert not hooks(CPU) & COMPRESSION
     assert "auto" in hooks(Setup(device="cuda", world_size=2))
@@ -85,29 +83,30 @@ def test_no_compression_advice_on_cpu_nor_where_auto_measured_it_slower():
 
 
 @pytest.mark.parametrize(
-    ("setup", "key", "value"),
+    ("setup", "setting", "value"),
     [
         (Setup(device="cuda", world_size=2, bucket_count=1, gradient_mib=100.0, overlap_fraction=0.1),
-         "parallelism.strategy.bucket_cap_mb", 25),
+         "SoloDDP.bucket_cap_mb", 25),
         (Setup(world_size=2, bucket_count=40, gradient_mib=10.0, bucket_cap_mb=0.25),
-         "parallelism.strategy.bucket_cap_mb", 1.0),
-        (Setup(world_size=2, accumulate=2), "trainer.accumulate_grad_batches", 4),
-        (Setup(world_size=2), "parallelism.strategy.comm_hook", "post_local_sgd"),
+         "SoloDDP.bucket_cap_mb", 1.0),
+        (Setup(world_size=2, accumulate=2), "Trainer.accumulate_grad_batches", 4),
+        (Setup(world_size=2), "SoloDDP.comm_hook", "post_local_sgd"),
     ],
 )  # fmt: skip
-def test_communication_remedies_follow_the_layout(setup, key, value):
+def test_communication_remedies_follow_the_layout(setup, setting, value):
     remedies = diagnose(same(RankTimes(1, 10, 30, 1)), setup).remedies
-    assert (key, value) in {(r.key, r.value) for r in remedies}
+    assert (setting, value) in {(r.setting, r.value) for r in remedies}
 
 
 def test_a_full_gpu_is_not_told_to_double_its_batch_and_pinned_memory_is_advised_on_gpu():
     full = Setup(device="cuda", world_size=2, per_device_batch=64, memory_fraction=0.8)
-    keys = [r.key for r in diagnose(same(RankTimes(1, 10, 30, 1)), full).remedies]
-    assert "data.batch_size" not in keys and keys[0] == "trainer.accumulate_grad_batches"
+    keys = [r.setting for r in diagnose(same(RankTimes(1, 10, 30, 1)), full).remedies]
+    assert "DataLoader.batch_size" not in keys and keys[0] == "Trainer.accumulate_grad_batches"
     keys = [
-        r.key for r in diagnose(same(RankTimes(40, 8, 1, 1)), Setup(device="cuda", num_workers=2)).remedies
+        r.setting
+        for r in diagnose(same(RankTimes(40, 8, 1, 1)), Setup(device="cuda", num_workers=2)).remedies
     ]
-    assert {"data.pin_memory", "data.prefetch_factor"} <= set(keys)
+    assert {"DataLoader.pin_memory", "DataLoader.prefetch_factor"} <= set(keys)
 
 
 def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
@@ -135,7 +134,8 @@ def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
     ] == pytest.approx(100.0)
     assert report["verdict"]["bound"] == "straggler" and report["straggler"]["rank"] == 1
     assert report["straggler"]["behind_ms"] == pytest.approx(150.0)
-    assert report["verdict"]["remedies"][0]["key"] == "data.num_workers"  # rank 1's excess is its data wait
+    # rank 1's excess is its data wait
+    assert report["verdict"]["remedies"][0]["setting"] == "DataLoader.num_workers"
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_the_runner_turns_the_doctor_on_and_checks_its_keys(tmp_path):
         assert hydra.utils.instantiate(cfg.data).prefetch_factor == 4
     with (
         composed(["+callbacks.doctor.every_n_step=100"], tmp_path) as cfg,
-        pytest.raises(ConfigError, match="callbacks.doctor.every_n_step: .*Did you mean 'every_n_steps'"),
+        pytest.raises(ConfigError, match=r"callbacks\.doctor\.every_n_step: .*Did you mean 'every_n_steps'"),
     ):
         check_config(cfg)
 

@@ -206,3 +206,37 @@ def test_evaluate_auto_takes_the_newest_checkpoint_that_verifies_on_two_processe
     assert round(report["metrics"]["val/acc"] * 33) == int((predicted == y).sum())
     indices, classes = _read(tmp_path / "eval" / "predictions_val.csv")
     assert indices == list(range(33)) and classes == predicted.tolist()
+
+
+def test_a_run_directory_gives_the_model_and_data_it_trained(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lightning_solo.app.config_check import check_config
+    from lightning_solo.app.evaluate import find_run_dir, with_run_config
+    from tests.helpers import composed
+
+    run = tmp_path / "outputs" / "train" / "run"
+    (run / ".hydra").mkdir(parents=True)
+    with composed(["data.batch_size=16"], tmp_path) as trained:  # the default job: small_cnn on digits
+        saved = OmegaConf.to_yaml({k: trained[k] for k in trained if k != "hydra"})  # as Hydra writes it
+    (run / ".hydra" / "config.yaml").write_text(saved)
+    assert find_run_dir("auto", str(run)) == run == find_run_dir("auto", str(run / "checkpoints"))
+    assert find_run_dir(str(run / "checkpoints" / "last.ckpt"), None) == run
+    assert find_run_dir("auto", str(tmp_path / "outputs")) is None
+
+    overrides = ["ckpt=auto", f"ckpt_dir={run}", "data.num_workers=1"]
+    with composed(overrides, tmp_path, config_name="evaluate") as cfg:  # evaluate.yaml: resnet18, synthetic
+        cfg, decision = with_run_config(cfg, run, overrides)
+        check_config(cfg)
+        assert (cfg.model.arch, cfg.model.in_channels, cfg.model.num_classes) == ("small_cnn", 1, 10)
+        assert cfg.data._target_.endswith("DigitsDataModule")
+        assert (cfg.data.batch_size, cfg.data.num_workers) == (
+            16,
+            1,
+        )  # the run's, then this command's override
+        assert decision.value["from_run"] == ["model", "data"]
+    overrides = ["ckpt=auto", f"ckpt_dir={run}", "model=resnet18"]
+    with composed(overrides, tmp_path, config_name="evaluate") as cfg:  # a group chosen here stays chosen
+        cfg, decision = with_run_config(cfg, run, overrides)
+        assert cfg.model.arch == "resnet18" and cfg.data._target_.endswith("DigitsDataModule")
+        assert decision.value["from_run"] == ["data"] and "model chosen by this command" in decision.reason

@@ -4,24 +4,28 @@ weights_only=True. The bf16 policy needs a GPU: benchmarks/gpu_check.py --only f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from lightning_solo.app.config_check import check_config
+from lightning_solo.app.data import DigitsDataModule
+from lightning_solo.app.models import SmallCNN
 from lightning_solo.checkpoint import decide_resume
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.fsdp.consolidate import consolidate
 from lightning_solo.fsdp.consolidate import main as consolidate_main
 from lightning_solo.fsdp.strategy import SoloFSDP, decide_fsdp_precision, decide_wrap
-from tests.helpers import REPO, TINY_RUN, composed, run_cli
+from tests.helpers import REPO, composed, run_cli
 
 
 class Holder(nn.Module):  # stands for a LightningModule: the strategy shards its children
@@ -48,6 +52,11 @@ def test_precision_policy():
     assert policy is None and decision.value == "32-true"
     policy, decision = decide_fsdp_precision("bf16-mixed", torch.device("cpu"))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert policy.output_dtype == torch.float32  # logits, hence the loss, stay fp32
+    # "auto" on GPUs: bf16 only when every rank has it natively (the levels SoloDDP's precision rule agrees).
+    cuda = torch.device("cuda", 0)
+    assert decide_fsdp_precision("auto", cuda, levels=[2, 2])[1].value == "bf16-mixed"
+    assert decide_fsdp_precision("auto", cuda, levels=[2, 1])[1].value == "32-true"
     with pytest.raises(ValueError, match="precision must be"):
         SoloFSDP(precision="16-mixed")
     with pytest.raises(ValueError, match="state_dict must be"):
@@ -61,6 +70,14 @@ def test_auto_precision_is_bf16_on_a_gpu():
     assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == (
         "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
     )
+
+
+def test_auto_precision_does_not_count_emulated_bf16(monkeypatch):
+    """A GPU that only emulates bf16 (``is_bf16_supported()`` is True by default through emulation, e.g. a V100 or
+    T4) gets fp32, as SoloDDP's precision "auto" decides: ``including_emulation=False``."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == "32-true"
 
 
 def test_sharded_checkpoint_verifies_and_ranks(tmp_path):
@@ -116,18 +133,48 @@ def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
 @pytest.mark.cli
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_runner_fsdp_option_trains_on_cpu(tmp_path):
-    args = ["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2", *TINY_RUN]
-    proc = run_cli([*args, "data.batch_size=8", "hydra.run.dir=run"], cwd=tmp_path, timeout=220)
+@pytest.mark.timeout(300)
+def test_fsdp_commands_on_cpu_work_on_the_default_config(tmp_path):
+    # As a new user on a CPU machine: parallelism=fsdp stops with a clear error that suggests a dry run, and
+    # that suggestion runs; then FSDP over 2 gloo processes trains the default job (small_cnn on digits).
+    proc = run_cli(["parallelism=fsdp"], cwd=tmp_path, timeout=100, full_error=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    suggested = re.search(
+        r"To try this configuration on CPU: python -m lightning_solo.run (.*?) \(", proc.stderr
+    )
+    assert suggested, proc.stderr[-4000:]
+    args = shlex.split(suggested[1])
+    assert args == ["parallelism=fsdp", "+dryrun=cpu"]
+    proc = run_cli(
+        [*args, "hydra.run.dir=dry", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "dry" / "summary.json").read_text())
+    assert (summary["strategy"], summary["world_size"], summary["global_step"]) == ("SoloFSDP", 1, 3)
+
+    args = [
+        "parallelism=fsdp",
+        "parallelism.accelerator=cpu",
+        "parallelism.devices=2",
+        "trainer.max_epochs=1",
+    ]
+    proc = run_cli(
+        [*args, "hydra.run.dir=run", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["strategy"] == "SoloFSDP" and summary["global_step"] == 4 and summary["global_batch"] == 16
+    assert summary["strategy"] == "SoloFSDP" and summary["world_size"] == 2 and summary["global_batch"] == 64
+    assert summary["global_step"] == 23  # 1,437 digits / 64 per step, rounded up
     decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
-    assert decisions["fsdp_state_dict"] == "sharded" and decisions["lr_scale"] == pytest.approx(16 / 256)
+    assert decisions["fsdp_state_dict"] == "sharded" and decisions["lr_scale"] == pytest.approx(64 / 256)
+    # The sharded checkpoint consolidates into the plain small_cnn, which scores what the run reported.
     consolidate(summary["checkpoint_last"], tmp_path / "model.ckpt")
-    net = torchvision.models.get_model("resnet18", num_classes=10)
-    net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    net.maxpool = nn.Identity()
     state = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]
+    net = SmallCNN(num_classes=10, in_channels=1)
     net.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    data = DigitsDataModule()
+    data.setup("fit")
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        accuracy = (net.eval()(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(summary["val_acc"], abs=1.5 / len(y))

@@ -48,7 +48,7 @@ def _series(kind: str, n: int = 400) -> list[float]:
         ("negative", {}, None),
         ("spike", {"spike": 300}, "gradient_clip_val"),
         ("climb", {"climb": None}, "warmup_steps"),
-        ("seesaw", {"seesaw": None}, "rule=sqrt"),
+        ("seesaw", {"seesaw": None}, "rule='sqrt'"),
     ],
 )
 def test_trend_events_and_their_advice(kind, events, remedy):

@@ -176,7 +176,7 @@ def test_plot_a_planned_schedule(tmp_path):
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WarmupScaledLR(**kwargs)
-    with pytest.raises(ValueError, match="warmup .* is longer than the run"):
+    with pytest.raises(ValueError, match=r"warmup .* is longer than the run"):
         LRSchedule(scale=2.0, warmup_steps=11, total_steps=10)
 
 

@@ -49,7 +49,7 @@ def test_run_dir_is_agreed_before_hydra_runs():
     # torchrun without the agent's store: the rendezvous id, or a clear error when there is none.
     no_store = _torchrun_env(TORCHELASTIC_RUN_ID="job9", TORCHELASTIC_USE_AGENT_STORE="False")
     assert cluster.decide_run_dir([], env=no_store)[1].value == "torchrun-job9"
-    with pytest.raises(PreflightError, match="hydra.run.dir"):
+    with pytest.raises(PreflightError, match=r"hydra\.run\.dir"):
         cluster.decide_run_dir([], env=_torchrun_env(TORCHELASTIC_USE_AGENT_STORE="False"))
 
 

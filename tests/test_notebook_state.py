@@ -2,7 +2,9 @@
 
 Stock Lightning's fork launcher leaves ``global_step`` at 0, callbacks untrained and the strategy's decisions
 behind in the workers, and refuses a second ``fit`` on the same Trainer. Each test runs real 2-process fits
-(gloo, fork) and compares the parent with what rank 0 saw, through files the ranks write themselves.
+(gloo, fork) and compares the parent with what rank 0 saw, through files the ranks write themselves. What
+crosses is state_dicts and plain CPU data only: a guard walks the parent after a ``16-mixed`` fit for any
+tensor that is not a plain CPU tensor, with tensors that claim to be on CUDA planted in the workers.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.app.run_summary import RunSummary
-from lightning_solo.ddp.carry import packed_attributes, unpack_attributes
-from lightning_solo.ddp.launcher import SoloLauncher, capture
+from lightning_solo.ddp.carry import LEFT_BEHIND, NotPlain, check_plain, pack, plain, unpack
+from lightning_solo.ddp.launcher import SoloLauncher, capture, public_data
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import RankRecorder, read_rank_records
 
@@ -157,7 +159,7 @@ class _Point:
     label: str
 
 
-def test_only_data_attributes_travel():
+def test_only_public_data_attributes_travel():
     class Holder:
         def __init__(self) -> None:
             self.numbers = [1, 2.5, {"a": (3, None)}]
@@ -169,17 +171,49 @@ def test_only_data_attributes_travel():
             self._private = 7
 
     holder = Holder()
-
-    def travelled(**options):
-        return unpack_attributes(packed_attributes(holder, **options), "Holder")
-
-    got = travelled()
-    assert set(got) == {"numbers", "point", "tensor", "_private"}
+    got = {name: unpack(blob, name) for name, blob in public_data(holder).items()}
+    assert set(got) == {"numbers", "point", "tensor"}
     assert got["numbers"] == holder.numbers
     assert got["point"] == _Point(got["point"].x, "p") and got["point"].x is not holder.point.x
     assert got["tensor"] is not holder.tensor and torch.equal(got["tensor"], holder.tensor)
-    assert set(travelled(only=("tensor", "fn"))) == {"tensor"}
-    assert "_private" not in travelled(public_only=True)
+    assert set(public_data(holder, skip=("tensor",))) == {"numbers", "point"}
+
+
+class _ClaimsCuda(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA, as a device tensor would: stands in for one on a CPU machine.
+    Unpickled as itself, it would be a "CUDA tensor" in the parent."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def claims_cuda(*values: float) -> torch.Tensor:
+    return torch.tensor(values).as_subclass(_ClaimsCuda)
+
+
+def test_what_crosses_is_plain_cpu_data_or_nothing():
+    state = {"scale": 2.0, "counter": claims_cuda(3.0), "nested": [_Point(claims_cuda(1.0, 2.0), "p")]}
+    with pytest.raises(NotPlain, match="_ClaimsCuda"):
+        check_plain(state)
+    copied = plain(state)
+    check_plain(copied)  # the guard passes on the copy
+    assert type(copied["counter"]) is torch.Tensor and not copied["counter"].is_cuda
+    assert copied["counter"].tolist() == [3.0] and copied["nested"][0].x.tolist() == [1.0, 2.0]
+    assert type(unpack(pack(state, "state"), "state")["counter"]) is torch.Tensor
+    # A tensor with no data the CPU can copy is refused, never sent as a device tensor.
+    meta = {"m": torch.empty(2, device="meta")}
+    with pytest.raises(NotPlain, match="meta"):
+        check_plain(meta)
+    with pytest.raises(NotPlain, match="meta"):
+        plain(meta)
+    assert unpack(pack(meta, "meta"), "meta") is LEFT_BEHIND
+    with pytest.raises(NotPlain, match="parameter"):
+        plain(nn.Parameter(torch.ones(1)))
 
 
 def test_capture_outside_a_fit_is_empty_of_progress():
@@ -187,7 +221,7 @@ def test_capture_outside_a_fit_is_empty_of_progress():
     trainer.strategy.connect(TinyClassifier())
     state = capture(trainer)
     assert state["fit_loop"] is None
-    assert unpack_attributes(state["module"], "TinyClassifier")["losses"] == []
+    assert unpack(state["module"]["losses"], "losses") == []
 
 
 def _training_state(trainer, module) -> dict:
@@ -196,9 +230,62 @@ def _training_state(trainer, module) -> dict:
     return {"step": trainer.global_step, "scale": scale, "iter": powersgd.iter}
 
 
+class _PlantsDeviceTensors(L.Callback):
+    """In the workers, puts tensors that claim CUDA (and a meta tensor) where a device tensor could be after a
+    GPU fit: the precision plugin, this callback's state_dict() and its attributes."""
+
+    def __init__(self) -> None:
+        self.on_device: torch.Tensor | None = None
+        self.no_data: torch.Tensor | None = None
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.precision_plugin.planted = claims_cuda(1.0)
+        self.on_device = claims_cuda(float(trainer.global_step))
+        self.no_data = torch.empty(2, device="meta")
+
+    def state_dict(self):
+        return {"counter": self.on_device} if self.on_device is not None else {}
+
+    def load_state_dict(self, state_dict):
+        self.counter = state_dict["counter"]
+
+
+def device_tensors(obj, path: str = "", seen: set | None = None, depth: int = 0) -> list[str]:
+    """Where ``obj`` (walked through attributes, containers and dataclasses) holds a tensor that is not a
+    plain CPU tensor: what unpickling a device tensor would have left in the parent."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 12 or isinstance(obj, (nn.Module, L.Trainer, type)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        plain_cpu = type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu" and not obj.is_cuda
+        return [] if plain_cpu else [f"{path}: {type(obj).__name__} on {obj.device}"]
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes)):
+        items = list(vars(obj).items())
+    else:
+        return []
+    return [hit for key, value in items for hit in device_tensors(value, f"{path}.{key}", seen, depth + 1)]
+
+
+def parent_state(trainer, model) -> dict:
+    """Everything the launcher may have set in the parent (the module's own parameters and buffers aside)."""
+    owned = {*model._parameters, *model._buffers, *model._modules}
+    return {
+        "precision_plugin": trainer.strategy.precision_plugin,
+        "callbacks": trainer.callbacks,
+        "module": {k: v for k, v in vars(model).items() if k not in owned and not k.startswith("_")},
+        "decisions": trainer.strategy.decisions,
+        "metrics": [trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics],
+    }
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(90)
-def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
+@pytest.mark.timeout(120)
+def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tmp_path):
     strategy = SoloDDP(
         start_method="fork",
         precision="16-mixed",
@@ -206,6 +293,7 @@ def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
         comm_hook="powersgd",
         powersgd_start_iter=2,
     )
+    planted = _PlantsDeviceTensors()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -215,7 +303,8 @@ def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
         callbacks=[
             RankRecorder(
                 tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}
-            )
+            ),
+            planted,
         ],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -226,11 +315,26 @@ def test_second_fit_continues_grad_scaler_and_powersgd(tmp_path):
     first_end = read_rank_records(tmp_path)[0]["end"]
     assert first_end["step"] == 3
     assert first_end["scale"] > 2.0**8 and first_end["iter"] >= 3  # the scale grew every step
-    assert trainer.strategy.precision_plugin.scaler.get_scale() == first_end["scale"]  # the parent holds it
+
+    # The guard: nothing in the parent is a tensor that is not a plain CPU tensor.
+    assert device_tensors(parent_state(trainer, model)) == []
+    plugin = trainer.strategy.precision_plugin
+    assert not hasattr(plugin, "planted")  # the plugin object stayed behind; its state came as numbers
+    assert device_tensors(vars(plugin), "plugin") == [] and not any(
+        isinstance(v, torch.Tensor) for v in vars(plugin).values()
+    ), "the skipped-step counter lives on the device: the parent holds the count"
+    assert plugin.skipped_steps == 0 and plugin.scaler.get_scale() == first_end["scale"]
+    assert type(planted.on_device) is torch.Tensor and planted.on_device.tolist() == [3.0]  # converted
+    assert type(planted.counter) is torch.Tensor and planted.counter.tolist() == [3.0]  # its state_dict
+    assert planted.no_data is None  # refused: the parent keeps its own
+    assert not torch.cuda.is_initialized()
+
+    # The second fit continues the GradScaler and PowerSGD (not init_scale and PowerSGD's warm-up again).
     trainer.fit_loop.epoch_loop.max_steps = 5
     trainer.fit(model, loader())
     second_start = read_rank_records(tmp_path)[0]["start"]
-    assert second_start == first_end  # not init_scale and PowerSGD's exact warm-up again
+    assert second_start == first_end
+    assert trainer.global_step == 5 and device_tensors(parent_state(trainer, model)) == []
 
 
 class _KeepsALot(L.Callback):

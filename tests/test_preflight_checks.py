@@ -123,14 +123,14 @@ GPU = TrainingSetup(device_type="cuda", world_size=8, cores_per_process=1, per_d
     [
         ({}, [], None),
         ({"data_parallel": ("backbone",)}, ["model.data_parallel"], "Remove the wrapper"),
-        ({"num_workers": 0, "cores_per_process": 6}, ["loader.num_workers"], "data.num_workers=5"),
+        ({"num_workers": 0, "cores_per_process": 6}, ["loader.num_workers"], "DataLoader(num_workers=5)"),
         ({"num_workers": 0, "cores_per_process": 1}, [], None),  # no idle core to give
         ({"sharded": False}, ["loader.sampler"], "use_distributed_sampler=True"),
         ({"sharded": False, "world_size": 1}, [], None),
         ({"sharded": False, "map_style": False}, [], None),  # an iterable dataset shards itself
         ({"unsynced_batchnorm": 20, "per_device_batch": 16}, ["model.batchnorm"], "sync_batchnorm"),
         ({"unsynced_batchnorm": 20}, [], None),  # 64 per device: local statistics suffice
-        ({"pin_memory": False}, ["loader.pin_memory"], "data.pin_memory=true"),
+        ({"pin_memory": False}, ["loader.pin_memory"], "DataLoader(pin_memory=True)"),
         ({"pin_memory": False, "device_type": "cpu"}, [], None),
         ({"per_device_batch": 4}, ["loader.batch_size"], "accumulate_grad_batches"),
     ],

@@ -70,9 +70,17 @@ def test_a_fit_and_a_resume_leave_no_process_wide_setting_behind(tmp_path):
     # Before: glibc's mmap threshold stayed at 32 MiB and its trim threshold at 1 GiB for the rest of the process
     # (a 4 MiB block came from the heap, a freed heap top stayed resident), and a mid-epoch resume added a
     # process-wide filter for Lightning's "resuming ... before the epoch ended" warning.
-    from tests.distributed import run_ranks
-
-    for rank in run_ranks(_fit_resume_and_observe, 2, str(tmp_path), timeout=140):
+    # The ranks fork from a fresh interpreter: one forked from this test process inherits a heap shaped by every
+    # earlier test, whose top may hold a live block, so a freed top could not go back whatever the threshold.
+    code = (
+        "import json, sys; from tests.distributed import run_ranks; "
+        "from tests.test_side_effects import _fit_resume_and_observe as fit; "
+        "print(json.dumps(run_ranks(fit, 2, sys.argv[1], timeout=130)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=140)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert "cpu_malloc = 'reuse freed memory'" in rank["decisions"]["cpu_malloc"], rank["decisions"]
         assert rank["decisions"]["mid_epoch_resume"].startswith("mid_epoch_resume = 3"), rank["decisions"]
         assert rank["mapped_4m"] and rank["trims"], rank

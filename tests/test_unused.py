@@ -272,7 +272,7 @@ def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case)
 def test_stock_ddp_fails_on_the_same_models(tmp_path, case):
     variant, off, _, _ = CASES[case]
     net = Net(variant, make_data(branch_off=off))
-    with pytest.raises(Exception, match="parameters that were not used|did not receive grad"):
+    with pytest.raises(Exception, match=r"parameters that were not used|did not receive grad"):
         fit(tmp_path, net, DDPStrategy(start_method="fork"))
 
 

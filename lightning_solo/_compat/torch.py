@@ -90,4 +90,4 @@ def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
 def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.Tensor) -> None:
     """``cls._check_input_dim(module, input)``: a BatchNorm class's own input check, which SyncBN variants
     override and call for the class they replace (checked on torch 2.14.1)."""
-    cls._check_input_dim(module, input)  # type: ignore[attr-defined]
+    cls._check_input_dim(module, input)  # type: ignore[attr-defined]  # private: why it is fenced here

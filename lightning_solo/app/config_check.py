@@ -27,15 +27,17 @@ class ConfigError(ValueError):
 
 def check_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` naming the first bad key; return quietly otherwise."""
-    container = {}
+    container: dict[str, Any] = {}
     for key in cfg:
         if key == "hydra":
             continue
         try:
             node = cfg[key]
-            container[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            container[str(key)] = (
+                OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            )
         except OmegaConfBaseException as err:
-            where = getattr(err, "full_key", None) or key
+            where = getattr(err, "full_key", None) or str(key)
             raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from err
     _check_parallelism(container.get("parallelism") or {})  # first: its keys feed the strategy's
     for path, node in _target_nodes(container):
@@ -56,15 +58,15 @@ def _target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
 def _signature(target: str, path: str) -> tuple[Callable, dict[str, inspect.Parameter], dict[str, Any]]:
     try:
         obj = get_object(target)
-    except Exception as err:
+    except Exception as err:  # ImportError, AttributeError, ... all mean "cannot find it"
         raise ConfigError(f"{path}._target_: cannot import {target!r} ({err})") from err
     params, hints = _parameters(obj)
     return obj, params, hints
 
 
 def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
-    """``obj``'s parameters and their type hints. A class of this package whose ``__init__`` forwards
-    ``**kwargs`` to its base (the datamodules' loader options) is checked against the base's too."""
+    """``obj``'s parameters and their type hints. A class whose ``__init__`` forwards ``**kwargs`` is checked
+    against where they go too (:func:`_kwargs_targets`)."""
     fn = obj.__init__ if inspect.isclass(obj) else obj
     try:
         params = dict(inspect.signature(obj).parameters)
@@ -72,16 +74,35 @@ def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
         return {}, {}
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unresolvable annotations: skip type checks, keep key checks
         hints = {}
     forwarded = [n for n, p in params.items() if p.kind is p.VAR_KEYWORD]
-    base = obj.__mro__[1] if inspect.isclass(obj) and len(obj.__mro__) > 1 else None
-    if forwarded and base is not None and base.__module__.startswith("lightning_solo."):
-        base_params, base_hints = _parameters(base)
+    targets = _kwargs_targets(obj) if forwarded else []
+    if targets:
         del params[forwarded[0]]
-        params.update({n: p for n, p in base_params.items() if n not in params})
-        hints = {**base_hints, **hints}
+    for target in targets:
+        target_params, target_hints = _parameters(target)
+        params.update({n: p for n, p in target_params.items() if n not in params and n != "module"})
+        hints = {**target_hints, **hints}
     return params, hints
+
+
+def _kwargs_targets(obj: Any) -> list[Any]:
+    """Where ``obj`` passes its ``**kwargs``: a strategy built on Lightning's ``DDPStrategy`` (SoloDDP's
+    ``**ddp_kwargs``: ``bucket_cap_mb``, ``static_graph``, ...) to it and on to ``DistributedDataParallel``;
+    ``DDPStrategy`` itself to ``DistributedDataParallel``; a class of this package to its base (the datamodules'
+    loader options)."""
+    if not inspect.isclass(obj):
+        return []
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    if obj is DDPStrategy:
+        return [DistributedDataParallel]
+    if issubclass(obj, DDPStrategy):
+        return [DDPStrategy]
+    base = obj.__mro__[1] if len(obj.__mro__) > 1 else None
+    return [base] if base is not None and base.__module__.startswith("lightning_solo.") else []
 
 
 def _check_node(path: str, node: dict) -> None:

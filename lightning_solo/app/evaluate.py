@@ -1,7 +1,12 @@
 """The evaluation runner: ``python -m lightning_solo.evaluate ckpt=PATH|auto [ckpt_dir=DIR] [group=option ...]``.
 
 ``evaluate(cfg)`` is a plain function; ``main`` the thin Hydra wrapper over ``conf/evaluate.yaml``, which takes
-the training groups (model, data, parallelism, trainer, logger, paths). It loads the checkpoint (``ckpt=auto``:
+the training groups (model, data, parallelism, trainer, logger, paths). A checkpoint is only meaningful with the
+model and data it was trained on, so when it lies in a run directory (``ckpt_dir=outputs/train/<run>``, or a
+``.ckpt`` inside one) the model and data come from that run's own ``.hydra/config.yaml``, with this command's
+``model.*``/``data.*`` overrides on top (``model=X``/``data=Y`` pick another option instead); where and how to
+evaluate (parallelism, trainer) stay this command's. A checkpoint that does not fit the model is bad input, one
+line and exit status 2, like a bad key. It loads the checkpoint (``ckpt=auto``:
 the newest in ``ckpt_dir`` that verifies, corrupt or half-written ones passed over), then runs ``stages``
 (validate, test, predict) under SoloDDP on any number of processes: every sample evaluated exactly once
 (:mod:`lightning_solo.ddp.eval`), the metrics equal to one process's, the sample count reported, and each
@@ -18,26 +23,31 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_solo.app.config_check import ConfigError
+from lightning_solo.app.config_check import ConfigError, check_config
 from lightning_solo.app.run import (
     check_run_config,
     close_process_group,
     config_path,
     make_trainer,
     report_bad_input,
+    strategy_options,
 )
 from lightning_solo.checkpoint.select import decide_resume
 from lightning_solo.core.cluster import PreflightError
 from lightning_solo.core.decision import Decision
 
 STAGES = ("validate", "test", "predict")
+#: What a checkpoint was trained with, taken from its run's config; everything else is this command's.
+RUN_GROUPS = ("model", "data")
 # rank 0's choice for ckpt=auto, inherited by the ranks Lightning's popen launcher starts: they cannot pick another
 _CHOSEN_ENV = "LIGHTNING_SOLO_EVAL_CKPT"
 
@@ -66,6 +76,104 @@ def decide_checkpoint(ckpt: str, ckpt_dir: str | None) -> Decision:
     return Decision("checkpoint", decision.value, f"ckpt=auto: {decision.reason}")
 
 
+def find_run_dir(ckpt: str, ckpt_dir: str | None) -> Path | None:
+    """The run directory (the one holding ``.hydra/config.yaml``) that ``ckpt_dir`` or the checkpoint ``ckpt``
+    belongs to: the directory itself or the one above its ``checkpoints/``; None outside a run directory."""
+    places = []
+    if ckpt_dir:
+        places.append(Path(ckpt_dir))
+    if ckpt != "auto":
+        places.append(Path(ckpt).parent)
+    places += [p.parent for p in places if p.name == "checkpoints"]
+    return next((p for p in places if (p / ".hydra" / "config.yaml").is_file()), None)
+
+
+def with_run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[DictConfig, Decision]:
+    """``cfg`` with the model and data of the run in ``run_dir`` (its ``.hydra/config.yaml``), then this command's
+    ``overrides`` on those keys again; a group chosen on the command line (``model=resnet18``) stays as chosen."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = run_dir / ".hydra" / "config.yaml"
+    try:
+        saved = OmegaConf.load(path)
+    except Exception as err:
+        raise ConfigError(f"ckpt_dir: cannot read the run's config {path}: {err}") from err
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"ckpt_dir: the run's config {path} is not a mapping")
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    chosen = {o.key_or_group for o in parsed if o.key_or_group in RUN_GROUPS}
+    taken = [group for group in RUN_GROUPS if group not in chosen and group in saved]
+    with open_dict(cfg):
+        for group in taken:
+            cfg[group] = saved[group]
+        for override in parsed:
+            key = override.key_or_group
+            if key.split(".")[0] not in taken or "." not in key:
+                continue
+            if override.is_delete():
+                parent, _, leaf = key.rpartition(".")
+                node = OmegaConf.select(cfg, parent)
+                if node is not None and leaf in node:
+                    del node[leaf]
+            else:
+                OmegaConf.update(cfg, key, override.value(), merge=True, force_add=True)
+    reason = f"{' and '.join(taken) or 'nothing'} as the run trained them, this command's overrides on top"
+    if chosen:
+        reason += f"; {' and '.join(sorted(chosen))} chosen by this command"
+    return cfg, Decision("eval_config", {"config": str(path), "from_run": taken}, reason)
+
+
+def check_checkpoint_fits(model: torch.nn.Module, ckpt_path: str, hint: str) -> None:
+    """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` strictly
+    (as Lightning loads them): missing or unexpected keys, or a shape that differs. Sharded (directory)
+    checkpoints and files that do not read as a Lightning checkpoint are left to Lightning."""
+    path = Path(ckpt_path)
+    if not path.is_file():
+        return
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a checkpoint torch reads: Lightning reports it
+        return
+    saved = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict):
+        return
+    own = model.state_dict()
+    strict = bool(getattr(model, "strict_loading", True))  # a LightningModule may load non-strictly
+    missing = [k for k in own if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in own] if strict else []
+    shapes = [
+        f"{k} {list(saved[k].shape)} in the checkpoint, {list(v.shape)} in the model"
+        for k, v in own.items()
+        if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    found = [
+        f"{len(shapes)} shape(s) differ (first: {shapes[0]})" if shapes else "",
+        f"{len(missing)} key(s) missing (first: {missing[0]})" if missing else "",
+        f"{len(unexpected)} unexpected key(s) (first: {unexpected[0]})" if unexpected else "",
+    ]
+    raise ConfigError(f"ckpt: {path} does not fit the model: {'; '.join(f for f in found if f)}. {hint}")
+
+
+def _fit_hint(run_config: Decision | None) -> str:
+    if run_config is None:
+        return (
+            "Give its run directory (ckpt_dir=outputs/train/<run>: its .hydra/config.yaml names the model and "
+            "data it trained), or the model and data options it was trained with"
+        )
+    chosen = [group for group in RUN_GROUPS if group not in run_config.value["from_run"]]
+    if chosen:
+        return f"This command chose {' and '.join(chosen)} itself: leave that out to take the run's"
+    return f"The run's config ({run_config.value['config']}) does not describe this checkpoint"
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def _checkpoint(cfg: DictConfig) -> tuple[Decision, bool]:
     chosen = os.environ.get(_CHOSEN_ENV)
     if cfg.ckpt == "auto" and chosen:
@@ -85,11 +193,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown or not cfg.stages:
         raise ConfigError(f"stages: expected a non-empty list of {', '.join(STAGES)}, got {list(cfg.stages)}")
+    run_config = None
+    if (run_dir := find_run_dir(str(cfg.ckpt), cfg.get("ckpt_dir"))) is not None:
+        cfg, run_config = with_run_config(cfg, run_dir, _task_overrides())
+        check_config(cfg)
     decision, chose = _checkpoint(cfg)
     try:
-        rank_zero_info(f"evaluate: {decision}")
         datamodule = hydra.utils.instantiate(cfg.data)
         model = hydra.utils.instantiate(cfg.model)
+        check_checkpoint_fits(model, decision.value, _fit_hint(run_config))
+        for made in (decision, run_config):
+            if made is not None:
+                rank_zero_info(f"evaluate: {made}")
         predictions = OrderedPredictions(filename=cfg.predictions) if cfg.get("predictions") else None
         trainer = make_trainer(cfg, [predictions] if predictions else [])
         metrics: dict[str, float] = {}
@@ -101,7 +216,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 results = getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path)
                 metrics.update({k: float(v) for result in results for k, v in result.items()})
             ckpt_path = None
-        report = _report(trainer, decision, metrics, predictions)
+        report = _report(trainer, [d for d in (decision, run_config) if d is not None], metrics, predictions)
         close_process_group()
         return report
     finally:
@@ -109,13 +224,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             os.environ.pop(_CHOSEN_ENV, None)
 
 
-def _report(trainer: Any, decision: Decision, metrics: dict[str, float], predictions: Any) -> dict[str, Any]:
+def _report(trainer: Any, own: list[Decision], metrics: dict[str, float], predictions: Any) -> dict[str, Any]:
     decisions = [d.as_dict() for k, d in trainer.strategy.decisions.items() if k.startswith("exact_eval")]
     report = {
-        "checkpoint": decision.value,
+        "checkpoint": own[0].value,
         "world_size": trainer.world_size,
         "metrics": metrics,
-        "decisions": [decision.as_dict(), *decisions],
+        "decisions": [*(d.as_dict() for d in own), *decisions],
     }
     if trainer.is_global_zero:
         if predictions is not None:
@@ -128,13 +243,19 @@ def _report(trainer: Any, decision: Decision, metrics: dict[str, float], predict
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="evaluate")
-def main(cfg: DictConfig) -> float | None:
+def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         report = evaluate(cfg)
     except (ConfigError, PreflightError) as err:
         report_bad_input(err)
     value = report["metrics"].get("val/acc", report["metrics"].get("test/acc"))
     return float(value) if value is not None else None
+
+
+def main() -> float | None:
+    """``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them."""
+    sys.argv[1:] = strategy_options(sys.argv[1:])
+    return _hydra_main()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -56,6 +57,19 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
         for node in group.values()
         if isinstance(node, DictConfig) and "_target_" in node
     ]
+
+
+_STRATEGY_OPTION = re.compile(r"parallelism\.strategy\.[A-Za-z_][\w.]*=")
+
+
+def strategy_options(args: list[str]) -> list[str]:
+    """The command line with ``parallelism.strategy.OPTION=VALUE`` made ``++parallelism.strategy.OPTION=VALUE``.
+
+    The parallelism YAMLs hold only what the runner sets differently from the strategy's own defaults, which
+    live in the strategy's signature alone; Hydra would refuse to override an option the YAML does not list
+    (``+`` needed), and to add one it does (``+`` refused). ``++`` sets it either way, and a misspelled option is
+    still named by :func:`~lightning_solo.app.config_check.check_config` against the strategy's signature."""
+    return [f"++{arg}" if _STRATEGY_OPTION.match(arg) else arg for arg in args]
 
 
 def check_run_config(cfg: DictConfig) -> None:
@@ -115,7 +129,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if isinstance(trainer.strategy, DecisionLog):
         for decision in (restart, _run_dir_decision):
             if decision is not None:
-                trainer.strategy._decide(decision)
+                trainer.strategy.record(decision)
     ckpt_path = (
         "auto"
         if resume == "auto" and isinstance(trainer.strategy, SoloDDP)
@@ -184,6 +198,7 @@ def main() -> float | None:
     """``python -m lightning_solo.run``: under torchrun or SLURM, first agree on one run directory for all
     ranks of all nodes (global rank 0 decides), then run the Hydra app."""
     global _run_dir_decision
+    sys.argv[1:] = strategy_options(sys.argv[1:])
     try:
         sys.argv[1:], _run_dir_decision = cluster.decide_run_dir(sys.argv[1:])
     except PreflightError as err:

@@ -12,33 +12,41 @@ from typing import Any
 
 import lightning as L
 
+from lightning_solo.app.remedies import remedy_rows, with_config_keys
 from lightning_solo.core.batch_size import global_batch
+from lightning_solo.diagnostics.doctor.verdict import setting_call
 
 
 def collect_decisions(trainer: L.Trainer) -> list[dict[str, Any]]:
     """Every owner's decisions, one per setting (the strategy also relays its precision plugin's)."""
     found: dict[str, dict[str, Any]] = {}
-    for owner in (trainer.strategy, trainer.precision_plugin, *trainer.callbacks):
+    for owner in (trainer.strategy, trainer.precision_plugin, *trainer.callbacks):  # type: ignore[attr-defined]
         for decision in (getattr(owner, "decisions", None) or {}).values():
             found[decision.setting] = decision.as_dict()
     return list(found.values())
 
 
 def collect_advice(trainer: L.Trainer) -> list[str]:
-    """The strategy's advice, then each callback's (Preflight's warnings, LossWatch's findings, ...)."""
+    """The strategy's advice, then each callback's (Preflight's warnings, LossWatch's findings, ...), each with
+    the runner's config keys for the library settings it names (:func:`~lightning_solo.app.remedies.with_config_keys`)."""
     lines: list[str] = []
-    for owner in (trainer.strategy, *trainer.callbacks):
+    for owner in (trainer.strategy, *trainer.callbacks):  # type: ignore[attr-defined]
         lines += [line for line in getattr(owner, "advice", None) or [] if line not in lines]
-    return lines
+    return [with_config_keys(line) for line in lines]
 
 
 def doctor_summary(trainer: L.Trainer) -> dict[str, Any] | None:
-    """Where TrainingDoctor wrote its report and chart, and its verdict (None without a doctor)."""
-    for callback in trainer.callbacks:
+    """Where TrainingDoctor wrote its report and chart, its verdict, and its remedies with the runner's
+    override for each (None without a doctor)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         files = getattr(callback, "files", None)
         if files and "json" in files:
             verdict = (getattr(callback, "report", None) or {}).get("verdict") or {}
-            return {**files, "bound": verdict.get("bound")}
+            return {
+                **files,
+                "bound": verdict.get("bound"),
+                "remedies": remedy_rows(verdict.get("remedies") or []),
+            }
     return None
 
 
@@ -108,6 +116,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if doctor := summary.get("doctor"):
         bound = f"{doctor['bound']}-bound: " if doctor.get("bound") else ""
         rows.append(("doctor", bound + ", ".join(p for p in (doctor["json"], doctor.get("chart")) if p)))
+        for r in doctor.get("remedies") or []:
+            where = r.get("override") or setting_call(r.get("setting"), r.get("value"))
+            rows.append(("remedy", f"{where}: {r['action']} (~{r['gain']:.0%} of the step)"))
     width = max(len(k) for k, _ in rows)
     lines = ["", "=" * 30 + " lightning_solo run summary " + "=" * 30]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -13,9 +13,11 @@ Who does what:
   manifest) and runs ``scontrol requeue``; this callback only records that. Lightning saves inside the signal
   handler, wherever each rank happens to be.
 * **Another handler** owns it (submitit's, which makes Lightning install none), or none does: this callback takes
-  the signal and chains. The handler only raises a flag; at the next batch end all ranks agree (any rank
-  flagged), save ``hpc_ckpt_<n>.ckpt`` together, and rank 0 calls the previous handler (submitit requeues the
-  job and exits) or, with none, runs ``scontrol requeue`` itself; then training stops.
+  the signal and chains. The handler only raises a flag; the ranks agree at batch ends whether any rank was
+  flagged (:class:`~lightning_solo.ddp.agreement.Agreement`, as for SIGTERM: an asynchronous all-reduce on a gloo
+  group, read one check later), all save ``hpc_ckpt_<n>.ckpt`` together at the same batch, and rank 0 calls the
+  previous handler (submitit requeues the job and exits) or, with none, runs ``scontrol requeue`` itself; then
+  training stops.
 
 Either way the requeued job resumes from that file: Lightning picks the newest ``hpc_ckpt_*`` on SLURM when
 ``fit(ckpt_path=None)``, and ``resume=auto`` (which the runner turns on when ``SLURM_RESTART_COUNT`` > 0) ranks it
@@ -31,7 +33,6 @@ import subprocess
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
@@ -42,6 +43,8 @@ from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster
 from lightning_solo.core.checks import check_int
 from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.ddp.agreement import Agreement
+from lightning_solo.ddp.strategy import SoloDDP
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,9 @@ class SlurmRequeue(DecisionLog, L.Callback):
     Args:
         signal: the signal SLURM sends before the time limit (``sbatch --signal=SIGUSR1@90``); ``None``: see
             :func:`requeue_signal`.
-        check_every_n_steps: how often the ranks agree whether any got the signal (a one-element all-reduce: on
-            the gloo side group with SoloDDP on NCCL, else a device tensor and a host sync).
+        check_every_n_steps: how often the ranks agree whether any got the signal: an asynchronous one-element
+            all-reduce on SoloDDP's gloo side group (or the world when it runs gloo), read at the next check; a
+            synchronous one on the device where no gloo group is at hand (another strategy on NCCL).
     """
 
     def __init__(self, signal: str | int | None = None, check_every_n_steps: int = 1) -> None:
@@ -77,6 +81,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
         self._signum: signals.Signals | None = None
         self._previous: Any = None
         self._received = False
+        self._agreement: Agreement | None = None  # None: agree synchronously (no gloo group at hand)
         self._pid = os.getpid()
 
     @override
@@ -95,6 +100,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
             return
         previous = signals.getsignal(signum)
         self._signum, self._previous, self._received = signum, previous, False
+        self._agreement = _agreement(trainer)
         self._pid = os.getpid()
         signals.signal(signum, self._flag)
         owner = getattr(previous, "__qualname__", None) if callable(previous) else None
@@ -113,7 +119,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._signum is None or trainer.global_step % self.check_every_n_steps:
             return
-        if not _any_rank(trainer, self._received):
+        if not self._any_rank(trainer):
             return
         path = trainer.strategy.broadcast(lightning_compat.hpc_save_path(trainer), src=0)
         note = {"trigger": "requeue", "signal": self._signum.name}
@@ -135,8 +141,19 @@ class SlurmRequeue(DecisionLog, L.Callback):
         result = subprocess.call(["scontrol", "requeue", job])
         (log.info if result == 0 else log.warning)("scontrol requeue %s: exit status %s", job, result)
 
+    def _any_rank(self, trainer: L.Trainer) -> bool:
+        if self._agreement is not None:
+            return self._agreement.check(self._received)
+        return bool(trainer.strategy.reduce_boolean_decision(self._received, all=False))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._agreement is not None:
+            self._agreement.settle()  # every rank ends here: the check in flight (too late to act on)
+
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._agreement = None
         self._restore()
 
     def _restore(self) -> None:
@@ -145,13 +162,11 @@ class SlurmRequeue(DecisionLog, L.Callback):
             self._signum = None
 
 
-def _any_rank(trainer: L.Trainer, flag: bool) -> bool:
-    """Whether any rank has ``flag`` set: on CPU tensors when a gloo group is at hand, else on the device."""
+def _agreement(trainer: L.Trainer) -> Agreement | None:
+    """Where the ranks agree: none to agree with (one rank), SoloDDP's gloo side group, or the world when it runs
+    gloo; ``None`` where no gloo group is at hand (NCCL under another strategy)."""
     if trainer.world_size == 1 or not dist.is_initialized():
-        return flag
-    group = None if dist.get_backend() == "gloo" else getattr(trainer.strategy, "_barrier_group", None)
-    if dist.get_backend() == "gloo" or group is not None:  # SoloDDP's gloo side group on NCCL jobs
-        value = torch.tensor([int(flag)])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return bool(value.item())
-    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+        return Agreement(None)
+    if isinstance(trainer.strategy, SoloDDP) and trainer.strategy.side_group is not None:
+        return Agreement(trainer.strategy.side_group)
+    return Agreement(dist.group.WORLD) if dist.get_backend() == "gloo" else None

@@ -246,7 +246,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 else:
                     io.save_checkpoint(checkpoint, path)
                 outcome["error"] = None
-            except BaseException as err:
+            except BaseException as err:  # noqa: BLE001 - reported below; the original exception wins
                 outcome["error"] = err
 
         # A thread, because a LightningModule/callback hook inside dump_checkpoint could still wait on the

@@ -1,11 +1,6 @@
-"""Checkpoint files, in three parts (the shape of torchtitan's ``checkpointer/``):
-
-- :mod:`~lightning_solo.checkpoint.io`: :class:`SoloCheckpointIO`, atomic same-directory writes, fsync, and
-  the cleanup of temp files a crashed writer left;
-- :mod:`~lightning_solo.checkpoint.manifest`: the manifest format (the checkpoint's zip comment), reading it,
-  and verifying a file against it;
-- :mod:`~lightning_solo.checkpoint.select`: the newest checkpoint that verifies, as a Decision (``resume=auto``,
-  ``ckpt_path="auto"``).
+"""Checkpoint files: atomic, verified writes and loads (``io``, ``manifest``), the newest valid one
+(``select``), sharded directories (``sharded``) and per-rank files beside a checkpoint (``rank_shards``); the
+map of the package is docs/design.md.
 
 Example::
 

@@ -252,7 +252,7 @@ def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 
     A temp file from this host is stale once the process that wrote it is gone; one from another host
     (shared filesystem) once it is older than ``stale_after_s``. Live writers' files are left alone.
     """
-    removed = []
+    removed: list[str] = []
     host = socket.gethostname()
     try:
         names = os.listdir(directory)

@@ -43,12 +43,12 @@ def decide_resume(
     verifies (by global step, then write time), and why the newer ones were passed over. Checkpoints written
     while handling an exception (they may hold a half-finished step) are only considered with
     ``include_exception=True``."""
-    extra = [Path(p) for p in extra]
-    if dirpath is None and not extra:
+    extra_paths = [Path(p) for p in extra]
+    if dirpath is None and not extra_paths:
         return Decision("resume", None, "no checkpoint directory is configured; starting fresh")
     skipped: list[str] = []
     ranked = []
-    found = [*(_candidates(dirpath) if dirpath is not None else []), *extra]
+    found = [*(_candidates(dirpath) if dirpath is not None else []), *extra_paths]
     for path in dict.fromkeys(p.resolve() for p in found):  # an hpc_ckpt may sit in the directory too
         manifest = _read(path)
         if manifest is None:

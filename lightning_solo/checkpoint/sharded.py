@@ -83,7 +83,7 @@ def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
     manifest = verify(path / META)
     try:
         storage = FileSystemReader(path).read_metadata().storage_data
-    except Exception as err:
+    except Exception as err:  # any unreadable .metadata means a damaged checkpoint
         raise CheckpointVerificationError(path, f"{DCP_METADATA} does not load ({err})") from err
     needed: dict[str, int] = {}
     for info in storage.values():

@@ -60,7 +60,8 @@ def per_device_batch_size(trainer: pl.Trainer, given: int | None = None) -> int 
             return given
     if given is not None:
         return given
-    for owner in (trainer.datamodule, trainer.lightning_module):
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+    for owner in (datamodule, trainer.lightning_module):
         size = _declared_batch_size(owner) if owner is not None else None
         if size is not None:
             return size

@@ -35,3 +35,8 @@ class DecisionLog:
     def _decide(self, decision: Decision) -> Decision:
         self.decisions[decision.setting] = decision
         return decision
+
+    def record(self, decision: Decision) -> Decision:
+        """Keep ``decision``, made on this owner's behalf elsewhere (the runner's restart resume, say), for the
+        run summary. (The owner's own choices go through ``_decide``.)"""
+        return self._decide(decision)

@@ -47,7 +47,7 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
 
     # Unused parameters, and whether static_graph could replace the per-step search.
     phase = unused.phase if unused is not None else Phase.USER
-    if phase is Phase.EXCLUDING:
+    if unused is not None and phase is Phase.EXCLUDING:
         lines.append(
             f"{len(unused.unused_names)} parameters ({unused.unused_bytes / _MIB:.2f} MiB) never receive a gradient "
             f"and are excluded from synchronisation; freeze (requires_grad=False) or remove them: "

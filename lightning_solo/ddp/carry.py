@@ -1,6 +1,13 @@
-"""What crosses from a worker process back to the notebook parent: values that are plain data (containers,
-numbers, strings, CPU copies of tensors, dataclasses), pickled; anything else (modules, optimizers, hooks, open
-files, functions) stays behind, and the parent keeps its own."""
+"""What may cross from a worker process back to the notebook parent: plain CPU data, and the guard on it.
+
+The launcher sends back ``state_dict()`` s and a few named results (:mod:`lightning_solo.ddp.launcher`). Each is
+copied here into plain data first: containers, numbers, strings, dataclasses and *plain CPU tensors*. A tensor
+is copied to the CPU and stripped of its subclass, because a subclass may report (or hold) a device, and
+unpickling a CUDA tensor in the parent would initialise CUDA there, after which no fork can use the GPU. A
+tensor whose data cannot be copied to the CPU (a meta tensor) is refused, as is anything that is not data
+(modules, parameters, optimizers, hooks, functions, open files): that value stays behind, and the parent keeps
+its own. :func:`check_plain` is the guard: it fails on any tensor in a structure that is not a plain CPU tensor.
+"""
 
 from __future__ import annotations
 
@@ -18,54 +25,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 log = logging.getLogger(__name__)
 
 
-def packed_attributes(
-    obj: object, only: tuple[str, ...] | None = None, public_only: bool = False, skip: tuple[str, ...] = ()
-) -> dict[str, bytes]:
-    """``obj``'s instance attributes that are data (see :func:`_plain`), each packed; the others are left out."""
-    found: dict[str, bytes] = {}
-    for name, value in vars(obj).items():
-        if (only is not None and name not in only) or name in skip or (public_only and name.startswith("_")):
-            continue
-        if (packed := pack(value)) is None:
-            log.debug("not sent back to the parent: %s.%s", type(obj).__name__, name)
-            continue
-        found[name] = packed
-    return found
+class NotPlain(TypeError):
+    """A value that may not cross to the parent: not data, or a tensor that is not a plain CPU tensor."""
 
 
-def unpack_attributes(packed: dict[str, bytes], owner: str) -> dict[str, Any]:
-    """The values of :func:`packed_attributes`, less any that cannot be unpickled here (warned about)."""
-    values = {name: unpack(blob, f"{owner}.{name}") for name, blob in packed.items()}
-    return {name: value for name, value in values.items() if value is not LEFT_BEHIND}
-
-
+#: What :func:`unpack` returns for a value that did not come back.
 LEFT_BEHIND = object()
-
-
-def pack(value: Any) -> bytes | None:
-    """A pickled CPU copy of ``value`` if it is plain data that pickles (a class defined inside a function
-    does not), else ``None``."""
-    try:
-        return pickle.dumps(_plain(value))
-    except Exception:
-        return None
-
-
-def unpack(blob: bytes | None, what: str) -> Any:
-    """The value :func:`pack` made, or :data:`LEFT_BEHIND` (warned about) when it cannot be unpickled here."""
-    if blob is None:
-        return LEFT_BEHIND
-    try:
-        # Our own worker's bytes, of the kind Lightning's result queue already unpickles.
-        return pickle.loads(blob)
-    except Exception as err:
-        rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
-        return LEFT_BEHIND
-
-
-class _NotPlain(TypeError):
-    pass
-
 
 _ATOMS = (
     type(None),
@@ -84,16 +49,62 @@ _ATOMS = (
 )
 
 
-def _plain(value: Any, depth: int = 0) -> Any:
-    """A copy of ``value`` (tensors moved to the CPU) if it is made of data only; else :class:`_NotPlain`."""
+def pack(value: Any, what: str) -> bytes | None:
+    """``value`` as plain CPU data (:func:`plain`), checked (:func:`check_plain`) and pickled; ``None`` (logged)
+    when it is not data or does not pickle (a class defined inside a function, say)."""
+    try:
+        copied = plain(value)
+        check_plain(copied, what)
+        return pickle.dumps(copied)
+    except Exception as err:  # noqa: BLE001 - anything that is not plain data stays behind
+        log.debug("not sent back to the parent: %s (%s)", what, err)
+        return None
+
+
+def unpack(blob: bytes | None, what: str) -> Any:
+    """The value :func:`pack` made, or :data:`LEFT_BEHIND` (warned about) when it cannot be unpickled here."""
+    if blob is None:
+        return LEFT_BEHIND
+    try:
+        # Our own worker's bytes, checked by pack() to hold plain CPU data only.
+        return pickle.loads(blob)
+    except Exception as err:  # noqa: BLE001 - one value lost, not the whole result
+        rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
+        return LEFT_BEHIND
+
+
+def is_plain_tensor(value: torch.Tensor) -> bool:
+    """A plain ``torch.Tensor`` (no subclass) whose data is on the CPU."""
+    return type(value) is torch.Tensor and value.device.type == "cpu" and not value.is_cuda
+
+
+def check_plain(value: Any, what: str = "value", depth: int = 0) -> None:
+    """The guard: raise :class:`NotPlain` naming where ``value`` holds a tensor that is not a plain CPU tensor."""
     if depth > 32:
-        raise _NotPlain("nested too deeply")
+        raise NotPlain(f"{what}: nested too deeply")
+    if isinstance(value, torch.Tensor):
+        if not is_plain_tensor(value):
+            raise NotPlain(f"{what}: a {type(value).__name__} on {value.device} is not a plain CPU tensor")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_plain(key, f"{what} key", depth + 1)
+            check_plain(item, f"{what}[{key!r}]", depth + 1)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{what}[{i}]", depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            check_plain(getattr(value, field.name), f"{what}.{field.name}", depth + 1)
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` made of plain data, every tensor a plain CPU tensor; raises :class:`NotPlain`."""
+    if depth > 32:
+        raise NotPlain("nested too deeply")
     if isinstance(value, _ATOMS):
         return value
     if isinstance(value, torch.Tensor):
-        if isinstance(value, torch.nn.Parameter):
-            raise _NotPlain("a parameter belongs to a module")
-        return value.detach().to("cpu", copy=True)
+        return _cpu_tensor(value)
     if (
         type(value).__module__ == "numpy"
         and getattr(value, "dtype", None) is not None
@@ -101,25 +112,42 @@ def _plain(value: Any, depth: int = 0) -> Any:
     ):
         return value.copy()
     if isinstance(value, dict):
-        out = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
-        out.clear()
+        mapping = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
+        mapping.clear()
         for key, item in value.items():
-            out[_plain(key, depth + 1)] = _plain(item, depth + 1)
-        return out
+            mapping[plain(key, depth + 1)] = plain(item, depth + 1)
+        return mapping
     if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_plain(item, depth + 1) for item in value]
+        items = [plain(item, depth + 1) for item in value]
         if isinstance(value, list):
-            out = copy.copy(value)
-            out[:] = items
-            return out
+            sequence = copy.copy(value)
+            sequence[:] = items
+            return sequence
         if hasattr(value, "_fields"):  # a namedtuple
-            return type(value)._make(items)
+            return value._make(items)  # type: ignore[union-attr]
         return type(value)(items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = copy.copy(value)
+        instance: Any = copy.copy(value)
         for field in dataclasses.fields(value):
             object.__setattr__(
-                out, field.name, _plain(getattr(value, field.name), depth + 1)
-            )  # frozen ones too
-        return out
-    raise _NotPlain(type(value).__name__)
+                instance, field.name, plain(getattr(value, field.name), depth + 1)
+            )  # frozen too
+        return instance
+    raise NotPlain(type(value).__name__)
+
+
+def _cpu_tensor(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.nn.Parameter):
+        raise NotPlain("a parameter belongs to a module")
+    try:
+        copied = value.detach().to("cpu", copy=True)
+        if type(copied) is not torch.Tensor:
+            # A subclass may report a device it does not hold, or wrap one: keep the data, drop the class.
+            copied = copied.as_subclass(torch.Tensor).clone()
+    except Exception as err:  # a meta tensor has no data to copy
+        raise NotPlain(
+            f"a {type(value).__name__} on {value.device} has no data the CPU can copy: {err}"
+        ) from err
+    if not is_plain_tensor(copied):
+        raise NotPlain(f"a {type(value).__name__} on {value.device} did not become a plain CPU tensor")
+    return copied

@@ -7,26 +7,33 @@ callbacks look untrained (no best score, an empty ``LearningRateMonitor.lrs``, a
 filled is empty), the strategy's decisions are missing, a second ``trainer.fit()`` on the same Trainer
 raises ``NotImplementedError`` (Lightning #18775), and every fit leaves an empty temp directory behind.
 
-SoloLauncher sends back, from local rank 0, after the fit:
+SoloLauncher sends back, from local rank 0, after the fit, only ``state_dict()`` s and named results, each
+copied into plain CPU data and checked (:mod:`lightning_solo.ddp.carry`: a tensor is copied to the CPU and
+stripped of any subclass, a meta tensor is refused), so the parent never unpickles a device tensor:
 
-* the fit loop's progress (so ``global_step``, ``current_epoch`` and the logging step are the true ones);
-* every callback's data attributes (plain values, containers, tensors, dataclasses: what an in-process
-  fit would have left there, e.g. ``ModelCheckpoint.best_model_score``, ``RunSummary.summary``,
-  ``WarmupScaledLR.schedule``) and its ``state_dict()``, loaded with ``load_state_dict``;
-* the public data attributes of the LightningModule (``self.losses = []`` that ``training_step`` appended to);
-* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions;
-* the settled precision plugin with its GradScaler state, and the comm hook's state (PowerSGD's iteration
-  and every rank's error feedback, post-local-SGD's counters), so a second fit continues them. The
-  unused-parameter policy is the parent's own object, used by every fit's ranks as it is.
+* the fit loop's ``state_dict()`` (so ``global_step``, ``current_epoch`` and the logging step are the true ones);
+* every callback's ``state_dict()``, loaded with ``load_state_dict`` as on a resume, and its public data
+  attributes, the results a notebook reads (``ModelCheckpoint.best_model_score``, ``RunSummary.summary``,
+  ``WarmupScaledLR.schedule``, a list your own callback filled); private fields stay behind;
+* the module's weights (Lightning's own file, loaded onto the CPU) and its public data attributes
+  (``self.losses = []`` that ``training_step`` appended to);
+* the precision plugin's checkpoint state (its ``state_dict()`` and ``on_save_checkpoint``: the GradScaler's
+  scale and growth tracker, the skipped-step count, as numbers) with the settings it was built from, so the
+  parent settles the same plugin and loads that state into it; the plugin object itself never crosses (its
+  skipped-step counter lives on the device);
+* the comm hook's ``state_dict()`` (PowerSGD's iteration and every rank's error feedback, post-local-SGD's
+  counters), so a second fit continues them;
+* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions.
 
 Objects that are not data (modules, optimizers, hooks, file handles, functions) are never copied: the
-parent keeps its own. The weights are loaded onto the CPU, so the parent never touches CUDA and the next
-fork stays possible. Because the parent now holds the first fit's state, a second ``fit`` on the same
-Trainer continues the way it would in one process (new optimizers, like any second ``fit``; use
-``ckpt_path=`` to resume the optimizer too), so Lightning's refusal is lifted.
+parent keeps its own. The unused-parameter policy is the parent's own object, used by every fit's ranks as it
+is. Because the parent now holds the first fit's state, a second ``fit`` on the same Trainer continues the way
+it would in one process (new optimizers, like any second ``fit``; use ``ckpt_path=`` to resume the optimizer
+too), so Lightning's refusal is lifted.
 
 Limits: only local rank 0 of the node the notebook runs on reports back (as in Lightning); objects held by
-callbacks that are not data (a torchmetrics ``Metric``, an open writer) keep their parent-side state; a
+callbacks that are not data (a torchmetrics ``Metric``, an open writer), and their private fields, keep their
+parent-side state; a callback's ``load_state_dict`` runs in the parent as on a resume; a
 second fit on the same Trainer with a ``CSVLogger`` starts its ``metrics.csv`` afresh, because the worker
 creates the logger's writer anew and Lightning's writer clears an existing file (a new Trainer avoids it).
 
@@ -46,10 +53,11 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -57,10 +65,13 @@ from typing_extensions import override
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.core.checks import check_choice
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.carry import LEFT_BEHIND, pack, packed_attributes, unpack, unpack_attributes
+from lightning_solo.ddp.carry import LEFT_BEHIND, pack, unpack
+from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
+
+if TYPE_CHECKING:
+    from lightning_solo.ddp.strategy import SoloDDP
 
 _STATE_KEY = "lightning_solo_state"
-_STRATEGY_ATTRIBUTES = ("decisions", "advice")
 
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
@@ -112,9 +123,9 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
         # Every rank is here: the comm hook's state (PowerSGD gathers each rank's error feedback) is a collective.
-        hooks = getattr(trainer.strategy, "_comm", None)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        self._comm_state = hooks.state_dict() if hooks is not None and fitting else None
+        self._comm_state: dict[str, Any] | None = None
+        if trainer.state.fn == TrainerFn.FITTING and _is_solo(trainer.strategy):
+            self._comm_state = trainer.strategy.comm_hook.state_dict()
         return super()._collect_rank_zero_results(trainer, results)
 
     @override
@@ -164,45 +175,136 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
 
 
 def capture(trainer: L.Trainer) -> dict[str, Any]:
-    """What rank 0 holds after the run that an in-process run would leave in the parent, packed: each value
-    a pickled CPU copy on its own, so that one that cannot be unpickled in the parent loses only itself."""
+    """What rank 0 holds after the run that an in-process run would leave in the parent: state_dicts and named
+    results, each packed on its own (plain CPU data, checked), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
     return {
-        "fit_loop": pack(trainer.fit_loop.state_dict()) if fitting else None,
+        "fit_loop": pack(trainer.fit_loop.state_dict(), "the fit loop's progress") if fitting else None,
         "callbacks": [
-            (cb.state_key, packed_attributes(cb), pack(cb.state_dict())) for cb in trainer.callbacks
+            (cb.state_key, pack(_state_dict(cb), f"{type(cb).__name__}.state_dict()"), public_data(cb))
+            for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ],
-        "module": packed_attributes(trainer.lightning_module, public_only=True, skip=("training",)),
-        "strategy": packed_attributes(trainer.strategy, only=_STRATEGY_ATTRIBUTES),
+        "module": public_data(trainer.lightning_module, skip=("training",)),
+        "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
+            name: pack(value, f"strategy.{name}")
+            for name, value in (trainer.strategy.state_dict() if _is_solo(trainer.strategy) else {}).items()
+        },
         "loggers": [
-            packed_attributes(logger, only=lightning_compat.LOGGER_ATTRIBUTES) for logger in trainer.loggers
+            {
+                name: pack(getattr(logger, name, None), f"logger.{name}")
+                for name in lightning_compat.LOGGER_ATTRIBUTES
+            }
+            for logger in trainer.loggers
         ],
         **{
-            name.lstrip("_"): pack(dict(getattr(connector, name)))
+            name.lstrip("_"): pack(dict(getattr(connector, name)), f"trainer.{name.lstrip('_')}")
             for name in lightning_compat.LOGGER_CONNECTOR_METRICS
         },
     }
 
 
-def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, bytes | None]:
-    """What the next fit continues from beyond the module: the settled precision plugin (a pickled GradScaler
-    keeps its scale and growth tracker as numbers, no device tensors) and the comm hook's state."""
+def public_data(obj: object, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """``obj``'s public attributes that are plain data, each packed (the results a notebook reads after a fit);
+    private fields, and attributes that are not data, stay behind."""
+    found: dict[str, bytes] = {}
+    for name, value in vars(obj).items():
+        if name.startswith("_") or name in skip:
+            continue
+        if (packed := pack(value, f"{type(obj).__name__}.{name}")) is not None:
+            found[name] = packed
+    return found
+
+
+def _state_dict(obj: Any) -> Any:
     try:
-        plugin = pickle.dumps(trainer.strategy.precision_plugin)
-    except Exception:
-        plugin = None
-    return {"precision_plugin": plugin, "comm_hook": pack(getattr(launcher, "_comm_state", None))}
+        return obj.state_dict()
+    except Exception as err:  # noqa: BLE001 - a callback's failing state_dict loses only itself
+        return err  # not data: pack() leaves it behind
+
+
+def _set_public_data(
+    obj: object, packed: dict[str, bytes], skip: set[str] | frozenset[str] = frozenset()
+) -> None:
+    owner = type(obj).__name__
+    for name, blob in packed.items():
+        if name.startswith("_") or name in skip:
+            continue
+        if (value := unpack(blob, f"{owner}.{name}")) is LEFT_BEHIND:
+            continue
+        try:
+            setattr(obj, name, value)
+        except AttributeError as err:  # a read-only property of the parent's class
+            rank_zero_warn(f"could not set {owner}.{name} from the worker process: {err}")
+
+
+def _is_solo(strategy: Any) -> TypeGuard[SoloDDP]:
+    from lightning_solo.ddp.strategy import SoloDDP  # here: ddp/strategy.py imports this module
+
+    return isinstance(strategy, SoloDDP)
+
+
+def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, bytes | None]:
+    """What the next fit continues from beyond the module: the precision plugin's checkpoint state and the
+    settings it was built from, and the comm hook's state."""
+    precision: Any
+    try:
+        precision = _precision_state(trainer.strategy.precision_plugin)
+    except Exception as err:  # noqa: BLE001 - a plugin that cannot say its state: the next fit settles its own
+        precision = err  # not data: pack() leaves it behind
+    return {
+        "precision_plugin": pack(precision, "the precision plugin's state"),
+        "comm_hook": pack(getattr(launcher, "_comm_state", None), "the comm hook's state"),
+    }
+
+
+def _precision_state(plugin: Precision) -> dict[str, Any]:
+    """The settled plugin as Lightning checkpoints it (``state_dict()`` under its class name, then its
+    ``on_save_checkpoint``), with its class and, for :class:`SoloMixedPrecision`, the settings to rebuild it."""
+    checkpoint: dict[str, Any] = {}
+    if state := plugin.state_dict():
+        checkpoint[type(plugin).__qualname__] = state
+    plugin.on_save_checkpoint(checkpoint)
+    settings = None
+    if isinstance(plugin, SoloMixedPrecision):
+        settings = {
+            "precision": plugin.precision,
+            "device": plugin.device,
+            "scaler": plugin.scaler_settings or None,
+            "skip_lr_on_overflow": plugin.skip_lr_on_overflow,
+        }
+    return {"class": type(plugin).__qualname__, "settings": settings, "checkpoint": checkpoint}
+
+
+def _settled_precision(current: Precision, carried: dict[str, Any]) -> Precision:
+    """The parent's plugin for the next fit: its own when the worker kept that kind (the user's plugin, or one an
+    earlier fit settled), else the kind the worker settled on, built here from plain settings; then the worker's
+    checkpoint state loaded into it, as Lightning restores a plugin from a checkpoint."""
+    kind, checkpoint = carried["class"], carried["checkpoint"]
+    if type(current).__qualname__ == kind:
+        plugin = current
+    elif kind == SoloMixedPrecision.__qualname__ and carried["settings"]:
+        plugin = SoloMixedPrecision(**carried["settings"])
+    elif kind == Precision.__qualname__:
+        plugin = Precision()
+    else:
+        rank_zero_warn(
+            f"the worker's precision plugin {kind} cannot be rebuilt in the parent; the next fit settles its own"
+        )
+        return current
+    plugin.on_load_checkpoint(checkpoint)
+    if type(plugin).__qualname__ in checkpoint:
+        plugin.load_state_dict(checkpoint[type(plugin).__qualname__])
+    return plugin
 
 
 def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> None:
-    if (plugin := unpack(state["precision_plugin"], "the precision plugin")) is not LEFT_BEHIND:
-        strategy.precision_plugin = plugin
+    if (carried := unpack(state["precision_plugin"], "the precision plugin's state")) is not LEFT_BEHIND:
+        strategy.precision_plugin = _settled_precision(strategy.precision_plugin, carried)
     hook_state = unpack(state["comm_hook"], "the comm hook's state")
-    if hook_state not in (LEFT_BEHIND, None) and getattr(strategy, "_comm", None) is not None:
-        strategy._comm.load_state_dict(
-            hook_state
-        )  # the next fit's ranks apply it when they register the hook
+    if hook_state not in (LEFT_BEHIND, None) and _is_solo(strategy):
+        # The next fit's ranks apply it when they register the hook.
+        strategy.comm_hook.load_state_dict(hook_state)
 
 
 def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
@@ -214,14 +316,16 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
         _restore_progress(trainer.fit_loop, fit_loop)
         if (epoch_loop_state := fit_loop.get("epoch_loop.state_dict")) is not None:
             trainer.fit_loop.epoch_loop.on_load_checkpoint(epoch_loop_state)  # the logging step
-    _restore_callbacks(trainer.callbacks, state["callbacks"])
+    _restore_callbacks(trainer.callbacks, state["callbacks"])  # type: ignore[attr-defined]
     module = trainer.lightning_module
-    owned = {*module._parameters, *module._buffers, *module._modules}
-    attributes = unpack_attributes(state["module"], type(module).__name__)
-    vars(module).update({k: v for k, v in attributes.items() if k not in owned})
-    vars(trainer.strategy).update(unpack_attributes(state["strategy"], type(trainer.strategy).__name__))
+    _set_public_data(module, state["module"], skip={*module._parameters, *module._buffers, *module._modules})
+    if _is_solo(trainer.strategy):
+        results = {name: unpack(blob, f"strategy.{name}") for name, blob in state["strategy"].items()}
+        trainer.strategy.load_state_dict({k: v for k, v in results.items() if v is not LEFT_BEHIND})
     for logger, packed in zip(trainer.loggers, state["loggers"]):
-        vars(logger).update(unpack_attributes(packed, type(logger).__name__))
+        for name, blob in packed.items():
+            if (value := unpack(blob, f"{type(logger).__name__}.{name}")) is not LEFT_BEHIND:
+                setattr(logger, name, value)  # lightning_compat.LOGGER_ATTRIBUTES: the version
     connector = lightning_compat.logger_connector(trainer)
     for name in ("logged_metrics", "progress_bar_metrics"):
         if (metrics := unpack(state[name], f"trainer.{name}")) is not LEFT_BEHIND:
@@ -238,30 +342,28 @@ def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix
             _restore_progress(value, state, f"{prefix}{name}.")
 
 
-def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, dict, bytes | None]]) -> None:
+def _restore_callbacks(
+    callbacks: list[L.Callback], captured: list[tuple[str, bytes | None, dict[str, bytes]]]
+) -> None:
     # Matched by state key (and order among equal keys): callbacks may reorder themselves during setup.
-    pending: dict[str, list[tuple[dict, bytes | None]]] = {}
-    for key, attributes, state_dict in captured:
-        pending.setdefault(key, []).append((attributes, state_dict))
+    pending: dict[str, list[tuple[bytes | None, dict[str, bytes]]]] = {}
+    for key, state_dict, results in captured:
+        pending.setdefault(key, []).append((state_dict, results))
     for callback in callbacks:
         matches = pending.get(callback.state_key)
         if not matches:
             continue
-        packed, packed_state = matches.pop(0)
+        packed_state, results = matches.pop(0)
         name = type(callback).__name__
-        vars(callback).update(
-            unpack_attributes(packed, name)
-        )  # first: ModelCheckpoint reloads scores into its dirpath only
+        _set_public_data(callback, results)  # first: ModelCheckpoint reloads scores into its dirpath only
         state_dict = unpack(packed_state, f"{name}.state_dict()")
         if state_dict is LEFT_BEHIND or not state_dict:
             continue
         try:
             callback.load_state_dict(state_dict)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the user's callback: warn, keep the results
             rank_zero_warn(
                 f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
-                "its data attributes were restored"
+                "its public data attributes were restored"
             )
-        # load_state_dict may stage a resume for the next fit (WarmupScaledLR does); an in-process fit
-        # would have consumed it, so the worker's attributes have the last word.
-        vars(callback).update(unpack_attributes(packed, name))
+        _set_public_data(callback, results)  # the results of the fit have the last word

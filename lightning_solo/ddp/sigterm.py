@@ -20,9 +20,10 @@ Lightning 2.6 (``training_epoch_loop._broadcast_sigterm_tensor``, ``signal_conne
   (a copy of the handler);
 - Lightning's own stops on one rank (``received_sigterm`` at the end of a training batch, a validation batch or an
   epoch) are deferred to the agreement: the rank goes on with the others;
-- at each training batch every rank starts an asynchronous MAX all-reduce of its note on a gloo group (a CPU
-  tensor) and reads the one started at the batch before. Any rank's SIGTERM thus stops every rank at the same
-  batch, at most two batches after it arrived (a SIGTERM during an in-fit validation: after that validation).
+- at each training batch the ranks agree whether any noted the signal, with
+  :class:`~lightning_solo.ddp.agreement.Agreement` (an asynchronous MAX all-reduce of every rank's note on a gloo
+  group, read one batch later). Any rank's SIGTERM thus stops every rank at the same batch, at most two batches
+  after it arrived (a SIGTERM during an in-fit validation: after that validation).
   With one rank there is nothing to agree: it stops after the training batch the signal came in, as Lightning's;
 - on that agreed stop, every rank saves ``on_sigterm.ckpt`` in the first checkpoint callback's directory, all
   together at a batch boundary, where ``resume=auto`` and ``fit(ckpt_path="auto")`` pick it up: a preempted run
@@ -40,9 +41,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.select import checkpoint_dir
 from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.agreement import Agreement
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class SigtermAgreement:
         self.checkpoint = bool(checkpoint)
         self.noted = False
         self.checkpoint_path: str | None = None  # what the agreed stop saved
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._agreement = Agreement(group)
         self._stopping = False
         self._pid = os.getpid()
         self._owners: list[tuple[Any, str]] = []
@@ -147,14 +149,8 @@ class SigtermAgreement:
     def check(self) -> None:
         """At each training batch, on every rank: start this batch's agreement, act on the last one's (Lightning
         calls it with more than one rank only)."""
-        flag = torch.tensor([float(self.noted)])
-        previous = self._pending
-        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
-        if previous is not None:
-            agreed, work = previous
-            work.wait()
-            if agreed.item() > 0:
-                self._stop()
+        if self._agreement.check(self.noted):
+            self._stop()
 
     def _stop(self) -> None:
         """Every rank is here, at the same batch boundary: save together, then stop."""
@@ -172,7 +168,7 @@ class SigtermAgreement:
         solo_io = isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO)
         try:  # every rank; the strategy's barrier follows
             trainer.save_checkpoint(path, storage_options={"trigger": "sigterm"} if solo_io else None)
-        except Exception:
+        except Exception:  # the stop goes on; the newest regular checkpoint remains
             log.exception("SIGTERM: saving %s failed", path)
             return
         self.checkpoint_path = path
@@ -201,11 +197,15 @@ class SigtermAgreement:
         ``worker_init_fn``; its workers start with SIGTERM blocked (the thread that starts them blocks it
         meanwhile), so that no thread of theirs takes it before (a spawned worker has threads from its imports).
         :meth:`uninstall` puts both back. Returns ``dataloader``."""
-        if isinstance(dataloader, DataLoader) and dataloader.num_workers > 0:
-            if not isinstance(dataloader.worker_init_fn, _ShieldedWorkerInit):
-                self._shielded.append((dataloader, dataloader.worker_init_fn))
-                dataloader.worker_init_fn = _ShieldedWorkerInit(dataloader.worker_init_fn)
-                dataloader._get_iterator = functools.partial(_start_blocked, dataloader._get_iterator)
+        if (
+            isinstance(dataloader, DataLoader)
+            and dataloader.num_workers > 0
+            and not isinstance(dataloader.worker_init_fn, _ShieldedWorkerInit)
+        ):
+            self._shielded.append((dataloader, dataloader.worker_init_fn))
+            dataloader.worker_init_fn = _ShieldedWorkerInit(dataloader.worker_init_fn)
+            start = functools.partial(_start_blocked, dataloader._get_iterator)
+            dataloader._get_iterator = start  # type: ignore[method-assign]  # undone by uninstall()
         return dataloader
 
     def uninstall(self) -> None:
@@ -223,12 +223,8 @@ class SigtermAgreement:
         """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
         late for the batches to act on (the fit's last ones) lets the fit end, and ``trainer.received_sigterm``
         says so."""
-        if self._pending is not None:
-            agreed, work = self._pending
-            work.wait()
-            self._pending = None
-            if agreed.item() > 0 or self.noted:
-                self._trainer._signal_connector.received_sigterm = True
+        if self._agreement.in_flight and (self._agreement.settle() or self.noted):
+            self._trainer._signal_connector.received_sigterm = True
 
 
 def _start_blocked(get_iterator: Any) -> Any:
@@ -277,3 +273,21 @@ def leave_signals_to_the_rank(rank_pid: int) -> None:
                 os._exit(0)
 
     threading.Thread(target=wait, name="solo-worker-sigterm", daemon=True).start()
+
+
+def install_agreement(
+    trainer: Any, group: Any, *, enabled: bool, checkpoint: bool, decide: Callable[[Decision], Any]
+) -> SigtermAgreement | None:
+    """SoloDDP's setup of a fit: a :class:`SigtermAgreement` installed on ``trainer`` (on ``group``, the gloo side
+    group; ``None`` with one rank), or ``None`` where Lightning's own check stays (``enabled=False``, or several
+    ranks and no gloo group). Every decision goes to ``decide``. Before Lightning registers its signal handlers."""
+    if not enabled:
+        decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
+        return None
+    if trainer.world_size > 1 and group is None:
+        decide(Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast"))
+        return None
+    agreement = SigtermAgreement(group, checkpoint=checkpoint)
+    decide(agreement.install(trainer))
+    decide(agreement.checkpoint_decision())
+    return agreement

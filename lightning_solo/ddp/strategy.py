@@ -9,46 +9,56 @@ Example::
     trainer.fit(model, datamodule)
     print(trainer.strategy.decisions)        # what SoloDDP chose on your behalf, and why
 
-This module is wiring only: each decision is made by a function in its own module and recorded as a
-:class:`~lightning_solo.core.decision.Decision` in ``self.decisions`` for the run summary. The exact-resume hooks
-are in :mod:`.resume_hooks`, the unused-parameter hooks in :mod:`.unused_hooks`, the exact-evaluation hooks in
-:mod:`.eval_hooks`, the gradient-communication hooks in :mod:`.comm_hooks`.
+Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body calls the components in the order they
+run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
+communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
+(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`) and
+the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`). Every choice made for the user is a
+:class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
+diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
+``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``record()``, ``add_resume_state()``, ``state_dict()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster, cpu_malloc
 from lightning_solo.core.checks import check_bool, check_number
 from lightning_solo.core.cluster import gloo_interface_warning
-from lightning_solo.core.decision import Decision
+from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp import comm, syncbn
 from lightning_solo.ddp import precision as amp
-from lightning_solo.ddp._comm_hooks import GradientCommHooks
-from lightning_solo.ddp._eval_hooks import ExactEvalHooks
-from lightning_solo.ddp._resume_hooks import ExactResumeHooks
-from lightning_solo.ddp._unused_hooks import UnusedParameterHooks
 from lightning_solo.ddp.advice import ddp_advice
+from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
-from lightning_solo.ddp.sigterm import SigtermAgreement
+from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
+from lightning_solo.ddp.sigterm import SigtermAgreement, install_agreement
+from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
+from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
 from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
+from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
 
 
-class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCommHooks):
+class SoloDDP(DecisionLog, DDPStrategy):
     """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
     nccl on CUDA and gloo on CPU. A SIGTERM on any rank stops every rank at the same batch, without Lightning's
     per-batch broadcast (:mod:`lightning_solo.ddp.sigterm`).
@@ -91,10 +101,8 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             replica; the model is averaged once more at the end of fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
             :mod:`lightning_solo.ddp.comm.auto`). See :class:`lightning_solo.ddp.comm.CommHook`. Lightning's
             ``ddp_comm_hook=`` callables are also registered on every device.
-        powersgd_rank: PowerSGD's matrix approximation rank.
-        powersgd_start_iter: exact all-reduce steps before PowerSGD starts compressing (>= 2).
-        local_sgd_period: post-local-SGD: steps between parameter averages.
-        local_sgd_warmup: post-local-SGD: synchronous steps before local steps start.
+        powersgd_rank, powersgd_start_iter, local_sgd_period, local_sgd_warmup: the comm hook's options, as
+            :class:`~lightning_solo.ddp.comm.CommHook` takes them (``None``: its default).
         exact_eval: ``sync_dist`` epoch means count the samples exactly (Lightning averages the integer sample
             counts with truncation: 101 samples on 2 ranks count as 50). The evaluation loaders stay Lightning's
             (``DistributedSampler``: every rank the same batches, up to ``W - 1`` padding repeats), and
@@ -139,10 +147,10 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         scaler: dict[str, float] | None = None,
         skip_lr_on_overflow: bool = False,
         comm_hook: str | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 1000,
-        local_sgd_period: int = 4,
-        local_sgd_warmup: int = 100,
+        powersgd_rank: int | None = None,
+        powersgd_start_iter: int | None = None,
+        local_sgd_period: int | None = None,
+        local_sgd_warmup: int | None = None,
         gloo_side_group: bool = True,
         exact_eval: bool = True,
         exact_resume: bool = True,
@@ -154,20 +162,16 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         launcher = decide_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
-        user_state = ddp_kwargs.get("ddp_comm_state")
-        if unused.phase is Phase.WINDOW and type(user_state) is PowerSGDState:
+        if unused.phase is Phase.WINDOW and type(ddp_kwargs.get("ddp_comm_state")) is PowerSGDState:
             raise ValueError(
                 "torch's PowerSGDState keys its error feedback to DDP's bucket layout, which changes when "
                 "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
                 "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
             )
-        comm_hooks = comm.make_comm_hook(
-            comm_hook,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
-            local_sgd_period=local_sgd_period,
-            local_sgd_warmup=local_sgd_warmup,
-        )
+        # Only what was given: the defaults live in CommHook alone.
+        given = dict(powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter,
+                     local_sgd_period=local_sgd_period, local_sgd_warmup=local_sgd_warmup)  # fmt: skip
+        comm_hooks = comm.make_comm_hook(comm_hook, **{k: v for k, v in given.items() if v is not None})
         if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("pass either comm_hook= or Lightning's ddp_comm_hook= to SoloDDP, not both")
         syncbn.validate(sync_batchnorm, sync_batchnorm_threshold)
@@ -195,16 +199,29 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         )
         self.decisions: dict[str, Decision] = {}
         self._decide(launcher)
+        # The components, each with its own state.
+        self._unused = unused
+        self._comm = comm_hooks
+        self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
+        self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
+        # Settings, read when the fit reaches them.
         self._sync_batchnorm = sync_batchnorm
         self._sync_batchnorm_threshold = sync_batchnorm_threshold
+        self._layer_sync_request: Any = None  # Trainer(sync_batchnorm=...)'s plugin, once setup read it
+        self._layer_sync_read = False
         self._precision_options = precision_options
-        self._comm = comm_hooks
         self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
-        self._exact_resume = check_bool("exact_resume", exact_resume)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
+        # Made once per process: the monitored barrier's group (None: the world) and the side channel.
+        self._barrier_group: Any = None
+        self._barrier_made = False
+        self._side_group: Any = None
+        self._side_group_made = False
+        self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
+        self._advice: list[str] = []
         self._decide(
             Decision(
                 "exact_eval",
@@ -215,12 +232,58 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
                 else "set by the user: Lightning's integer-truncated sync_dist means",
             )
         )
-        self._barrier_group = None  # the monitored barrier's and the side channel's group; None: world
-        self._barrier_made = False
-        self._unused = unused
         self._decide(unused.decision)
-        self.advice: list[str] = []
 
+    # ----------------------------------------------------------------------------------------- public seams
+    @property
+    def comm_hook(self) -> comm.CommHook:
+        """The gradient communication (``comm_hook=``): ``name``, ``state_dict()``, for "auto" ``measured_ms``."""
+        return self._comm
+
+    @property
+    def barrier_group(self) -> Any:
+        """The monitored barrier's group: the world when it runs gloo, a gloo side group under NCCL; ``None``: a
+        plain barrier (no gloo to be had, or no live process group yet)."""
+        return self._barrier_group
+
+    @property
+    def side_group(self) -> Any:
+        """A gloo group apart from DDP's, for collectives beside training (unused-parameter evidence, the SIGTERM
+        and requeue agreements); ``None`` before the first setup makes it, or where gloo cannot be had."""
+        return self._side_group
+
+    @property
+    def sync_batchnorm_threshold(self) -> int:
+        """The per-device batch size below which ``sync_batchnorm="auto"`` synchronises."""
+        return self._sync_batchnorm_threshold
+
+    @property
+    def advice(self) -> list[str]:
+        """The end-of-fit advice from DDP's logging data (:mod:`lightning_solo.ddp.advice`)."""
+        return self._advice
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the last fit left to report (``decisions``, ``advice``), for a notebook parent to take back."""
+        return {"decisions": dict(self.decisions), "advice": list(self._advice)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a fit's :meth:`state_dict` (the notebook parent, after its ranks' fit): its decisions over the
+        parent's own, its advice."""
+        self.decisions.update(state.get("decisions", {}))
+        self._advice = list(state.get("advice", self._advice))
+
+    def settings(self) -> dict[str, Any]:
+        """The effective DDP settings, for the run summary."""
+        return {
+            "world_size": self.world_size,
+            "num_nodes": self.num_nodes,
+            "backend": self.process_group_backend,
+            "start_method": self._start_method,
+            "timeout_s": self._timeout.total_seconds() if self._timeout else None,
+            **self._ddp_kwargs,
+        }
+
+    # ------------------------------------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
@@ -239,56 +302,17 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, start_method=start_method)
 
-    # Lightning's connector assigns Trainer(sync_batchnorm=...)'s plugin, or None, to `_layer_sync`
-    # unconditionally, and its TorchSyncBatchNorm fails on CPU: keep the request, and give
-    # DDPStrategy.setup/teardown the plugin chosen in `setup` instead.
-    @property
-    def _layer_sync(self):
-        return getattr(self, "_solo_layer_sync", None)
-
-    @_layer_sync.setter
-    def _layer_sync(self, plugin) -> None:
-        self._requested_layer_sync = plugin
-
-    @override
-    def setup(self, trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:
-            decision, self._solo_layer_sync = syncbn.decide_layer_sync(
-                trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._requested_layer_sync
-            )
-            self._decide(decision)
-            # Every fit decides from its own evidence (a second fit in a notebook, another datamodule...).
-            self._unused = self._unused.fresh()
-            self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
-            self._decide(self._unused.decision)
-        super().setup(trainer)  # converts SyncBN (when fitting), then wraps in DDP
-        if trainer.state.fn == TrainerFn.FITTING:
-            # Before Lightning registers its signal handlers. Every rank alike: the side channel is made once.
-            group = self._side_channel() if self._sigterm_agreement and self.world_size > 1 else None
-            if not self._sigterm_agreement:
-                self._decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
-            elif self.world_size == 1 or group is not None:
-                self._sigterm = SigtermAgreement(group, checkpoint=self._sigterm_checkpoint)
-                self._decide(self._sigterm.install(trainer))
-                self._decide(self._sigterm.checkpoint_decision())
-            else:
-                self._decide(
-                    Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast")
-                )
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the device, then the process group
+        # torchrun / SLURM started the processes, not the start method chosen above.
         if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
-            self._decide(
-                launched
-            )  # torchrun / SLURM started the processes, not the start method chosen above
-        # Now that every rank can take part: settle the placeholder precision plugin ("auto" is agreed by all
-        # ranks, a collective). Nothing uses the plugin before this.
-        # Lightning's own tests call this without a LightningModule: Trainer(precision=...) is then unknown.
-        trainer = getattr(self.lightning_module, "_trainer", None)
+            self._decide(launched)
+        # Every rank can take part now: settle the placeholder precision plugin ("auto" is agreed by all ranks, a
+        # collective); nothing uses it before. (Without a LightningModule, as in Lightning's own tests,
+        # Trainer(precision=...) is unknown.)
         self.precision_plugin, decisions = amp.decide_precision_plugin(
-            self.precision_plugin, self._precision_options, trainer, self.root_device
+            self.precision_plugin, self._precision_options, self._attached_trainer, self.root_device
         )
         for decision in decisions:
             self._decide(decision)
@@ -304,64 +328,345 @@ class SoloDDP(UnusedParameterHooks, ExactResumeHooks, ExactEvalHooks, GradientCo
         # A group creation is a collective: once per process, and only with a live process group (none exists
         # when `init_process_group` is mocked, as in Lightning's own strategy tests); the next setup makes it.
         if not self._barrier_made and torch.distributed.is_available() and torch.distributed.is_initialized():
-            if self.num_nodes > 1 and self._gloo_side_group and self.local_rank == 0:
-                if warning := gloo_interface_warning():
-                    warnings.warn(warning, stacklevel=2)
+            if (
+                self.num_nodes > 1
+                and self._gloo_side_group
+                and self.local_rank == 0
+                and (warning := gloo_interface_warning())
+            ):
+                warnings.warn(warning, stacklevel=2)
             # None (the plain barrier, evidence over the world) when gloo cannot be had in time, on every rank.
             self._barrier_group, decision = comm.barrier_group(
-                self.collective_timeout, side_group=self._gloo_side_group, device=self.root_device
+                self._collective_timeout, side_group=self._gloo_side_group, device=self.root_device
             )
             self._barrier_made = True
             self._decide(decision)
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            # SyncBN. Lightning's connector put Trainer(sync_batchnorm=...)'s plugin (or None) on `_layer_sync`,
+            # and its TorchSyncBatchNorm fails on CPU: read that request once, and give DDPStrategy's setup
+            # (which converts) and teardown (which reverts) the plugin chosen here; teardown puts the request back.
+            if not self._layer_sync_read:
+                self._layer_sync_request, self._layer_sync_read = self._layer_sync, True
+            decision, self._layer_sync = syncbn.decide_layer_sync(
+                trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._layer_sync_request
+            )
+            self._decide(decision)
+            # Every fit decides from its own evidence (a second fit in a notebook, another datamodule...).
+            self._unused = self._unused.fresh()
+            self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
+            self._decide(self._unused.decision)
+        # SyncBN converted (fitting), then DDP: _setup_model, _register_ddp_hooks, _enable_model_averaging.
+        super().setup(trainer)
+        if fitting:  # before Lightning registers its signal handlers; every rank alike
+            group = self._side_channel() if self._sigterm_agreement and self.world_size > 1 else None
+            self._sigterm = install_agreement(
+                trainer,
+                group,
+                enabled=self._sigterm_agreement,
+                checkpoint=self._sigterm_checkpoint,
+                decide=self._decide,
+            )
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        # Wrapped by the unused-parameter policy (in its evidence window with a probe parameter).
+        return self._unused.wrap(model, self._build_ddp, self._side_channel(), probe=self._exact_allreduce)
+
+    def _build_ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
+        if not self._own_replica_restored:
+            return super()._setup_model(module)
+        # Each rank resumed its own post-local-SGD replica: DDP must not broadcast rank 0's over it.
+        self._own_replica_restored = False
+        kwargs, self._ddp_kwargs = self._ddp_kwargs, {**self._ddp_kwargs, "init_sync": False}
+        try:
+            return super()._setup_model(module)
+        finally:
+            self._ddp_kwargs = kwargs
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
+        if self._comm.name is None and self._ddp_comm_hook is not None:
+            lightning_compat.register_ddp_comm_hook(
+                self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper
+            )
+            name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
+            self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
+            return
+        self._decide(self._comm.register(self.model, node=self.node_rank))  # type: ignore[arg-type]  # DDP here
+        if self._comm.averaging_period is not None:
+            # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
+            self._ddp_comm_state = self._comm.state
+            self._model_averaging_period = self._comm.averaging_period
+
+    @override
+    def _enable_model_averaging(self) -> None:
+        super()._enable_model_averaging()  # checks the optimizers, makes Lightning's PeriodicModelAverager
+        # The comm hook averages instead (CommHook.average_after_step): on the same schedule, in place (keeps
+        # channels_last), its step restored on resume, and over every trainable parameter: Lightning's takes
+        # those with a gradient, and after a local step a parameter one rank did not use has none there, so the
+        # ranks would average different tensors. DDPStrategy.optimizer_step then averages nothing.
+        self._comm.attach_averager(self._model_averager)  # type: ignore[arg-type]
+        self._model_averager = None
+
+    # ---------------------------------------------------------------------------------------------- loaders
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.training:  # resumable, the resume plan attached
+            dataloader = self._resume.on_dataloader(dataloader, trainer, self._decide)
+        # Every loader's workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.ddp.sigterm).
+        return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
+
+    @override
     def on_train_start(self) -> None:
+        # The resume plan settles before the epoch loop reads the batch counters it rewinds.
+        self._resume.close_loaders(self._module.trainer)
         super().on_train_start()
         # Made after setup, while restoring a checkpoint (e.g. the GradScaler kept across a resume).
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
 
-    _sigterm: SigtermAgreement | None = None
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.training and not trainer.sanity_checking:
+            self._resume.before_batch(trainer)  # the first resumed batch starts from the checkpoint's RNG
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # ------------------------------------------------------------------------------------------------ steps
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # A batch boundary: the policy decides alike on every rank (from all-reduced evidence and the trainable
+        # set), so every rank re-wraps together; comm_hook="auto" re-wraps between its trials too.
+        rewrap = self._unused.at_boundary(self._wrapped)
+        if self._comm.at_boundary(self.root_device) or rewrap:
+            self._rewrap()
+        if self.decisions.get("find_unused_parameters") is not self._unused.decision:
+            self._decide(self._unused.decision)
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        # Its workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.ddp.sigterm).
-        return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
+            # Post-local-SGD's local steps skip DDP's reducer, as no_sync does (see CommHook.local_step). Only
+            # ever set False: Lightning's accumulation restores the flag it found when its no_sync ends.
+            self.model.require_backward_grad_sync = False
+        # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
+        # non-reentrant (lightning_solo.ddp.unused.watch).
+        searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
+        with searching or contextlib.nullcontext():
+            output = super().training_step(*args, **kwargs)
+        self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
+        return output
 
     @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self._sigterm is not None:
-            self._sigterm.close()
-        self._unused.finish(self.wrapped)
-        self._decide(self._unused.decision)
-        if isinstance(self.model, DistributedDataParallel):
-            self.advice = ddp_advice(self.model, self._unused)
-            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Strategy.backward, with the unused-parameter steps right around the precision plugin's backward, before
+        # on_after_backward: a collective there (self.log(..., sync_dist=True)) must not meet a bucket DDP holds.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._module)
+        self._unused.before_backward(self._wrapped)
+        # Evidence in the window: does anything communicate inside backward?
+        watch = (
+            watch_collectives(self._unused.note_backward_collective)
+            if self._unused.phase is Phase.WINDOW
+            else None
+        )
+        with watch or contextlib.nullcontext():
+            self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+        self._unused.after_backward(self._wrapped)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
-    def teardown(self) -> None:
-        if self._sigterm is not None:
-            self._sigterm.uninstall()
-            self._sigterm = None
-        super().teardown()
-        cpu_malloc.restore()  # the fit's malloc setting ends with it (lightning_solo.core.cpu_malloc)
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        with self._resume.stepping():  # the closure runs training_step
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._comm.averager is not None:  # post-local-SGD's averager (see _enable_model_averaging)
+            self._comm.average_after_step(optimizer)
+        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
+            # As after a synchronised step, the next forward (training or validation) broadcasts rank 0's buffers
+            # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
+            self.model.require_forward_param_sync = True
+        self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
+        self._resume.after_optimizer_step(self._module.trainer)  # the point a checkpoint's record describes
+        return output
+
+    @override
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        if sync_grads and torch.is_grad_enabled() and torch.distributed.is_initialized():
+            # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary, and
+            # until then that collective runs on the side channel, apart from DDP's buckets.
+            self._unused.note_backward_collective("all_gather(sync_grads=True)")
+            if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
+                return all_gather_grad_on(tensor, group, self._side_channel())
+        return super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
+        return super().reduce(
+            mean_operand(tensor, reduce_op) if self._exact_eval else tensor, group, reduce_op
+        )
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._resume.after_validation(self._module.trainer)  # the training RNG as the last batch left it
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
         if self._barrier_group is None or not torch.distributed.is_initialized():
             return super().barrier(name, *args, **kwargs)
-        comm.monitored_barrier(name, self.collective_timeout, self._barrier_group)
+        comm.monitored_barrier(name, self._collective_timeout, self._barrier_group)
 
-    def settings(self) -> dict[str, Any]:
-        """The effective DDP settings, for the run summary."""
-        return {
-            "world_size": self.world_size,
-            "num_nodes": self.num_nodes,
-            "backend": self.process_group_backend,
-            "start_method": self._start_method,
-            "timeout_s": self._timeout.total_seconds() if self._timeout else None,
-            **self._ddp_kwargs,
-        }
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
+        self.add_resume_state(checkpoint, filepath=filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def add_resume_state(
+        self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None
+    ) -> None:
+        """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
+        on an exception, which must not wait on other ranks): this rank's record and hook state only."""
+        self._resume.add_to_checkpoint(checkpoint, self._attached_trainer, collective)
+        # A full checkpoint. Per-rank shards are a collective (rank 0 records every rank's): only with all.
+        if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
+            # Post-local-SGD between averages: each rank's own model and optimizer state, beside the checkpoint.
+            replica = (
+                {key: checkpoint[key] for key in ("state_dict", "optimizer_states")} if collective else None
+            )
+            if hook_state := self._comm.state_dict(filepath, replica):  # each rank writes its shard beside it
+                checkpoint[comm.CHECKPOINT_KEY] = hook_state
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if os.fspath(checkpoint_path) == "auto":  # rank 0 chooses, every rank checks it sees that file
+            if weights_only is None:
+                weights_only = getattr(self.checkpoint_io, "weights_only", True)
+            checkpoint, checkpoint_path = load_auto_checkpoint(
+                self._module.trainer, self.global_rank, self.broadcast, self._decide, weights_only
+            )
+            if checkpoint_path is None:
+                return checkpoint  # none: a falsy checkpoint, the fit starts fresh
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume.on_load_checkpoint(checkpoint)
+        # Applied when the hook is registered; each rank reads its own shard beside the checkpoint.
+        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
+        if (replica := self._comm.take_replica()) is not None:
+            # Post-local-SGD saved between averages: this rank resumes its own model and optimizer state, which
+            # Lightning restores from here (the model before DDP wraps it: see _build_ddp).
+            checkpoint.update(replica)
+            self._own_replica_restored = True
+        return checkpoint
+
+    # ---------------------------------------------------------------------------------------------- the end
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._comm.averager is not None:
+            # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
+            self._comm.average_parameters(self._module)
+        if self._sigterm is not None:
+            self._sigterm.close()  # the agreement in flight
+        self._unused.finish(self._wrapped)
+        self._decide(self._unused.decision)
+        if isinstance(self.model, DistributedDataParallel):
+            self._advice = ddp_advice(self.model, self._unused)
+            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self._advice))
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
+        if self._unused.phase is not Phase.USER:
+            self._unused.stop()
+        explain_exception(exception, self._unused)
+
+    @override
+    def teardown(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.uninstall()
+            self._sigterm = None
+        self._resume.reset()
+        if not self._layer_sync_read:  # no fit's setup chose a SyncBN plugin: nothing to revert
+            self._layer_sync_request, self._layer_sync = self._layer_sync, None
+        super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
+        self._layer_sync, self._layer_sync_read = self._layer_sync_request, False  # the request, as found
+        cpu_malloc.restore()  # the fit's malloc setting ends with it (lightning_solo.core.cpu_malloc)
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _side_channel(self) -> Any:
+        """The side group, made on first use on every rank alike: apart from DDP's, for the collectives "auto"
+        issues while DDP may still hold buckets back (the fast path's usage map, a gradient-carrying all_gather's
+        backward): gloo matches collectives per group. ``None`` without gloo; "auto" then stays on True."""
+        if not self._side_group_made:
+            self._side_group_made = True
+            if self._barrier_group is torch.distributed.group.WORLD:  # the world runs gloo (on CPU tensors)
+                self._side_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+            else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
+                self._side_group = self._barrier_group
+        return self._side_group
+
+    def _rewrap(self) -> None:
+        self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused
+        # Not Lightning's _setup_model: it builds DDP on a side stream that does not wait for the optimizer step
+        # still running on the current one, and DDP's initial broadcast would then send rank 0's half-updated
+        # parameters. The replicas are in step already (post-local-SGD: deliberately not, between averages), so
+        # no broadcast at all.
+        kwargs = {**self._ddp_kwargs, "init_sync": False}
+        device_ids = self.determine_ddp_device_ids()
+        self.model = self._unused.rewrap(
+            self.model,  # type: ignore[arg-type]  # DDP since setup
+            lambda module: DistributedDataParallel(module, device_ids=device_ids, **kwargs),
+            self._side_channel(),
+            keep_grads=not self._module.automatic_optimization,
+            exact_allreduce=self._exact_allreduce,
+        )
+        self._register_ddp_hooks()
+
+    def _note_reentrant(self) -> None:
+        if "reentrant_checkpoint" not in self.decisions:
+            self._decide(REENTRANT_CHECKPOINT)
+
+    @property
+    def _exact_allreduce(self) -> bool:
+        """No comm hook, ours or the user's: DDP's own all-reduce can carry the policy's probe and sentinel."""
+        return self._comm.name is None and self._ddp_comm_hook is None
+
+    @property
+    def _attached_trainer(self) -> pl.Trainer | None:
+        """The Trainer once the LightningModule is attached to one (Lightning's own tests run hooks without)."""
+        return getattr(self.lightning_module, "_trainer", None)
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        if (module := self.lightning_module) is None:
+            raise RuntimeError(
+                "SoloDDP has no LightningModule yet: it is connected by Trainer.fit/validate/test"
+            )
+        return module
+
+    @property
+    def _wrapped(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("SoloDDP has no model yet: it is connected by Trainer.fit/validate/test")
+        return self.model
+
+    @property
+    def _collective_timeout(self) -> timedelta:
+        return self._timeout if self._timeout is not None else timedelta(minutes=30)

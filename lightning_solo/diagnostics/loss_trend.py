@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from lightning_solo.diagnostics.checks.finding import Finding
 
 _REMEDIES = (
-    "warm the learning rate up (WarmupScaledLR: callbacks.warmup_scaled_lr.warmup_steps), lower it or scale it "
-    "properly for the global batch (rule=sqrt for Adam-like optimizers, model.optimizer.lr), and clip gradients "
-    "(trainer.gradient_clip_val=1.0)"
+    "warm the learning rate up (WarmupScaledLR(warmup_steps=...)), lower it or scale it properly for the global "
+    "batch (WarmupScaledLR(rule='sqrt') for Adam-like optimizers, the optimizer's lr), and clip gradients "
+    "(Trainer(gradient_clip_val=1.0))"
 )
 
 
@@ -64,7 +64,9 @@ class LossTrend:
         for name in self.STATE:
             setattr(self, name, state[name])
         self.events = {kind: [tuple(e) for e in seen] for kind, seen in state["events"].items()}
-        self.lowest = tuple(self.lowest) if self.lowest is not None else None
+        if self.lowest is not None:  # a tuple again, whatever sequence the saved state held
+            value, step = self.lowest
+            self.lowest = (value, step)
 
     def update(self, step: int, loss: float) -> str | None:
         """Fold in one step's loss; the kind of event it shows (``"spike"``, ``"climb"``, ``"seesaw"``) or ``None``."""

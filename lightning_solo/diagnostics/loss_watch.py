@@ -201,6 +201,6 @@ class LossWatch(DecisionLog, L.Callback):
 
 
 _REMEDY = (
-    "lower the learning rate or warm it up (callbacks.warmup_scaled_lr.warmup_steps), clip gradients "
-    "(trainer.gradient_clip_val=1.0), and prefer bf16 to fp16 (parallelism.precision=bf16-mixed)"
+    "lower the learning rate or warm it up (WarmupScaledLR(warmup_steps=...)), clip gradients "
+    "(Trainer(gradient_clip_val=1.0)), and prefer bf16 to fp16 (SoloDDP(precision='bf16-mixed'))"
 )

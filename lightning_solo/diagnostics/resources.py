@@ -33,7 +33,7 @@ def decide_sources(device: torch.device) -> Decision:
         )
     try:
         torch.cuda.utilization(device)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - nvidia-ml-py missing, no driver access: GPU values stay NaN
         return Decision(
             "resource_monitor.sources",
             ["psutil"],
@@ -69,5 +69,5 @@ class ResourceSampler:
                 float(torch.cuda.utilization(self.device)),
                 torch.cuda.device_memory_used(self.device) / _GIB,
             ]
-        except Exception:
+        except Exception:  # noqa: BLE001 - a driver hiccup must not stop training: report unknown
             return [math.nan, math.nan]

@@ -34,24 +34,33 @@ from lightning_solo.checkpoint.manifest import read_manifest, verify
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.core.checks import check_bool, check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.ddp.precision.rule import capabilities, device_capability
 
 Precision = Literal["auto", "bf16-mixed", "32-true"]
 
 
-def decide_fsdp_precision(precision: str, device: torch.device) -> tuple[Any, Decision]:
+def decide_fsdp_precision(
+    precision: str, device: torch.device, levels: list[int] | None = None
+) -> tuple[Any, Decision]:
     """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``. ``"auto"``: bf16 parameters with fp32
-    gradient reduction on GPUs that have bf16, fp32 elsewhere (CPU included)."""
+    gradient reduction when every rank's GPU has bf16 natively (``levels``: every rank's
+    :func:`~lightning_solo.ddp.precision.rule.device_capability`, as SoloDDP agrees them; emulated bf16 does not
+    count), fp32 elsewhere (CPU included). The output (logits, hence the loss) stays fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision not in ("auto", "bf16-mixed", "32-true"):
         raise ValueError(f"precision must be 'auto', 'bf16-mixed' or '32-true', got {precision!r}")
+    if precision == "auto" and device.type == "cuda" and levels is None:
+        levels = [device_capability(device)]
     bf16 = precision == "bf16-mixed" or (
-        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision == "auto" and device.type == "cuda" and min(levels or [0]) == 2
     )
     if not bf16:
-        why = "asked for" if precision == "32-true" else f"auto: no bf16 path on {device.type} here"
+        why = "asked for" if precision == "32-true" else f"auto: no native bf16 on every rank's {device.type}"
         return None, Decision("fsdp_precision", "32-true", why)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
     why = "bf16 parameters and compute, gradients reduced in fp32"
     return policy, Decision("fsdp_precision", "bf16-mixed", why if precision != "auto" else f"auto: {why}")
 
@@ -162,7 +171,12 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         if is_overridden("configure_model", self.lightning_module):
             self._decide(Decision("fsdp_wrap", "configure_model", "the LightningModule shards itself"))
         else:
-            policy, decision = decide_fsdp_precision(self.precision, self.root_device)
+            levels = (  # agreed by every rank (a collective), as SoloDDP's precision "auto"
+                capabilities(self.root_device)
+                if self.precision == "auto" and self.root_device.type == "cuda"
+                else None
+            )
+            policy, decision = decide_fsdp_precision(self.precision, self.root_device, levels)
             self._decide(decision)
             groups, decision = decide_wrap(self.model, self.wrap_classes, self.min_num_params)
             self._decide(decision)

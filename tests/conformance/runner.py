@@ -74,7 +74,7 @@ def fit_once(pattern, make_strategy, root: str, devices: int = WORLD_SIZE) -> di
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = pattern.run(Trainers(make_strategy, root, devices))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - the outcome is the result
         lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
         first = (lines[-1] if lines[0].endswith(":") else lines[0])[:300]  # a child's traceback: its error
         error, tb = f"{type(err).__name__}: {first}", traceback.format_exc()

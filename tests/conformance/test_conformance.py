@@ -105,8 +105,15 @@ def test_launchers(tmp_path, monkeypatch, start_method, name):
         monkeypatch.delenv(var)
     runs = {"stock": DDPStrategy, "solo": SoloDDP}
     pattern = PATTERNS[name]
-    result = {
-        v: fit_once(pattern, partial(make, start_method=start_method), str(tmp_path / v))
-        for v, make in runs.items()
-    }
+    result = {}
+    for v, make in runs.items():
+        for attempt in range(2):
+            result[v] = fit_once(
+                pattern, partial(make, start_method=start_method), str(tmp_path / f"{v}{attempt}")
+            )
+            # A spawned rank sometimes aborts at interpreter exit, after its fit ("terminate called without an
+            # active exception" in torch's gloo teardown): seen with stock DDPStrategy too (1 run in 8 here), and
+            # Lightning marks its own spawn tests flaky for it. Once more then; a second abort fails the test.
+            if "SIGABRT" not in str(result[v].get("error", "")):
+                break
     check(pattern, [result])

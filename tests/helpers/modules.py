@@ -107,7 +107,7 @@ def _hidden_layers(
     widths: Sequence[int], activation: type[nn.Module] | None, batchnorm: bool, dropout: float
 ) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for width_in, width in itertools.pairwise(widths):
+    for width_in, width in itertools.pairwise(widths[:-1]):
         layers.append(nn.Linear(width_in, width))
         layers += [nn.BatchNorm1d(width)] if batchnorm else []
         layers += [activation()] if activation is not None else []

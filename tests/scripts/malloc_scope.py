@@ -20,7 +20,7 @@ from lightning_solo.callbacks.batch_size.probe import MemoryProbe
 from lightning_solo.core import cpu_malloc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
-from tests.helpers import glibc_malloc
+from tests.helpers import glibc_malloc  # after the path insert above
 
 
 class Wide(L.LightningModule):

@@ -81,7 +81,7 @@ class SyntheticDataModule(ImageDataModule):
         super().__init__(**loader)
         self.num_classes = check_int("num_classes", num_classes)
         self.image_size = image_size
-        self._kwargs = dict(
+        self._kwargs: dict[str, Any] = dict(
             num_classes=num_classes, image_size=image_size, channels=channels, noise=noise, seed=seed
         )
         self.train_size = check_int("train_size", train_size)

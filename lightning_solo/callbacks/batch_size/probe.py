@@ -128,9 +128,9 @@ class MemoryProbe:
         devices = [self.device] if self.cuda else []
         # Only the pack's own setting is tuned, and put back: a threshold glibc chose, or the user set, would be
         # lost for good (see the module docstring).
-        tune = self._libc is not None and cpu_malloc.in_force()
-        if tune:
-            self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.START_MMAP_THRESHOLD)
+        tuned = self._libc if self._libc is not None and cpu_malloc.in_force() else None
+        if tuned is not None:
+            tuned.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.START_MMAP_THRESHOLD)
         try:
             with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # self.log without a loop, outside the fit (this block only)
@@ -142,8 +142,8 @@ class MemoryProbe:
             pl_module.train(training)
             pl_module.load_state_dict(snapshot)
             pl_module.zero_grad(set_to_none=True)
-            if tune:
-                self._libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
+            if tuned is not None:
+                tuned.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
         """The peak of the second of two training steps on ``batch``, as a fraction of the budget."""

@@ -77,6 +77,7 @@ def search_batch_size(
             break  # no batch between the largest fit and the smallest miss (or the limits)
         finite = sorted((b, f) for b, f in measured.items() if math.isfinite(f))
         bracket = [(lo, measured[lo]), (hi, measured[hi])] if lo and hi in measured else finite[-2:]
+        guess: int | None
         if len(finite) < 2 or bracket[0][0] == bracket[-1][0]:  # one point: memory taken as proportional
             guess = (
                 round(batch * target / fraction) if math.isfinite(fraction) and fraction > 0 else batch // 2

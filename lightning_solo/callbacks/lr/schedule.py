@@ -82,6 +82,8 @@ def check_options(
         raise ValueError(
             "decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)"
         )
+    # Ignored for mypy: `factors` are LRSchedule's float fields (start_factor, min_factor, gamma); any other
+    # name is LRSchedule's own TypeError.
     LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, decay=decay, **factors)  # type: ignore[arg-type]
 
 

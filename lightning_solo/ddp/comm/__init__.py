@@ -1,19 +1,7 @@
-"""Gradient communication for DDP, in six parts:
-
-- :mod:`~lightning_solo.ddp.comm.hooks`: :class:`CommHook`, a DDP comm hook chosen by name (exact, fp16/bf16,
-  PowerSGD, post-local-SGD), registered on every backend, with checkpointable state;
-- :mod:`~lightning_solo.ddp.comm.powersgd_state`: PowerSGD's state across bucket rebuilds and checkpoint/resume
-  (error feedback as one shard file per rank beside the checkpoint);
-- :mod:`~lightning_solo.checkpoint.rank_shards`: state that differs per rank (PowerSGD's error feedback, post-local-SGD's
-  replicas between averages) as one verified file per rank beside the checkpoint;
-- :mod:`~lightning_solo.ddp.comm.averaging`: post-local-SGD's in-place parameter averaging and per-node groups;
-- :mod:`~lightning_solo.ddp.comm.barrier`: a barrier that names the ranks that did not arrive, and its gloo side
-  group under NCCL;
-- :mod:`~lightning_solo.ddp.comm.auto`: ``comm_hook="auto"``, each candidate hook measured for a few steps, the
-  fastest kept (:class:`AutoCommHook`, :func:`decide_comm_hook`).
-
-The public names are re-exported here, so ``from lightning_solo.ddp.comm import CommHook`` keeps working.
-"""
+"""Gradient communication for DDP: comm hooks by name on every backend (``hooks``), ``comm_hook="auto"``
+(``auto``), PowerSGD's state across re-bucketing and resume (``powersgd_state``), post-local-SGD's in-place
+averaging (``averaging``) and the monitored barrier with its gloo side group (``barrier``). The map of the
+package is docs/design.md; the public names are re-exported here."""
 
 from lightning_solo.checkpoint.rank_shards import shard_dir
 from lightning_solo.ddp.comm.auto import AUTO_CANDIDATES, AutoCommHook, decide_comm_hook, make_comm_hook

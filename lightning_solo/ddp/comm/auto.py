@@ -20,7 +20,7 @@ Example::
     strategy = SoloDDP(comm_hook="auto")
     trainer.fit(model)
     strategy.decisions["comm_hook"]       # value None (exact) or the hook; the measured times in the reason
-    strategy._comm.measured_ms            # {"exact": 12.1, "fp16": 12.9, "bf16": 12.6, "powersgd": 19.8}
+    strategy.comm_hook.measured_ms            # {"exact": 12.1, "fp16": 12.9, "bf16": 12.6, "powersgd": 19.8}
 """
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
@@ -93,19 +93,23 @@ class AutoCommHook(CommHook):
         self.min_gain = check_number("min_gain", min_gain, positive=False)
         self._start_iter = self.powersgd_start_iter
         self.measured_ms: dict[str, float] = {}
-        self.decided = False
         self._index, self._steps = 0, 0
         self._times: list[list[float]] = [[] for _ in self.candidates]
         self._started: float | None = None
         self._stepped = False
         self._waiting: tuple[Any, Any] | None = None  # a checkpoint's hook state, for the winner
-        self._decision: Decision | None = None
+        self._decision: Decision | None = None  # the hook kept, and why; None while measuring
+
+    @property
+    def decided(self) -> bool:
+        """Whether the hook is chosen (measured, or taken from a checkpoint) rather than still on trial."""
+        return self._decision is not None
 
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         if not self.decided and dist.get_world_size(ddp.process_group) == 1:
             self._keep(Decision("comm_hook", None, "auto: one process, nothing to communicate"))
         registered = super().register(ddp, node=node)
-        if self.decided:
+        if self._decision is not None:
             return self._decision
         step = f"{self._index + 1}/{len(self.candidates)}"
         return Decision(
@@ -152,7 +156,7 @@ class AutoCommHook(CommHook):
         return True
 
     def _keep(self, decision: Decision) -> None:
-        self._decision, self.decided = decision, True
+        self._decision = decision
         self._switch_to(decision.value, self._start_iter)
         if self._waiting is not None:
             super().load_state_dict(*self._waiting)
@@ -171,7 +175,7 @@ class AutoCommHook(CommHook):
         saved = super().state_dict(checkpoint_path, replica)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         record: dict[str, Any] = {"world_size": world, "candidates": [label(n) for n in self.candidates]}
-        if self.decided:
+        if self._decision is not None:
             record.update(decided=True, name=self.name, reason=self._decision.reason)
             record["measured_ms"] = dict(self.measured_ms)
         else:
@@ -195,7 +199,7 @@ class AutoCommHook(CommHook):
                 self.measured_ms = dict(record["measured_ms"])
                 self._keep(Decision("comm_hook", record["name"], reason))
             else:
-                self.decided, self._decision, self._started, self.measured_ms = False, None, None, {}
+                self._decision, self._started, self.measured_ms = None, None, {}
                 self._index, self._steps, self._stepped = record["index"], record["steps"], record["stepped"]
                 self._times = [list(t) for t in record["times"]]
                 self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)

@@ -92,7 +92,7 @@ def barrier_group(
     try:
         group = create(create_timeout)
         dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
         group, error = None, err
     made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
     dist.all_reduce(made, op=dist.ReduceOp.MIN)

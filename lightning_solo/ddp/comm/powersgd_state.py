@@ -7,6 +7,7 @@ rank beside it) and puts them back on resume, whatever DDP's bucket layout is th
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import warnings
+from collections.abc import Container
 from math import prod
 from typing import Any
 
@@ -32,6 +33,13 @@ class _PowerSGDState(powersgd.PowerSGDState):
     """
 
     __slots__ = ("layout", "names", "pending", "seen", "serial", "shapes", "watch")
+    layout: dict[int, tuple[int, ...]]  # bucket index -> the ids of its parameters
+    names: dict[int, str]  # parameter id -> name
+    shapes: dict[int, torch.Size]  # parameter id -> shape
+    pending: dict[str, dict[str, torch.Tensor]]  # "error" / "q" -> parameter name -> its state
+    seen: set[int]  # bucket indices handed over in this iteration
+    watch: int  # iterations left to follow the layout
+    serial: bool  # finish each bucket before the next (gloo)
 
 
 def resumable_powerSGD_hook(
@@ -178,7 +186,7 @@ def _per_parameter(
     return out
 
 
-def to_pending(state: _PowerSGDState, keep: set[int] = frozenset()) -> None:
+def to_pending(state: _PowerSGDState, keep: Container[int] = frozenset()) -> None:
     """Move the per-bucket state (except buckets ``keep``) into per-parameter ``pending``."""
     moving = {index: ids for index, ids in state.layout.items() if index not in keep}
     for kind, tensors in _per_parameter(state, moving).items():
@@ -205,8 +213,9 @@ def _assemble(state: _PowerSGDState, index: int, ids: tuple[int, ...], device, d
     qs = state.pending.get("q", {})
     order = _q_order(shapes, state)
     found = [qs.pop(names[pos], None) for pos, _, _ in order]
-    if order and all(q is not None and q.numel() == length for q, (_, length, _) in zip(found, order)):
-        state.q_memory_dict[index] = torch.cat([q.reshape(-1) for q in found]).to(device, dtype)
+    fitting = [q for q, (_, length, _) in zip(found, order) if q is not None and q.numel() == length]
+    if order and len(fitting) == len(order):
+        state.q_memory_dict[index] = torch.cat([q.reshape(-1) for q in fitting]).to(device, dtype)
         # P is overwritten before it is read; it only has to exist so that torch warm-starts from Q.
         p_length = sum(p for _, _, p in order)
         state.p_memory_dict[index] = torch.empty(p_length, device=device, dtype=dtype)

@@ -65,7 +65,7 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
         # DistributedSampler pads the dataset order to W·ceil(N/W) and gives rank r positions r, r+W, ...
         # (DistributedSamplerWrapper: N is the user's sampler's length, the indices are what it yields).
         indices = [int(i) for i in sampler]
-        total = len(sampler.dataset)  # type: ignore[arg-type]
+        total = len(sampler.dataset)  # type: ignore[arg-type]  # sized: DistributedSampler took its len too
         valid = [sampler.rank + k * sampler.num_replicas < total for k in range(len(indices))]
     else:
         return None

@@ -29,9 +29,10 @@ What stock Lightning lacks and this module adds (see research notes §2):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -46,7 +47,7 @@ from lightning_solo.ddp.precision.rule import _TRAINER_DEFAULT, _Options, decide
 # Stock Lightning writes and reads the scaler under the plugin's class qualname; "MixedPrecision" is what
 # its own plugin uses, so both directions of resume (stock <-> lightning_solo) keep the scale.
 CHECKPOINT_KEY = MixedPrecision.__qualname__
-EXTRA_KEY = "lightning_solo.ddp.precision"
+EXTRA_KEY = "lightning_solo.precision"  # a checkpoint key (the format), not the module path
 
 
 def to_channels_last(module: nn.Module) -> nn.Module:
@@ -86,7 +87,17 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
                 f"SoloMixedPrecision precision must be '16-mixed' or 'bf16-mixed', got {precision!r}"
             )
         settings = scaler_settings(scaler)
-        grad_scaler = torch.amp.GradScaler(device, **settings) if precision == "16-mixed" else None
+        grad_scaler = (
+            torch.amp.GradScaler(
+                device,
+                init_scale=settings["init_scale"],
+                growth_factor=settings["growth_factor"],
+                backoff_factor=settings["backoff_factor"],
+                growth_interval=int(settings["growth_interval"]),
+            )
+            if precision == "16-mixed"
+            else None
+        )
         super().__init__(precision, device, grad_scaler)
         self.scaler_settings = settings if grad_scaler is not None else {}
         self.skip_lr_on_overflow = bool(skip_lr_on_overflow)
@@ -102,7 +113,11 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         return self._skipped_before + (int(self._skipped.item()) if self._skipped is not None else 0)
 
     @override
-    def optimizer_step(self, optimizer, model, closure, **kwargs: Any) -> Any:
+    # Lightning's MixedPrecision.optimizer_step signature, which differs from fabric's Precision.optimizer_step
+    # (Lightning ignores the same error on its own override).
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         scale = torch_compat.scaler_scale(
@@ -110,10 +125,11 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         )  # created lazily by the first scale(); the saved scale after a resume
         before = scale.clone() if scale is not None else torch_compat.scaler_init_scale(self.scaler)
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if torch_compat.scaler_scale(self.scaler) is None:  # no backward ran (training_step returned None)
+        after = torch_compat.scaler_scale(self.scaler)
+        if after is None:  # no backward ran (training_step returned None)
             return output
         # update() multiplies the scale by backoff_factor < 1 exactly when it skipped the step.
-        skipped = (torch_compat.scaler_scale(self.scaler) < before).float()
+        skipped = (after < before).float()
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
         if self.skip_lr_on_overflow:
             self._guard_lr_schedulers(model)
@@ -122,14 +138,14 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
             model.log_dict(
                 {
                     "amp/skipped_steps": self._skipped,
-                    "amp/scale": torch_compat.scaler_scale(self.scaler).detach(),
+                    "amp/scale": after.detach(),
                 },
                 on_step=True,
                 on_epoch=False,
             )
         return output
 
-    def _guard_lr_schedulers(self, module: nn.Module) -> None:
+    def _guard_lr_schedulers(self, module: pl.LightningModule) -> None:
         # Lightning steps schedulers through the module's lr_scheduler_step hook right after the optimizer
         # step; wrapping that hook (on the instance, undone in teardown) is the one seam it offers.
         if self._guarded is not None and self._guarded[0] is module:
@@ -141,7 +157,7 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
                 return None
             return original(scheduler, metric)
 
-        module.lr_scheduler_step = lr_scheduler_step
+        vars(module)["lr_scheduler_step"] = lr_scheduler_step  # on the instance: teardown pops it again
         self._guarded = (module, original)
 
     @override
@@ -206,7 +222,7 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         super().teardown()
 
 
-def _interval(module: nn.Module, scheduler: Any) -> str:
+def _interval(module: pl.LightningModule, scheduler: Any) -> str:
     for config in module.trainer.lr_scheduler_configs:
         if config.scheduler is scheduler:
             return config.interval
@@ -218,7 +234,7 @@ class _PendingPrecision(Precision):
     CPU silently bf16-converting) its own plugin from ``Trainer(precision=...)``."""
 
     def __init__(self, precision: str) -> None:
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision  # type: ignore[assignment]  # any requested value, until decided
 
 
 def pending_plugin(options: _Options) -> Precision | None:

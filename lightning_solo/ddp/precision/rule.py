@@ -96,16 +96,21 @@ def agreed_rule(levels: list[int]) -> Decision:
     )
 
 
-def auto_precision(device: torch.device, capability: int | None = None) -> Decision:
-    """:func:`agreed_rule` over every rank's :func:`device_capability` (or ``capability``, for this rank): a
-    collective when a process group of several ranks exists, so call it on every rank, after the group."""
+def capabilities(device: torch.device, capability: int | None = None) -> list[int]:
+    """Every rank's :func:`device_capability` (or ``capability``, for this rank), by rank: a collective when a
+    process group of several ranks exists, so call it on every rank, after the group."""
     levels = [device_capability(device) if capability is None else capability]
     if (world := world_size()) > 1:
         mine = torch.tensor(levels, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         levels = torch.cat(gathered).tolist()  # once, at setup
-    return agreed_rule(levels)
+    return levels
+
+
+def auto_precision(device: torch.device, capability: int | None = None) -> Decision:
+    """:func:`agreed_rule` over :func:`capabilities` (a collective: call it on every rank)."""
+    return agreed_rule(capabilities(device, capability))
 
 
 def decide_precision(

@@ -66,7 +66,7 @@ class ResumableSampler(Sampler):
     def __init__(
         self, sampler: Sampler | Any, batch_size: int, tag_epoch: bool = False, replay_rng: bool = False
     ) -> None:
-        self.sampler = sampler
+        self.sampler: Any = sampler  # a Sampler, or any object with __iter__ and __len__
         self.batch_size = batch_size
         self.tag_epoch = tag_epoch
         self.replay_rng = replay_rng
@@ -110,18 +110,19 @@ class ResumableSampler(Sampler):
             on_start()
         skip = skip() if callable(skip) else skip
         generator = getattr(_user_sampler(self.sampler), "generator", None)
-        replay = self.replay_rng and epoch_rng is not None
-        if replay:
+        replay = epoch_rng if self.replay_rng else None
+        caller = None
+        if replay is not None:
             caller = rng_state()
-            set_rng_state(epoch_rng["rng"])
-            if isinstance(generator, torch.Generator) and epoch_rng.get("generator") is not None:
-                generator.set_state(epoch_rng["generator"])
+            set_rng_state(replay["rng"])
+            if isinstance(generator, torch.Generator) and replay.get("generator") is not None:
+                generator.set_state(replay["generator"])
         if self.replay_rng:
             own = generator.get_state() if isinstance(generator, torch.Generator) else None
             self.epoch_rng = {"rng": rng_state(), "generator": own}
         indices = iter(self.sampler)
         first = next(indices, _END)  # the order's draws happen here (RandomSampler draws at its first index)
-        if replay:
+        if caller is not None:
             set_rng_state(caller)
         if first is _END:
             return
@@ -171,7 +172,7 @@ class SeededDataset(Dataset):
         self.seed = seed
 
     # isinstance(wrapped, UserDataset) holds, as before the wrap; type(wrapped) still says what it is.
-    @property  # type: ignore[misc]
+    @property  # type: ignore[misc]  # a read-only __class__ over the writable one: the point of the wrap
     def __class__(self) -> type:
         return type(self.dataset)
 
@@ -297,10 +298,12 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
         raise TypeError("the DataLoader does not take its dataset as `dataset`")
 
     try:
-        sampler = ResumableSampler(inner, dataloader.batch_size, tag_epoch=True, replay_rng=replay)
+        # The BatchSampler's size: `dataloader.batch_size` is None when the loader was given the BatchSampler.
+        size = dataloader.batch_sampler.batch_size
+        sampler = ResumableSampler(inner, size, tag_epoch=True, replay_rng=replay)
         args, kwargs = with_seeded_dataset(*lightning_compat.dataloader_init_args(dataloader, sampler))
         wrapped = lightning_compat.reinstantiate(dataloader, args, kwargs)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any re-instantiation failure just means "not resumable"
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
     return wrapped, Decision(
         "resumable_data",

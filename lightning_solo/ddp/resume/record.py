@@ -20,18 +20,34 @@ The loader side (:class:`ResumableSampler`, :class:`SeededDataset`, ``make_resum
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_solo.core import ranks
 from lightning_solo.core.decision import Decision
 from lightning_solo.core.rng import rng_state, set_rng_state  # re-exported: resume.rng_state() is public
 from lightning_solo.ddp.resume.loader import ResumableSampler, SeededDataset
 
-RESUME_KEY = "lightning_solo.ddp.resume.record"
+RESUME_KEY = "lightning_solo.resume"  # a checkpoint key (the format), not the module path
+
+
+class _Packed(NamedTuple):
+    """A CPU tensor as a numpy array, for ``all_gather_object`` (see :func:`capture`)."""
+
+    array: Any
+
+
+def _pack(obj: Any) -> Any:
+    return apply_to_collection(obj, torch.Tensor, lambda t: _Packed(t.cpu().numpy()))
+
+
+def _unpack(obj: Any) -> Any:
+    return apply_to_collection(obj, _Packed, lambda p: torch.from_numpy(p.array))
 
 
 def _sampler(loader: Any) -> ResumableSampler | None:
@@ -77,7 +93,10 @@ def capture(
     local = (state, epoch_rng if any(e is not None for e in epoch_rng) else None)
     if world_size > 1 and collective:
         gathered: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(gathered, local)
+        # Pickling a tensor goes through torch.save (Storage.__reduce__): every rank would call torch.save while
+        # rank 0 saves the checkpoint. Numpy arrays pickle without it; the record keeps its tensors.
+        torch.distributed.all_gather_object(gathered, _pack(local))
+        gathered = [_unpack(g) for g in gathered]
     else:
         gathered = [local]
     per_epoch = trainer.num_training_batches
@@ -266,11 +285,9 @@ class ResumePlan:
                 # The next epoch's order, also where Lightning builds the iterator (workers draw their first
                 # indices) before it sets the epoch. The uninterrupted run reused persistent workers' iterator,
                 # which draws no worker seed: here it was just built, drawing one; the RNG goes back after it.
-                persistent = loader.persistent_workers and loader.num_workers > 0 and self.rng is not None
-                rng = self.rng
-                sampler.resume_once(
-                    self.next_epoch, 0, on_start=(lambda: set_rng_state(rng)) if persistent else None
-                )
+                rng, persistent = self.rng, loader.persistent_workers and loader.num_workers > 0
+                restore = functools.partial(set_rng_state, rng) if persistent and rng is not None else None
+                sampler.resume_once(self.next_epoch, 0, on_start=restore)
             else:
                 epoch_rng = self.record.get("epoch_rng")
                 mine = epoch_rng[ranks.rank()] if epoch_rng and len(epoch_rng) == ranks.world_size() else None
@@ -340,8 +357,8 @@ class ResumePlan:
         replay = ready - consumed
         _rewind(self.trainer, self.restored, replay)
         self.skips = [
-            p * s.batch_size if s is not None else 0
-            for p, s in zip(positions, self.samplers)  # type: ignore[operator]
+            p * s.batch_size if s is not None and p is not None else 0  # (no None p here: it restarted)
+            for p, s in zip(positions, self.samplers)
         ]
         notes = []
         if len(self.samplers) > 1:

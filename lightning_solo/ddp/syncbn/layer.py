@@ -248,8 +248,9 @@ class SoloSyncBatchNorm(BatchNormBase):
         running_mean = self.running_mean if pass_buffers else None
         running_var = self.running_var if pass_buffers else None
         if not synced:
+            local = float(factor)  # already a float: the factor stays a tensor only when synced
             return F.batch_norm(
-                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
+                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, local, self.eps
             )
         return sync_batch_norm(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group

@@ -5,6 +5,7 @@ all-reduces on a side group (:func:`all_gather_grad_on`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +42,13 @@ class FastPathStep:
                  sentinel_index: int = -1) -> None:  # fmt: skip
         self.named, self.synced, self.ignored, self.sentinel = named, synced, ignored, sentinel
         self.arrivals = arrivals = _Arrivals(named, synced, group)
+        if sentinel is not None and ddp is None:
+            raise ValueError("FastPathStep: a sentinel is marked ready in its DDP wrapper: pass `ddp`")
         if signal_early:
             arrivals.on_last = (
-                arrivals.send if sentinel is None else lambda: self._signal(ddp, sentinel_index)
+                arrivals.send
+                if sentinel is None or ddp is None
+                else functools.partial(self._signal, ddp, sentinel, sentinel_index)
             )
 
     def arm(self) -> None:
@@ -63,6 +68,9 @@ class FastPathStep:
             arrivals.flag = 1.0
         self._release(missing, arrivals.map, feed_sentinel=arrivals.on_last is None, step=step)
         if self.sentinel is not None:
+            # Every rank feeds the sentinel in backward, and DDP's last bucket reduces it: never None here.
+            if self.sentinel.grad is None:
+                raise RuntimeError(f"SoloDDP: step {step}: the unused-parameter sentinel got no gradient")
             anyone = bool(self.sentinel.grad.item() > 0)  # the ranks' flags, averaged by DDP
             self.sentinel.grad = None
             if not anyone:
@@ -107,10 +115,10 @@ class FastPathStep:
         if params:
             torch.autograd.backward(params, grads)
 
-    def _signal(self, ddp: DistributedDataParallel | None, index: int) -> None:
+    def _signal(self, ddp: DistributedDataParallel, sentinel: Parameter, index: int) -> None:
         # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
         # and mark it ready, as its own gradient hook would.
-        self.sentinel.grad = torch.full_like(self.sentinel, self.arrivals.flag)
+        sentinel.grad = torch.full_like(sentinel, self.arrivals.flag)
         torch_compat.mark_ready(ddp, index)
 
 

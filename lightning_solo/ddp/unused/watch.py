@@ -31,6 +31,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -40,7 +41,12 @@ from torch.utils import checkpoint as torch_checkpoint
 _substitutions: list[Callable[[], None]] = []  # the active blocks' callbacks, innermost last
 
 
-def _search_safe_apply(cls: type, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+def _search_safe_apply(
+    cls: type[torch_checkpoint.CheckpointFunction],
+    function: Callable[..., Any],
+    preserve_rng_state: bool,
+    *args: Any,
+) -> Any:
     if (
         _substitutions
         and torch.is_grad_enabled()
@@ -57,7 +63,7 @@ def _search_safe_apply(cls: type, function: Callable[..., Any], preserve_rng_sta
 def search_safe_checkpointing(on_substitute: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Within the block, reentrant checkpoint calls with a grad-requiring input run non-reentrantly, and
     ``on_substitute`` is called at each. Restored on exit, whatever happens."""
-    if not _substitutions:
+    if not _substitutions:  # a patch of torch's class for the block (ignored for mypy), undone on exit
         torch_checkpoint.CheckpointFunction.apply = classmethod(_search_safe_apply)  # type: ignore[method-assign,assignment]
     _substitutions.append(on_substitute)
     try:
@@ -101,12 +107,12 @@ def watch_collectives(note: Callable[[str], None]) -> Iterator[None]:
             setattr(module, name, collective)
 
 
-# DDP's comm hooks (torch's, and the pack's comm/) are DDP's own bucket communication, issued in bucket order.
-_COMM_HOOK_FILES = ("ddp_comm_hooks", os.path.join("lightning_solo", "comm"))
+# DDP's comm hooks (torch's, the pack's ddp/comm/) are DDP's own bucket communication, issued in bucket order.
+_COMM_HOOK_FILES = ("ddp_comm_hooks", os.path.join("lightning_solo", "ddp", "comm"))
 
 
 def _from_comm_hook() -> bool:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if any(part in frame.f_code.co_filename for part in _COMM_HOOK_FILES):
             return True

@@ -107,7 +107,7 @@ def _driver_version() -> str | None:
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed, no driver, no permission: the fact is unknown
         return None
 
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    Finding("loader.pin_memory", "pin_memory is off on GPU: set data.pin_memory=true", error=False)
+    Finding("loader.pin_memory", "pin_memory is off on GPU: set DataLoader(pin_memory=True)", error=False)
 
 Errors stop a run; warnings are printed (``Preflight(strict=True)`` makes them errors). Findings from several
 ranks that say the same thing are merged into one that lists the ranks (:func:`merge`).

@@ -4,7 +4,10 @@
 :func:`check_setup` is pure, so each rule is tested as a table row. Example::
 
     check_setup(TrainingSetup(device_type="cuda", world_size=8, pin_memory=False, ...))
-    # [Finding("loader.pin_memory", "pin_memory is off on GPU ...: set data.pin_memory=true ...")]
+    # [Finding("loader.pin_memory", "pin_memory is off on GPU ...: set DataLoader(pin_memory=True).")]
+
+Fixes name library settings as calls (``DataLoader(num_workers=3)``, ``SoloDDP(sync_batchnorm='auto')``); the
+runner adds its config keys where it shows them (:mod:`lightning_solo.app.remedies`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core.batch_size import per_device_batch_size
+from lightning_solo.ddp.strategy import SoloDDP
 from lightning_solo.diagnostics.checks.finding import Finding
 
 
@@ -56,7 +60,7 @@ def check_setup(s: TrainingSetup) -> list[Finding]:
             Finding(
                 "loader.num_workers",
                 f"num_workers=0 loads every batch in the training process while {s.cores_per_process} cores per "
-                f"process are there: set num_workers={workers} (runner: data.num_workers={workers}).",
+                f"process are there: set DataLoader(num_workers={workers}).",
             )
         )
     if s.world_size > 1 and s.map_style and s.sharded is False:
@@ -75,7 +79,7 @@ def check_setup(s: TrainingSetup) -> list[Finding]:
                 "model.batchnorm",
                 f"{s.unsynced_batchnorm} BatchNorm layer(s) normalise over a per-device batch of "
                 f"{s.per_device_batch} (< {s.sync_batchnorm_threshold}) without synchronisation: noisy statistics. "
-                "Set parallelism.strategy.sync_batchnorm=auto or true (SoloDDP(sync_batchnorm=...)).",
+                "Set SoloDDP(sync_batchnorm='auto') or SoloDDP(sync_batchnorm=True).",
             )
         )
     if s.device_type == "cuda" and s.pin_memory is False:
@@ -83,7 +87,7 @@ def check_setup(s: TrainingSetup) -> list[Finding]:
             Finding(
                 "loader.pin_memory",
                 "pin_memory is off on GPU: host-to-device copies cannot overlap compute. Set "
-                "DataLoader(pin_memory=True) (runner: data.pin_memory=true).",
+                "DataLoader(pin_memory=True).",
             )
         )
     if s.device_type == "cuda" and s.per_device_batch is not None and s.per_device_batch < s.min_gpu_batch:
@@ -91,8 +95,8 @@ def check_setup(s: TrainingSetup) -> list[Finding]:
             Finding(
                 "loader.batch_size",
                 f"a per-device batch of {s.per_device_batch} is too small to keep a GPU busy: launch and "
-                "all-reduce overheads dominate each step. Raise data.batch_size and lower "
-                "trainer.accumulate_grad_batches to keep the global batch.",
+                f"all-reduce overheads dominate each step. Raise DataLoader(batch_size={s.min_gpu_batch}) and "
+                "lower Trainer(accumulate_grad_batches=...) to keep the global batch.",
             )
         )
     return found
@@ -121,7 +125,9 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
             isinstance(m, BatchNormBase) and not isinstance(m, nn.SyncBatchNorm) and not _solo_synced(m)
             for m in model.modules()
         ),
-        sync_batchnorm_threshold=int(getattr(trainer.strategy, "_sync_batchnorm_threshold", 32)),
+        sync_batchnorm_threshold=trainer.strategy.sync_batchnorm_threshold
+        if isinstance(trainer.strategy, SoloDDP)
+        else TrainingSetup.sync_batchnorm_threshold,
         min_gpu_batch=min_gpu_batch,
     )
 

@@ -34,7 +34,7 @@ from lightning_solo.diagnostics.doctor.timing import (
     STEPS,
     Sums,
 )
-from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose
+from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose, setting_call
 
 EXTRA = ("peak_memory_mib", "memory_total_mib", "idle_cores")
 
@@ -158,7 +158,7 @@ def summarize(
 def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any]:
     """Per bin and rank, for the chart: ms per step of each part, samples/s, mean loss."""
     n = len(bin_ends)
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for g in gathered:
         bins = g["bins"][:n]
         steps = [max(b[STEPS], 1.0) for b in bins]
@@ -175,7 +175,7 @@ def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any
                 "steps": steps,
             }
         )
-    global_ = []
+    global_: list[float] = []
     for i in range(n):
         slowest = max(r["seconds"][i] for r in ranks)
         global_.append(sum(r["samples"][i] for r in ranks) / slowest if slowest > 0 else 0.0)
@@ -210,8 +210,9 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
         )
     lines.append(f"verdict: {report['verdict']['text']}")
     for i, r in enumerate(report["verdict"]["remedies"], 1):
-        where = f"{r['key']}={r['value']}" if r["key"] else "(outside the config)"
-        lines.append(f"  {i}. {where}: {r['action']} (~{r['gain']:.0%} of the step)")
+        lines.append(
+            f"  {i}. {setting_call(r['setting'], r['value'])}: {r['action']} (~{r['gain']:.0%} of the step)"
+        )
     return "\n".join(lines)
 
 

@@ -86,7 +86,7 @@ class ExposedComm:
         if model is self._ddp or not isinstance(model, DistributedDataParallel):
             return
         if self._ddp is not None:
-            n, ns = self._recorded()
+            n, ns = self._recorded(self._ddp)
             self._carry = (self._carry[0] + n - self._base[0], self._carry[1] + ns - self._base[1])
         self._ddp, self._base = model, (0, 0.0)
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
@@ -105,15 +105,15 @@ class ExposedComm:
         value when DDP recorded none since)."""
         if self._ddp is None:
             return 0.0
-        n, ns = self._recorded()
+        n, ns = self._recorded(self._ddp)
         count, total = n - self._base[0] + self._carry[0], ns - self._base[1] + self._carry[1]
         self._base, self._carry = (n, ns), (0, 0.0)
         if count > 0:
             self._mean_s = max(0.0, total / count / 1e9)  # overlap can outlast communication by a hair
         return self._mean_s
 
-    def _recorded(self) -> tuple[int, float]:
-        data = torch_compat.ddp_logging_data(self._ddp)
+    def _recorded(self, ddp: DistributedDataParallel) -> tuple[int, float]:
+        data = torch_compat.ddp_logging_data(ddp)
         n = recorded_iterations(int(data.get(_ITERATION) or 0), self.sample_rate)
         exposed = int(data.get(_AVG_COMM) or 0) - int(data.get(_AVG_OVERLAP) or 0)
         return n, exposed * n  # DDP keeps running means over the recorded iterations

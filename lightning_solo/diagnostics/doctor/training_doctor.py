@@ -6,7 +6,7 @@ samples/s per device and global (measured on every rank and reduced), peak memor
 RSS on CPU), scaling efficiency against a one-process reference when given, and the slowest rank. At the end
 of training, and every ``every_n_steps`` steps if asked, the ranks' sums are gathered (one collective, at the
 same step on every rank) and the verdict (:mod:`lightning_solo.diagnostics.doctor.verdict`) names the bound (data,
-communication, compute, straggler) with remedies tied to config keys, ranked by expected gain. Rank 0 logs a
+communication, compute, straggler) with remedies that name the setting to change, ranked by expected gain. Rank 0 logs a
 table and writes ``doctor.json`` and ``doctor.png`` (matplotlib: the ``plot`` extra) in the run directory.
 
 Cheap enough to leave on (benchmarks/RESULTS.md): host timestamps on CPU, CUDA events read back a bin later
@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.ddp.strategy import SoloDDP
 from lightning_solo.diagnostics.doctor.chart import plot_doctor
 from lightning_solo.diagnostics.doctor.report import format_table, gather_ranks, series, summarize, write_json
 from lightning_solo.diagnostics.doctor.timing import ExposedComm, StepTimer
@@ -101,14 +102,15 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        standalone = any(isinstance(cb, LossWatch) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        standalone = any(isinstance(cb, LossWatch) for cb in callbacks)
         self._watch = None if standalone else self.loss_watch
         if self._watch is not None:
             self._watch.on_train_start(trainer, pl_module)
             self.decisions.update(self._watch.decisions)
         try:
             expected = float(trainer.estimated_stepping_batches)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
             expected = math.inf
         rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
         # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
@@ -244,7 +246,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
     def _setup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Setup:
         loader = trainer.train_dataloader
         workers = loader.num_workers if isinstance(loader, DataLoader) else 0
-        hook = getattr(trainer.strategy, "_comm", None)  # SoloDDP's comm hook (CommHook / AutoCommHook)
+        hook = trainer.strategy.comm_hook if isinstance(trainer.strategy, SoloDDP) else None
         return Setup(
             device=pl_module.device.type,
             world_size=trainer.world_size,
@@ -267,7 +269,7 @@ def _samples(batch: Any) -> int:
         return len(first)
     try:
         return extract_batch_size(batch)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a batch with no tensor in it: counted as one sample
         return 1
 
 

@@ -9,8 +9,9 @@ fractions of the measured step, per rank, from the :class:`~lightning_solo.diagn
   another (what is left is the all-reduce itself);
 * **data**: the other ranks' data wait; **compute**: their forward+backward and optimizer step.
 
-The bound is the largest share. Each remedy names the config key that applies it and the fraction
-of the step it is expected to save (the measured share it acts on × the part of it that lever removes, a
+The bound is the largest share. Each remedy names the library setting that applies it (``DataLoader.num_workers``,
+``SoloDDP.comm_hook``, ``Trainer.accumulate_grad_batches``: the object and its argument; the runner maps each to
+its config key, :mod:`lightning_solo.app.remedies`) and the fraction of the step it is expected to save (the measured share it acts on × the part of it that lever removes, a
 stated estimate: 0.9 for the first loader workers, 1/2 of the all-reduce for twice the batch, ...); they
 come ranked by that gain. Remedies are only offered where they were measured to pay: compression hooks
 never on CPU (measured slower than exact all-reduce over gloo, see benchmarks/RESULTS.md), nor where
@@ -21,7 +22,8 @@ Example::
     ranks = [RankTimes(data_ms=40, compute_ms=8, comm_ms=1, optimizer_ms=1)] * 2
     verdict = diagnose(ranks, Setup(device="cpu", world_size=2, num_workers=0, idle_cores=3))
     verdict.bound                    # "data"
-    verdict.remedies[0].key          # "data.num_workers"
+    verdict.remedies[0].setting      # "DataLoader.num_workers"
+    str(verdict.remedies[0])         # "DataLoader(num_workers=3): load batches in worker processes, ..."
 """
 
 from __future__ import annotations
@@ -78,16 +80,25 @@ class Setup:
 
 @dataclass(frozen=True)
 class Remedy:
-    """A change to make: ``key=value`` in the runner's config (``key`` None: outside the config)."""
+    """A change to make: the library ``setting`` (``"Owner.argument"``: ``"DataLoader.num_workers"``,
+    ``"SoloDDP.comm_hook"``) set to ``value``; ``setting`` None: no setting does it (a change to the code or the
+    machine). Where a setting lives in an application's config is the application's to say."""
 
-    key: str | None
+    setting: str | None
     value: Any
     action: str
     gain: float  # expected saving, as a fraction of the step
 
     def __str__(self) -> str:
-        where = f"{self.key}={self.value}" if self.key else "(outside the config)"
-        return f"{where}: {self.action} (expected gain ~{self.gain:.0%} of the step)"
+        return f"{setting_call(self.setting, self.value)}: {self.action} (expected gain ~{self.gain:.0%} of the step)"
+
+
+def setting_call(setting: str | None, value: Any) -> str:
+    """``"DataLoader.num_workers", 3`` as the call that applies it, ``DataLoader(num_workers=3)``; None: no setting."""
+    if not setting:
+        return "(no setting)"
+    owner, _, argument = setting.partition(".")
+    return f"{owner}({argument}={value!r})"
 
 
 @dataclass(frozen=True)
@@ -144,13 +155,18 @@ def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
         workers = max(1, min(setup.idle_cores, 4))
         gain = (0.9 if setup.idle_cores else 0.5) * share
         out.append(
-            Remedy("data.num_workers", workers, "load batches in worker processes, while the step runs", gain)
+            Remedy(
+                "DataLoader.num_workers",
+                workers,
+                "load batches in worker processes, while the step runs",
+                gain,
+            )
         )
     elif setup.idle_cores > 0:
         workers = min(2 * setup.num_workers, setup.num_workers + setup.idle_cores)
         out.append(
             Remedy(
-                "data.num_workers",
+                "DataLoader.num_workers",
                 workers,
                 f"more loader workers ({setup.idle_cores} cores per process are idle)",
                 0.5 * share,
@@ -168,7 +184,7 @@ def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
     if setup.num_workers > 0 and (setup.prefetch_factor or 2) < 4:
         out.append(
             Remedy(
-                "data.prefetch_factor",
+                "DataLoader.prefetch_factor",
                 4,
                 "each worker keeps more batches ready, smoothing slow samples",
                 0.3 * share,
@@ -177,7 +193,7 @@ def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
     if setup.device == "cuda" and not setup.pin_memory:
         out.append(
             Remedy(
-                "data.pin_memory",
+                "DataLoader.pin_memory",
                 True,
                 "page-locked batches copy to the GPU faster and asynchronously",
                 0.2 * share,
@@ -196,7 +212,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
     if setup.per_device_batch and not full:
         out.append(
             Remedy(
-                "data.batch_size",
+                "DataLoader.batch_size",
                 2 * setup.per_device_batch,
                 "twice the work per all-reduce (WarmupScaledLR rescales the learning rate to the global batch)",
                 per_step,
@@ -204,7 +220,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
         )
     out.append(
         Remedy(
-            "trainer.accumulate_grad_batches",
+            "Trainer.accumulate_grad_batches",
             2 * setup.accumulate,
             "one all-reduce per two batches, when the batch cannot grow in memory (the global batch doubles)",
             0.9 * per_step,
@@ -214,7 +230,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
         # Saves 3 all-reduces in 4, but changes the optimisation: counted at half, for the accuracy it may cost.
         out.append(
             Remedy(
-                "parallelism.strategy.comm_hook",
+                "SoloDDP.comm_hook",
                 "post_local_sgd",
                 "local steps, parameters averaged every 4 steps: skips most all-reduces, changes the optimisation (check accuracy)",
                 0.75 * share / 2,
@@ -224,7 +240,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
         cap = max(1, round(setup.gradient_mib / 4))
         out.append(
             Remedy(
-                "parallelism.strategy.bucket_cap_mb",
+                "SoloDDP.bucket_cap_mb",
                 cap,
                 "smaller gradient buckets start the all-reduce while backward is still running",
                 0.5 * share,
@@ -233,7 +249,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
     elif setup.bucket_count > 16 and setup.gradient_mib / setup.bucket_count < 1:
         out.append(
             Remedy(
-                "parallelism.strategy.bucket_cap_mb",
+                "SoloDDP.bucket_cap_mb",
                 4 * setup.bucket_cap_mb,
                 "fewer, larger buckets pay the all-reduce latency fewer times",
                 0.2 * share,
@@ -242,7 +258,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
     if _compression_may_pay(setup):
         out.append(
             Remedy(
-                "parallelism.strategy.comm_hook",
+                "SoloDDP.comm_hook",
                 "auto",
                 "measure exact, fp16, bf16 and PowerSGD all-reduce for a few steps each and keep the fastest",
                 0.4 * share,
@@ -272,7 +288,7 @@ def _straggler_remedies(
     if where == "data_ms":
         return [
             Remedy(
-                "data.num_workers",
+                "DataLoader.num_workers",
                 max(1, 2 * setup.num_workers),
                 f"rank {slowest} waits {excess[where]:.1f} ms per step longer for data than the others: more workers, or check its node's disk and CPU load",
                 0.8 * share,
@@ -292,7 +308,7 @@ def _compute_remedies(share: float, setup: Setup) -> list[Remedy]:
     if setup.device == "cuda" and setup.precision.startswith("32"):
         return [
             Remedy(
-                "parallelism.precision",
+                "SoloDDP.precision",
                 "auto",
                 "bf16 (or fp16) mixed precision: tensor cores, half the activation memory",
                 0.3 * share,
