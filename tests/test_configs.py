@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
+
 import hydra
 import pytest
 from hydra.errors import ConfigCompositionException, HydraException
+from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf.errors import ConfigKeyError
 
 from lightning_solo.app.config_check import ConfigError, check_config
 from lightning_solo.app.preflight import check_devices, check_world_size_env
+from lightning_solo.app.run import progress_bar
 from lightning_solo.core.cluster import PreflightError
 from tests.helpers import CONF, composed
+
+
+def strategy_default(name: str):
+    from lightning_solo import SoloDDP
+
+    return inspect.signature(SoloDDP).parameters[name].default
+
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -45,6 +56,27 @@ def test_resnet_4gpu_is_what_it_says(tmp_path):
         assert cfg.parallelism.devices == 4 and cfg.parallelism.accelerator == "gpu"
         assert cfg.parallelism.precision == "auto"
         assert cfg.data._target_.endswith("CIFAR10DataModule")
+        # 128 images per GPU need no SyncBN: SoloDDP's "auto" decides (the YAML restates no default of SoloDDP's).
+        assert "sync_batchnorm" not in cfg.parallelism.strategy
+        assert strategy_default("sync_batchnorm") == "auto"
+        assert cfg.trainer.benchmark is True  # fixed shapes: cuDNN's autotuning pays once
+        (bar,) = progress_bar(cfg, [])
+        assert bar.refresh_rate >= 20 and bar.refresh_rate == cfg.trainer.log_every_n_steps
+
+
+def test_the_progress_bar_refreshes_where_the_loggers_write(tmp_path):
+    # Each refresh reads the bar's metrics from the device (a host sync on GPUs).
+    with composed([], tmp_path) as cfg:
+        (bar,) = progress_bar(cfg, [])
+        assert bar.refresh_rate == cfg.trainer.log_every_n_steps == 10
+    with composed(["progress_bar_refresh_rate=1"], tmp_path) as cfg:
+        assert progress_bar(cfg, [])[0].refresh_rate == 1
+    with composed(["trainer.enable_progress_bar=false"], tmp_path) as cfg:
+        assert progress_bar(cfg, []) == []
+    with composed([], tmp_path) as cfg:
+        assert (
+            progress_bar(cfg, [TQDMProgressBar(refresh_rate=3)]) == []
+        )  # the user's own bar stays the only one
 
 
 @pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger", "profile"])

@@ -194,7 +194,7 @@ def test_warmup_longer_than_the_run_fails_at_fit(tmp_path):
 def test_per_step_lr_with_accumulation_matches_formula(tmp_path):
     # batch 4 × 1 device × 2 accumulation = 8 = 2 × reference 4: lr goes 0.1 → 0.2 over 4 steps, then cosine.
     cb = WarmupScaledLR(reference_batch_size=4, warmup_steps=4, decay="cosine")
-    trainer = _trainer(tmp_path, [cb], accumulate_grad_batches=2)
+    trainer = _trainer(tmp_path, [cb], accumulate_grad_batches=2, log_every_n_steps=1)
     model = Tiny()
     trainer.fit(model)
     applied = [lrs[0] for lrs in trainer.optimizers[0].lrs]
@@ -237,6 +237,25 @@ def test_composes_with_user_scheduler_and_lr_monitor(tmp_path, make, interval):
     )
     assert monitor.lrs["lr-RecordingSGD"] == pytest.approx(applied, rel=1e-9)
     assert "lr_user_scheduler" in cb.decisions
+
+
+def test_lr_is_logged_on_the_steps_lr_monitor_logs_with_its_values(tmp_path):
+    # A logged float becomes a device tensor (a host sync on GPUs): only the steps the loggers write log it.
+    def logged(callbacks, name) -> dict[int, float]:
+        logger = CSVLogger(tmp_path, name=name)
+        _trainer(tmp_path, callbacks, logger=logger, log_every_n_steps=3).fit(Tiny())
+        rows = [r.split(",") for r in (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()]
+        lr, step = rows[0].index("lr-RecordingSGD"), rows[0].index("step")
+        return {int(r[step]): float(r[lr]) for r in rows[1:] if r[lr]}
+
+    ours = logged([WarmupScaledLR(reference_batch_size=1, warmup_steps=8)], "ours")
+    monitor = logged(
+        [WarmupScaledLR(reference_batch_size=1, warmup_steps=8), LearningRateMonitor()], "monitor"
+    )
+    # LearningRateMonitor adds the lr at train start and at an epoch start; at batches, the same steps and lrs.
+    at_batches = {step: lr for step, lr in monitor.items() if (step + 1) % 3 == 0}
+    assert list(ours) == list(at_batches) == list(range(2, 32, 3))
+    assert list(ours.values()) == pytest.approx(list(at_batches.values()), rel=1e-6)
 
 
 class SkipSteps(Precision):

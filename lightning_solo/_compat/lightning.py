@@ -120,6 +120,12 @@ def logger_connector(trainer: Any) -> Any:
 LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
 
 
+def should_update_logs(trainer: Any) -> bool:
+    """Whether this training batch is one the loggers write (``trainer._logger_connector.should_update_logs``,
+    which Lightning's ``LearningRateMonitor`` also reads at batch start; checked on lightning 2.6.6)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
 def inner_batch_sampler(batch_sampler: Any) -> Any:
     """The batch sampler inside Lightning's predict-time ``_IndexBatchSamplerWrapper`` (its ``_batch_sampler``),
     or ``batch_sampler`` itself (checked on lightning 2.6.6)."""

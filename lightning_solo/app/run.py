@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo.app.config_check import ConfigError, check_config
@@ -92,6 +93,7 @@ def make_trainer(cfg: DictConfig, callbacks: list[Any]) -> Any:
     # When the strategy takes the precision (SoloDDP does: parallelism.strategy.precision), it alone
     # decides; the Trainer gets none, so "auto" and real fp16 on CPU reach SoloDDP unchanged.
     trainer_precision = None if "precision" in par.strategy else par.precision
+    callbacks = [*callbacks, *progress_bar(cfg, callbacks)]
     trainer = hydra.utils.instantiate(
         cfg.trainer,
         accelerator=par.accelerator,
@@ -104,6 +106,17 @@ def make_trainer(cfg: DictConfig, callbacks: list[Any]) -> Any:
     )
     refuse_multirun_relaunch(trainer)
     return trainer
+
+
+def progress_bar(cfg: DictConfig, callbacks: list[Any]) -> list[Any]:
+    """Lightning's bar at ``progress_bar_refresh_rate`` (each refresh reads its metrics from the device), unless
+    the bar is off or a callback is a progress bar already."""
+    rate = cfg.get("progress_bar_refresh_rate")
+    if rate is None or not cfg.trainer.get("enable_progress_bar", True):
+        return []
+    if any(isinstance(cb, ProgressBar) for cb in callbacks):
+        return []
+    return [TQDMProgressBar(refresh_rate=rate)]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.callbacks.lr.groups import ScaledParamGroups, lr_names
 from lightning_solo.callbacks.lr.plot import plot_schedule
 from lightning_solo.callbacks.lr.schedule import (
@@ -62,8 +63,9 @@ class WarmupScaledLR(DecisionLog, Callback):
             (× ``decay_gamma`` at each of ``decay_milestones``, given as fractions of the run).
         per_device_batch_size: only for loaders that do not expose a batch size (pre-batched iterables,
             several train loaders); otherwise the train dataloader's batch size is used.
-        log_lr: log the applied lr each step as ``lr-<Optimizer>`` (skipped when a ``LearningRateMonitor``
-            is present: it reads the same values, under the same names).
+        log_lr: log the applied lr as ``lr-<Optimizer>`` on the steps the loggers write, as
+            ``LearningRateMonitor`` does (skipped when one is present: it logs the same values, under the same
+            names).
     """
 
     def __init__(
@@ -224,7 +226,9 @@ class WarmupScaledLR(DecisionLog, Callback):
     ) -> None:
         if self._groups is not None:
             self._groups.apply_all()
-        if self._log:
+        # Only on the batches the loggers write, as LearningRateMonitor does: a logged float becomes a tensor on the
+        # device, a blocking host-to-device copy on GPUs, which on every batch would stall the host each step.
+        if self._log and lightning_compat.should_update_logs(trainer):
             for opt, names in zip(trainer.optimizers, self._names):
                 for g, name in zip(opt.param_groups, names):
                     pl_module.log(name, g["lr"], on_step=True, on_epoch=False, batch_size=1)
