@@ -218,7 +218,8 @@ def check_syncbn(device: str) -> tuple[bool, str]:
 
     empty, full = run_ranks(_syncbn_rank, 2, device)
     ok = (
-        empty["syncs"] == full["syncs"] == []
+        full["syncs"] == []
+        and len(empty["syncs"]) == 1  # the empty rank reads the global count (a clear error, not an assert)
         and empty["allreduces"] == full["allreduces"]
         and full["dtype"] == "torch.bfloat16"
         and max(empty["running_var"], full["running_var"]) <= 1e-4

@@ -25,8 +25,11 @@ import pickle
 import socket
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from torch.overrides import TorchFunctionMode
 
 from lightning_solo._compat.torch import DispatchMode
 
@@ -81,20 +84,194 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     return [results[r] for r in range(world_size)]
 
 
-class HostSyncRecorder(DispatchMode):
-    """Within ``with HostSyncRecorder() as rec:``, records each all-reduce's ``(dtype, numel)`` in
-    ``rec.allreduces`` and every host sync in ``rec.syncs``: ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``
-    all go through ``_local_scalar_dense``, boolean-mask indexing through ``nonzero``. Works on any device."""
+class HostSyncRecorder:
+    """Records, on any device, what would stall the host on a GPU: every read of a device tensor's value
+    (``.item()``, ``float``/``bool``/``int``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, a copy into
+    a host tensor unless ``non_blocking`` (into pinned memory on a GPU), ``nonzero``/``masked_select``, whose output
+    size needs the data), and every copy of host data onto
+    the device (``torch.tensor(data, device=...)``, ``host.to(device)``, a copy from a host tensor). On the CPU the
+    device is the CPU, so which tensors would live on the GPU is tracked: :meth:`watch` marks the device's tensors
+    (a module's parameters and buffers), and whatever an op computes from one is one too, as are tensors made with
+    ``device=`` this device. Without :meth:`watch`, every tensor counts as the device's. A target given as the
+    string ``"cpu"`` means the host; a ``torch.device`` means the device. All-reduces are recorded too.
 
-    def __init__(self) -> None:
-        super().__init__()
+    ``rec.syncs``: the op of each event; ``rec.events``: each as :class:`HostSync` (kind, op, call site, and ``step``
+    at the time: an int, or a function called per event); ``rec.allreduces``: each all-reduce's ``(dtype, numel)``.
+
+    Example::
+
+        rec = HostSyncRecorder().watch(model)
+        with rec:
+            model(x).sum().item()          # one event: kind "read", op "item", site "train.py:12"
+    """
+
+    _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
+    _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
+
+    def __init__(self, device: Any = "cpu", step: int | Callable[[], int] | None = None) -> None:
+        import torch
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.device = torch.device(device)
         self.allreduces: list[tuple[str, int]] = []
-        self.syncs: list[str] = []
+        self.events: list[HostSync] = []
+        self.step = step
+        self._device_tensors: Any = WeakIdKeyDictionary()
+        self._tracking = False
+        self._reading = 0  # inside a read already recorded: its _local_scalar_dense is the same event
+        self._modes = (_FunctionSide(self), _DispatchSide(self))
+
+    @property
+    def syncs(self) -> list[str]:
+        return [e.op for e in self.events]
+
+    def watch(self, *owners: Any) -> HostSyncRecorder:
+        """Mark tensors (or every parameter and buffer of modules) as the device's; returns ``self``."""
+        import torch
+
+        self._tracking = True
+        for owner in owners:
+            tensors = (
+                [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
+            )
+            for tensor in tensors:
+                self._device_tensors[tensor] = True
+        return self
+
+    def on_device(self, value: Any) -> bool:
+        import torch
+
+        return isinstance(value, torch.Tensor) and (not self._tracking or value in self._device_tensors)
+
+    def __enter__(self) -> HostSyncRecorder:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def _record(self, kind: str, op: str) -> None:
+        step = self.step() if callable(self.step) else self.step
+        self.events.append(HostSync(kind, op, _call_site(), step))
+
+    def _mark(self, value: Any) -> None:
+        import torch
+
+        for item in _tensors(value):
+            if isinstance(item, torch.Tensor):
+                self._device_tensors[item] = True
+
+    def _is_device(self, target: Any) -> bool:
+        import torch
+
+        return isinstance(target, torch.device) and target.type == self.device.type
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One event of :class:`HostSyncRecorder`: ``kind`` is ``"read"`` (device to host) or ``"upload"`` (host
+    data onto the device); ``site`` the innermost ``file:line`` outside torch."""
+
+    kind: str
+    op: str
+    site: str
+    step: int | None
+
+
+class _FunctionSide(TorchFunctionMode):
+    """The Python-level calls: reads and moves that do not reach the dispatcher on the CPU (``.cpu()``, ``.to``,
+    ``.tolist()``) and ``torch.tensor(..., device=)``."""
+
+    def __init__(self, rec: HostSyncRecorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rec, kwargs = self.rec, kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in rec._READS and args and rec.on_device(args[0]):
+            rec._record("read", name)
+            rec._reading += 1
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                rec._reading -= 1
+            return _host_copy(rec, args[0], result)
+        if name == "to" and args:
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(target, str) and target.startswith("cpu") and rec.on_device(args[0]):
+                rec._record("read", "to('cpu')")
+                return _host_copy(rec, args[0], func(*args, **kwargs))
+            if rec._is_device(target) and not rec.on_device(args[0]):
+                rec._record("upload", "to(device)")
+                result = func(*args, **kwargs)
+                result = result.clone() if result is args[0] else result  # on a GPU: a new tensor
+                rec._mark(result)
+                return result
+        result = func(*args, **kwargs)
+        device = kwargs.get("device")
+        if device is not None and (rec._is_device(device) or isinstance(device, str)):
+            if name in rec._FACTORIES and not rec.on_device(args[0] if args else None):
+                rec._record("upload", f"torch.{name}(..., device=)")
+            if rec._is_device(device) or name in rec._FACTORIES:
+                rec._mark(result)
+        return result
+
+
+class _DispatchSide(DispatchMode):
+    """The ops: what a device tensor computes stays on the device; reads the C++ side makes; copies between host
+    and device tensors; all-reduces."""
+
+    def __init__(self, rec: HostSyncRecorder) -> None:
+        super().__init__()
+        self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        rec, kwargs = self.rec, kwargs or {}
         name = func.name()
+        short = name.split("::")[-1].split(".")[0]
         if name.startswith("c10d::allreduce"):
-            self.allreduces += [(str(t.dtype), t.numel()) for t in args[0]]
-        elif name.split("::")[-1].split(".")[0] in ("_local_scalar_dense", "nonzero", "masked_select"):
-            self.syncs.append(name)
-        return func(*args, **(kwargs or {}))
+            rec.allreduces += [(str(t.dtype), t.numel()) for t in args[0]]
+        elif short in ("_local_scalar_dense", "nonzero", "masked_select") and not rec._reading:
+            if rec.on_device(args[0]):
+                rec._record("read", name)
+        elif short == "copy_" and rec._tracking:
+            into, source = rec.on_device(args[0]), rec.on_device(args[1])
+            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])
+            if into != source and not (non_blocking and not into):  # into pinned memory: the host goes on
+                rec._record("upload" if into else "read", name)
+        result = func(*args, **kwargs)
+        # A copy leaves its destination where it is; any other op computes on the device from a device tensor.
+        if rec._tracking and short != "copy_" and any(rec.on_device(t) for t in _tensors((args, kwargs))):
+            rec._mark(result)
+        return result
+
+
+def _host_copy(rec: HostSyncRecorder, source: Any, result: Any) -> Any:
+    """On a GPU a read returns a new host tensor; on the CPU torch may return ``source`` itself: copy it, so that
+    reading the host copy later counts as nothing, as it would on a GPU."""
+    if result is source:  # called inside the function mode's handler: the mode is off here
+        result = source.clone()
+        rec._device_tensors.pop(result, None)
+    return result
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return [value]
+
+
+def _call_site() -> str:
+    """The innermost frame outside torch and this module, as ``path:line``."""
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), __file__)
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(skip):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"

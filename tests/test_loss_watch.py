@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -134,9 +135,19 @@ class _RecordedLossWatch(LossWatch):
         try:
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
         except NonFiniteLossError as err:
-            self._record(trainer, pl_module, error=str(err), after_nan_s=time.monotonic() - pl_module.nan_started
-                         if hasattr(pl_module, "nan_started") else None)  # fmt: skip
+            self._failed(trainer, pl_module, err)
             raise
+
+    def state_dict(self):  # a checkpoint save reads the check in flight first
+        try:
+            return super().state_dict()
+        except NonFiniteLossError as err:
+            self._failed(self._trainer_ref, self._trainer_ref.lightning_module, err)
+            raise
+
+    def _failed(self, trainer, pl_module, err):
+        after = time.monotonic() - pl_module.nan_started if hasattr(pl_module, "nan_started") else None
+        self._record(trainer, pl_module, error=str(err), after_nan_s=after)
 
     def on_train_end(self, trainer, pl_module):
         self._record(trainer, pl_module, error=None)
@@ -152,12 +163,14 @@ class _RecordedLossWatch(LossWatch):
         write_rank_record(self.out, trainer.global_rank, record)
 
 
-def _fit(tmp_path, skewed: bool, nan_at: int | None) -> list[dict]:
-    watch = _RecordedLossWatch(tmp_path, window=5, spread_every_n_steps=8)
+def _fit(tmp_path, skewed: bool, nan_at: int | None, stop_before_step: bool = False) -> list[dict]:
+    watch = _RecordedLossWatch(tmp_path, window=5, spread_every_n_steps=8, stop_before_step=stop_before_step)
+    # A checkpoint every step: none may hold a non-finite step's update.
+    every_step = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=STEPS, logger=False,
         use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[watch],
+        default_root_dir=tmp_path, callbacks=[watch, every_step],
     )  # fmt: skip
     try:
         trainer.fit(_Classifier(skewed, nan_at))
@@ -166,27 +179,44 @@ def _fit(tmp_path, skewed: bool, nan_at: int | None) -> list[dict]:
     return records
 
 
+def _saved_steps(tmp_path) -> dict[int, bool]:
+    """Each checkpoint's step, and whether its weights are finite."""
+    saved = {}
+    for path in (tmp_path / "ckpt").glob("step=*.ckpt"):
+        checkpoint = torch.load(path, weights_only=True)
+        saved[checkpoint["global_step"]] = all(
+            torch.isfinite(v).all() for v in checkpoint["state_dict"].values()
+        )
+    return saved
+
+
 @pytest.mark.multiproc
-def test_a_nan_on_one_rank_stops_both_at_that_step_after_the_skew_was_flagged(tmp_path):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_before_step", [False, True], ids=["next-step", "before-step"])
+def test_a_nan_on_one_rank_stops_both_after_the_skew_was_flagged_and_no_checkpoint_holds_it(
+    tmp_path, stop_before_step
+):
     start = time.monotonic()
     with pytest.raises(
         Exception, match=rf"non-finite values at optimizer step {NAN_AT} .*first on rank\(s\) \[1\]"
     ):
-        _fit(tmp_path, skewed=True, nan_at=NAN_AT)
-    assert time.monotonic() - start < 40
+        _fit(tmp_path, skewed=True, nan_at=NAN_AT, stop_before_step=stop_before_step)
+    assert time.monotonic() - start < 60
     records = read_rank_records(tmp_path)
     for record in records:
-        assert record["step"] == NAN_AT  # both ranks, at that step
         assert "loss nan on rank(s) [1]" in record["error"]
-        assert record[
-            "finite_weights"
-        ]  # stopped before the optimizer step: the NaN gradients were never applied
+        if stop_before_step:  # read at once: the NaN gradients were never applied
+            assert record["step"] == NAN_AT and record["finite_weights"]
+        else:  # read a step later: stopped at the next step's check, or at the save before it
+            assert record["step"] == NAN_AT + 1 and not record["finite_weights"]
         # the labels rank 0 and rank 1 see differ: flagged by a spread check, on both ranks alike
         assert any(
             "rank 1 averaged a loss" in line and "Check the sampler and shuffling" in line
             for line in record["advice"]
         )
     assert records[1]["after_nan_s"] < 5  # rank 1 failed within seconds of its NaN
+    saved = _saved_steps(tmp_path)
+    assert max(saved) == NAN_AT and all(saved.values())  # every checkpoint predates the NaN step's update
 
 
 @pytest.mark.multiproc

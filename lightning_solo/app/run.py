@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_solo.app.config_check import ConfigError, check_config
@@ -29,6 +29,7 @@ from lightning_solo.app.preflight import (
     check_world_size_env,
     refuse_multirun_relaunch,
 )
+from lightning_solo.app.progress_bar import RunProgressBar
 from lightning_solo.checkpoint import checkpoint_dir, hpc_checkpoints, resolve_ckpt_path
 from lightning_solo.core import cluster
 from lightning_solo.core.decision import Decision, DecisionLog
@@ -109,14 +110,14 @@ def make_trainer(cfg: DictConfig, callbacks: list[Any]) -> Any:
 
 
 def progress_bar(cfg: DictConfig, callbacks: list[Any]) -> list[Any]:
-    """Lightning's bar at ``progress_bar_refresh_rate`` (each refresh reads its metrics from the device), unless
-    the bar is off or a callback is a progress bar already."""
+    """The bar (with ``train/loss``) at ``progress_bar_refresh_rate``: each refresh reads its metrics from the
+    device. None when the bar is off or a callback is a progress bar already."""
     rate = cfg.get("progress_bar_refresh_rate")
     if rate is None or not cfg.trainer.get("enable_progress_bar", True):
         return []
     if any(isinstance(cb, ProgressBar) for cb in callbacks):
         return []
-    return [TQDMProgressBar(refresh_rate=rate)]
+    return [RunProgressBar(refresh_rate=rate)]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""LossWatch: a non-finite loss or gradient on any rank stops every rank before the optimizer step; spikes,
+"""LossWatch: a non-finite loss or gradient on any rank stops every rank, before any checkpoint holds it; spikes,
 a climbing trend and a loss that differs between ranks become advice.
 
-Per optimizer step, one SUM all-reduce of three numbers (this rank's loss, whether it had one, whether it or the
-gradient norm is non-finite; torchtitan's MIN of a finite flag, with the mean loss in the same message): every
-rank learns whether any rank failed, so all stop together, before ``optimizer.step()``, naming the step and the
-rank(s) (a gather, only then, says which).
+Per optimizer step, one SUM all-reduce of three numbers on the device (this rank's loss, whether it had one,
+whether it or the gradient norm is non-finite; torchtitan's MIN of a finite flag, with the mean loss in the same
+message): every rank learns whether any rank failed, so all stop together, naming the step and the rank(s) (a
+gather, only then, says which). The sums are read one step later (:func:`decide_stop`): reading them at once would
+stall the host at every step on a GPU. A non-finite step is then caught before the next optimizer step, and before
+any checkpoint is written (the check in flight is read first), so the newest checkpoint predates it;
+``LossWatch(stop_before_step=True)`` reads at once and stops before the bad step's update, a host sync per step.
 Every ``spread_every_n_steps`` steps one all-gather of each rank's mean and variance of its own losses flags
 ranks that see differently distributed data. The step counts agree on every rank, so every rank runs the same
 collectives.
@@ -23,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -57,9 +61,52 @@ def decide_grad_check(requested: bool, has_scaler: bool) -> Decision:
     )
 
 
+def decide_stop(stop_before_step: bool) -> Decision:
+    """When the per-step check is read: at once, before the optimizer step, or one step later."""
+    if stop_before_step:
+        return Decision(
+            "loss_watch.stop",
+            "before the step",
+            "set by the user: a host sync per step, the bad update never applied",
+        )
+    return Decision(
+        "loss_watch.stop",
+        "next step",
+        "read one step later, so the host never waits for the device: a non-finite step stops every rank before the "
+        "next optimizer step and before any checkpoint is written (LossWatch(stop_before_step=True): before its "
+        "own update, a host sync per step)",
+    )
+
+
+@dataclass
+class _Check:
+    """One optimizer step's check in flight: its values copied to the host without waiting; read by :meth:`read`."""
+
+    step: int
+    epoch: int
+    values: torch.Tensor
+    ready: Any  # a CUDA event after the copy; None on the CPU (the copy was synchronous)
+
+    @classmethod
+    def start(cls, step: int, epoch: int, values: torch.Tensor) -> _Check:
+        cuda = values.is_cuda
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+        host.copy_(values, non_blocking=True)  # into pinned memory on a GPU; a plain copy on the CPU
+        ready = torch.cuda.Event() if cuda else None
+        if ready is not None:
+            ready.record()
+        return cls(step, epoch, host, ready)
+
+    def read(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()  # the copy of a step ago: done long since, unless the host ran far ahead
+        return self.values.tolist()
+
+
 class LossWatch(DecisionLog, L.Callback):
     """``window``: span of the running trend, in steps; ``spread_every_n_steps``: steps between rank-spread
-    checks (0: never); ``spread_threshold``: the spread, as a fraction of the mean loss, worth flagging."""
+    checks (0: never); ``spread_threshold``: the spread, as a fraction of the mean loss, worth flagging;
+    ``stop_before_step``: read each step's check at once (a host sync per step) instead of one step later."""
 
     def __init__(
         self,
@@ -69,6 +116,7 @@ class LossWatch(DecisionLog, L.Callback):
         rise: float = 0.25,
         spread_every_n_steps: int = 50,
         spread_threshold: float = 0.1,
+        stop_before_step: bool = False,
     ) -> None:
         self.check_grad_norm = check_bool("check_grad_norm", check_grad_norm)
         self.window = check_int("window", window)
@@ -76,13 +124,16 @@ class LossWatch(DecisionLog, L.Callback):
         self.rise = check_number("rise", rise)
         self.spread_every_n_steps = check_int("spread_every_n_steps", spread_every_n_steps, minimum=0)
         self.spread_threshold = check_number("spread_threshold", spread_threshold)
+        self.stop_before_step = check_bool("stop_before_step", stop_before_step)
         self.decisions: dict[str, Decision] = {}
         self._advice: dict[str, str] = {}
         self.trend = LossTrend(window=window, spike_factor=spike_factor, rise=rise)
         self._restored: dict[str, Any] | None = None
+        self._trainer_ref: L.Trainer | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._trainer_ref = trainer
         self.trend = LossTrend(window=self.window, spike_factor=self.spike_factor, rise=self.rise)
         self._advice = {}
         if self._restored is not None:  # loaded from the checkpoint before this hook
@@ -90,7 +141,9 @@ class LossWatch(DecisionLog, L.Callback):
             self._advice, self._restored = dict(self._restored["advice"]), None
         has_scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         self._grad_check = self._decide(decide_grad_check(self.check_grad_norm, has_scaler)).value
+        self._decide(decide_stop(self.stop_before_step))
         self._step_loss: torch.Tensor | None = None
+        self._pending: _Check | None = None
         self._reset_spread(trainer.global_step)
 
     @override
@@ -106,32 +159,51 @@ class LossWatch(DecisionLog, L.Callback):
         loss, self._step_loss = self._step_loss, None
         device = trainer.strategy.root_device
         grad_norm = self._grad_norm(optimizer, device) if self._grad_check else torch.zeros((), device=device)
-        has_loss = loss is not None
+        has_loss = torch.full((), float(loss is not None), device=device)  # a fill on the device, no copy
         loss = loss.to(device) if loss is not None else torch.zeros((), device=device)
         bad = (~torch.isfinite(loss)) | (~torch.isfinite(grad_norm))
-        mine = torch.stack(
-            [torch.where(bad, 0.0, loss), torch.tensor(float(has_loss), device=device), bad.float()]
-        )
+        mine = torch.stack([torch.where(bad, 0.0, loss), has_loss, bad.float()])
         total = mine.clone()
         if world_size() > 1:
             dist.all_reduce(total)  # SUM: the loss over the ranks that had one, and how many ranks failed
-        # One device-to-host copy for this rank's values and the sums.
-        local, _, _, loss_sum, with_loss, failed = torch.cat([mine, total]).tolist()
+        values = torch.cat([mine, total, loss.reshape(1).float(), grad_norm.reshape(1).float()])
+        check = _Check.start(trainer.global_step, trainer.current_epoch, values)
+        if self.stop_before_step:
+            self._settle(trainer, check)
+        else:
+            previous, self._pending = self._pending, check
+            if previous is not None:
+                self._settle(trainer, previous)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_pending(trainer)
+
+    def _settle_pending(self, trainer: L.Trainer) -> None:
+        """Read the check in flight (every rank reads the same sums, so every rank stops or none does)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            self._settle(trainer, pending)
+
+    def _settle(self, trainer: L.Trainer, check: _Check) -> None:
+        local, has_loss, _, loss_sum, with_loss, failed, loss, grad_norm = check.read()
         if failed:
-            self._stop(trainer, float(loss), float(grad_norm))
-        step = trainer.global_step
-        if with_loss and self.trend.update(step, loss_sum / with_loss) is not None:
+            self._stop(trainer, check, loss, grad_norm)
+        if with_loss and self.trend.update(check.step, loss_sum / with_loss) is not None:
             for kind, line in self.trend.advice().items():
                 self._advise(kind, line)
         if has_loss:
             self._losses.append(local)
-        if self.spread_every_n_steps and (step + 1 - self._spread_start) >= self.spread_every_n_steps:
-            self._check_spread(trainer, step)
+        if self.spread_every_n_steps and (check.step + 1 - self._spread_start) >= self.spread_every_n_steps:
+            self._check_spread(trainer, check.step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # As of the last optimizer step (the trend moves only there): a save inside an accumulation cycle holds
-        # no half-summed step loss, and the resume replays that cycle's batches.
+        # As of the last optimizer step (the trend moves only there): the check in flight is read first, on every
+        # rank alike (a checkpoint is saved on every rank), so a non-finite step stops the run before it is saved.
+        # A save inside an accumulation cycle holds no half-summed step loss, and the resume replays its batches.
+        if getattr(self, "_pending", None) is not None and self._trainer_ref is not None:
+            self._settle_pending(self._trainer_ref)
         return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}
 
     @override
@@ -151,24 +223,29 @@ class LossWatch(DecisionLog, L.Callback):
             return torch.zeros((), device=device)
         return torch.nn.utils.get_total_norm(grads).to(device)
 
-    def _stop(self, trainer: L.Trainer, loss: float, grad_norm: float) -> None:
+    def _stop(self, trainer: L.Trainer, check: _Check, loss: float, grad_norm: float) -> None:
         """Every rank is here (the all-reduce said some rank failed): gather who, then raise on every rank."""
         mine = torch.tensor([loss, grad_norm], dtype=torch.float64, device=trainer.strategy.root_device)
         every = gather_rows(mine).tolist()
         bad_loss = [r for r, (v, _) in enumerate(every) if not math.isfinite(v)]
         bad_grad = [r for r, (_, g) in enumerate(every) if not math.isfinite(g)] if self._grad_check else []
-        step = trainer.global_step
+        step = check.step
         parts = []
         if bad_loss:
             parts.append(f"loss {', '.join(f'{every[r][0]}' for r in bad_loss)} on rank(s) {bad_loss}")
         if bad_grad:
             parts.append(f"gradient norm non-finite on rank(s) {bad_grad}")
         origin = bad_loss or bad_grad
+        when = (
+            f"Every rank stopped before the optimizer step: the weights are those after step {step - 1}."
+            if self.stop_before_step
+            else f"Every rank stopped before the next optimizer step and before any checkpoint held step {step}'s "
+            f"update: resume from the newest checkpoint."
+        )
         raise NonFiniteLossError(
-            f"non-finite values at optimizer step {step} (epoch {trainer.current_epoch}), first on rank(s) {origin}: "
-            f"{'; '.join(parts)}. Every rank stopped before the optimizer step: the weights are those after step "
-            f"{step - 1}. DDP averages gradients, so one rank's NaN reaches every rank's gradients. Check that "
-            f"rank's batch, then {_REMEDY}."
+            f"non-finite values at optimizer step {step} (epoch {check.epoch}), first on rank(s) {origin}: "
+            f"{'; '.join(parts)}. {when} DDP averages gradients, so one rank's NaN reaches every rank's gradients. "
+            f"Check that rank's batch, then {_REMEDY}."
         )
 
     def _check_spread(self, trainer: L.Trainer, step: int) -> None:

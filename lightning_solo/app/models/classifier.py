@@ -142,7 +142,9 @@ class ImageClassifier(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y, label_smoothing=self.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True)
+        # Not prog_bar=True: Lightning would read it on the host every batch. The runner's bar shows it when it
+        # refreshes (app/progress_bar.py).
+        self.log("train/loss", loss)
         return loss
 
     def _evaluate(self, stage: str, metric: MulticlassAccuracy, batch, batch_idx: int) -> torch.Tensor:

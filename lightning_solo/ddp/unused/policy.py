@@ -303,7 +303,9 @@ class UnusedParameters:
             self.decision = Decision(
                 "find_unused_parameters", False,
                 f"every parameter got a gradient on every rank in {steps}: DDP's fast path (a per-step check "
-                "completes any later step exactly as True would, then switches)",
+                "completes any later step exactly as True would, then switches; it reads one value after each "
+                "backward, a host sync per step on GPUs that exactness before optimizer.step() needs: "
+                "find_unused_parameters=False skips the check)",
             )  # fmt: skip
             return True
         self.phase = Phase.EXCLUDING

@@ -139,7 +139,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self._watch is not None:  # a non-finite loss stops every rank here, before the step
+        if self._watch is not None:  # a non-finite loss stops every rank (see LossWatch)
             self._watch.on_before_optimizer_step(trainer, pl_module, optimizer)
         self._timer.before_optimizer()
 
@@ -184,6 +184,8 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._watch is not None:  # its last step's check, still in flight
+            self._watch.on_train_end(trainer, pl_module)
         self.report = self._report(trainer, pl_module, "total", final=True)
         self._timer.comm.release()  # the DDP wrapper is not ours to keep
 
