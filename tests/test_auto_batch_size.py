@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import lightning as L
 import pytest
@@ -16,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_solo import SoloDDP
 from lightning_solo.app.run_summary import RunSummary
 from lightning_solo.callbacks import AutoBatchSize, WarmupScaledLR
-from lightning_solo.callbacks.batch_size.search import check_band, search_batch_size
+from lightning_solo.callbacks.batch_size.probe import is_out_of_memory
+from lightning_solo.callbacks.batch_size.search import check_band, decide_batch_size, search_batch_size
 from tests.distributed import run_ranks
 
 LOW, HIGH = 0.6, 0.8
@@ -139,3 +141,83 @@ def test_runner_option_builds_the_callback_and_bad_keys_are_named(tmp_path):
             pytest.raises(ConfigError, match=named),
         ):
             check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("error", "too_big"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (
+            RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+            True,
+        ),
+        (RuntimeError("Unable to find a valid cuDNN algorithm to run convolution"), True),
+        (
+            RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. ... unable to find an engine to execute"),
+            True,
+        ),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"), False),
+        (ValueError("out of memory"), False),  # not an error torch raises for memory
+    ],
+)
+def test_what_counts_as_too_big(error, too_big):
+    assert is_out_of_memory(error) is too_big
+
+
+def test_the_decision_gives_allocated_and_reserved():
+    search = search_batch_size(lambda b: 0.01 * b, 8, LOW, HIGH, 1024)
+    reason = decide_batch_size(
+        search, LOW, HIGH, [0.7, 0.69], "80 GiB of the GPU's memory", [0.75, 0.74]
+    ).reason
+    assert "0.700, 0.690 allocated (0.750, 0.740 reserved) of 80 GiB" in reason
+    cpu = decide_batch_size(search, LOW, HIGH, [0.7], "1 GiB of the CPU budget", [math.nan]).reason
+    assert "reserved" not in cpu
+
+
+class _FailsAbove(_MLP):
+    """On rank 1 only, a batch above 64 raises ``error``: what a GPU near full memory (or a bug) does."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error = error
+
+    def training_step(self, batch, batch_idx):
+        if torch.distributed.get_rank() == 1 and batch[0].shape[0] > 64:  # the probes run without a trainer
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_failing(rank, world_size, directory, error):
+    os.environ["LOCAL_RANK"] = str(rank)
+    finder = AutoBatchSize(cap_mb=CAP_MB)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=SoloDDP(), max_steps=1, logger=False,
+                        callbacks=[finder], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=directory)  # fmt: skip
+    try:
+        trainer.fit(_FailsAbove(error))
+    except RuntimeError as err:
+        return {"raised": str(err)}
+    return {"batch": finder.batch_size, "reason": finder.decisions["per_device_batch_size"].reason}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_cudnn_or_cudamalloc_failure_on_one_rank_counts_as_too_big_on_every_rank(tmp_path):
+    error = RuntimeError("Unable to find a valid cuDNN algorithm to run convolution")
+    first, second = run_ranks(_fit_failing, 2, str(tmp_path), error, timeout=110)
+    assert first == second and first["batch"] <= 64, first  # every rank agrees: above 64 did not fit
+    assert "→inf" in first["reason"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_another_error_on_one_rank_stops_every_rank_at_that_probe(tmp_path):
+    start = time.monotonic()
+    first, second = run_ranks(
+        _fit_failing, 2, str(tmp_path), ValueError("a bug in training_step"), timeout=50
+    )
+    assert time.monotonic() - start < 45  # not the collective timeout
+    for result in (first, second):
+        assert "the probe at batch" in result["raised"] and "failed on rank(s) [1]" in result["raised"]
+    assert "a bug in training_step" in second["raised"]  # the failing rank says what failed

@@ -17,6 +17,7 @@ WarmupScaledLR's scaled lr follow. A resumed fit keeps the batch it was trained 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -60,6 +61,9 @@ class AutoBatchSize(DecisionLog, Callback):
         self.decisions: dict[str, Decision] = {}
         self.batch_size: int | None = None
         self.measured: list[float] = []  # every rank's fraction for the chosen batch
+        self.measured_reserved: list[
+            float
+        ] = []  # the same for the allocator's reserved peak (GPU; nan on CPU)
         self._trainer: L.Trainer | None = None
 
     def _decide(self, decision: Decision) -> Decision:
@@ -82,21 +86,37 @@ class AutoBatchSize(DecisionLog, Callback):
         )
         pl_module.to(trainer.strategy.root_device)
         history: dict[int, list[float]] = {}
+        reserved: dict[int, list[float]] = {}
 
         def measure(batch_size: int) -> float:  # the same batch on every rank; the worst rank decides
             batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
             batch = trainer.strategy.batch_to_device(batch)
-            local = probe.measure(pl_module, trainer.precision_plugin, batch)
-            shares = trainer.strategy.all_gather(torch.tensor([local], device=trainer.strategy.root_device))
-            history[batch_size] = [float(s) for s in shares.reshape(-1).cpu()]
+            failure: BaseException | None = None
+            try:
+                local = [probe.measure(pl_module, trainer.precision_plugin, batch), probe.reserved, 0.0]
+            except Exception as err:  # noqa: BLE001 - every rank must learn it before anyone raises
+                failure, local = err, [math.nan, math.nan, 1.0]
+            rows = trainer.strategy.all_gather(torch.tensor(local, device=trainer.strategy.root_device))
+            rows = rows.reshape(-1, 3).tolist()
+            failed = [rank for rank, row in enumerate(rows) if row[2]]
+            if (
+                failed
+            ):  # every rank raises here, at the same probe: no rank waits for another's next collective
+                message = f"AutoBatchSize: the probe at batch {batch_size} failed on rank(s) {failed}"
+                raise RuntimeError(message + ("" if failure is None else f": {failure!r}")) from failure
+            history[batch_size] = [row[0] for row in rows]
+            reserved[batch_size] = [row[1] for row in rows]
             return max(history[batch_size])
 
         start = per_device_batch_size(trainer) or 1
         with probe.session(pl_module, trainer):
             search = search_batch_size(measure, start, self.low, self.high, max_batch, self.max_probes)
         self.measured = history.get(search.batch, [])
+        self.measured_reserved = reserved.get(search.batch, [])
         budget = f"{probe.cap_bytes / 2**20:.0f} MiB of {probe.kind}"
-        decision = self._decide(decide_batch_size(search, self.low, self.high, self.measured, budget))
+        decision = self._decide(
+            decide_batch_size(search, self.low, self.high, self.measured, budget, self.measured_reserved)
+        )
         self._apply(trainer, decision.value)
 
     def _apply(self, trainer: L.Trainer, batch_size: int) -> None:

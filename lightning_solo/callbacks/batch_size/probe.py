@@ -5,8 +5,11 @@ optimizer from ``configure_optimizers``) and measures the second, when gradients
 in steady training (the very first probe takes one more step before it, to leave one-time setup out). The
 weights, buffers, gradients and RNG are put back afterwards.
 
-* GPU: the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) over the device's memory (or ``cap``);
-  an out-of-memory error measures ``inf``.
+* GPU: the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) over the device's memory (or ``cap``),
+  with the reserved peak beside it (``reserved``); each new batch size first runs one step unmeasured, so that
+  cuDNN's autotuning workspaces (``trainer.benchmark``) do not count. An error that means the memory ran out
+  (:func:`is_out_of_memory`: torch's ``OutOfMemoryError``, a raw ``cudaMalloc`` failure, cuDNN finding no
+  algorithm that fits) measures ``inf``.
 * CPU: the growth of the process's resident memory during the steps over ``cap`` (default: the memory
   available now, split between this machine's processes). The peak is the kernel's high-water mark, reset
   through ``/proc/self/clear_refs`` (Linux), else the highest of psutil samples taken every millisecond.
@@ -38,6 +41,24 @@ import psutil
 import torch
 
 from lightning_solo.core import cpu_malloc
+
+# What the memory running out looks like besides torch.OutOfMemoryError: a cudaMalloc failure outside the caching
+# allocator, cuDNN or cuBLAS that cannot get a workspace (cuDNN then says it found no algorithm).
+_OUT_OF_MEMORY = (
+    "out of memory",
+    "cudamalloc",
+    "unable to find a valid cudnn algorithm",
+    "unable to find an engine",
+    "cudnn_status_alloc_failed",
+    "cublas_status_alloc_failed",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` means the batch did not fit in memory (a probe measures ``inf``)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error).lower() for s in _OUT_OF_MEMORY)
 
 
 def _status_bytes(field: str) -> int | None:
@@ -119,6 +140,7 @@ class MemoryProbe:
         self.kind = "the GPU's memory" if self.cuda else "the CPU budget (resident memory growth)"
         self._libc = None if self.cuda else cpu_malloc.glibc()
         self._warm = False
+        self.reserved = math.nan  # the last probe's reserved peak, as a fraction (GPU only)
 
     @contextlib.contextmanager
     def session(self, pl_module: Any, trainer: Any) -> Iterator[None]:
@@ -146,7 +168,9 @@ class MemoryProbe:
                 tuned.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
-        """The peak of the second of two training steps on ``batch``, as a fraction of the budget."""
+        """The peak of a training step on ``batch`` after an unmeasured one, as a fraction of the budget (on GPU
+        the reserved peak's fraction goes to ``self.reserved``); ``inf`` when the memory ran out."""
+        self.reserved = math.nan
         try:
             if not self._warm:  # kernels, workspaces and caches set up on first use are no batch's memory
                 _training_steps(pl_module, precision_plugin, batch)()
@@ -154,14 +178,18 @@ class MemoryProbe:
             pl_module.zero_grad(set_to_none=True)
             step = _training_steps(pl_module, precision_plugin, batch)
             if self.cuda:
+                step()  # unmeasured at this batch size: cuDNN autotunes its convolutions for the new shapes here
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(self.device)
                 step()
-                step()
+                self.reserved = torch.cuda.max_memory_reserved(self.device) / self.cap_bytes
                 return torch.cuda.max_memory_allocated(self.device) / self.cap_bytes
             return self._cpu_growth(step) / self.cap_bytes
-        except torch.OutOfMemoryError:
-            return math.inf
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            if is_out_of_memory(err):
+                self.reserved = math.inf
+                return math.inf
+            raise
         finally:
             step = None  # the optimizer state goes with it
             pl_module.zero_grad(set_to_none=True)

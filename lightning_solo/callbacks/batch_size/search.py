@@ -98,10 +98,18 @@ def search_batch_size(
 
 
 def decide_batch_size(
-    search: Search, low: float, high: float, per_rank: list[float], budget: str
+    search: Search,
+    low: float,
+    high: float,
+    per_rank: list[float],
+    budget: str,
+    reserved: list[float] | None = None,
 ) -> Decision:
-    """The Decision for ``search``: the batch, what every rank measured for it, the band and the probes."""
+    """The Decision for ``search``: the batch, what every rank measured for it (allocated, and the allocator's
+    reserved peak where known), the band and the probes."""
     shares = ", ".join(f"{f:.3f}" for f in per_rank)
+    if reserved and all(math.isfinite(r) for r in reserved):
+        shares += f" allocated ({', '.join(f'{r:.3f}' for r in reserved)} reserved)"
     probes = ", ".join(f"{b}→{f:.3f}" for b, f in search.probes)
     if search.in_band:
         verdict = f"peak memory {shares} of {budget} per rank, in the band [{low:.2f}, {high:.2f}]"
