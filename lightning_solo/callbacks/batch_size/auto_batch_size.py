@@ -96,8 +96,8 @@ class AutoBatchSize(DecisionLog, Callback):
                 local = [probe.measure(pl_module, trainer.precision_plugin, batch), probe.reserved, 0.0]
             except Exception as err:  # noqa: BLE001 - every rank must learn it before anyone raises
                 failure, local = err, [math.nan, math.nan, 1.0]
-            rows = trainer.strategy.all_gather(torch.tensor(local, device=trainer.strategy.root_device))
-            rows = rows.reshape(-1, 3).tolist()
+            gathered = trainer.strategy.all_gather(torch.tensor(local, device=trainer.strategy.root_device))
+            rows = gathered.reshape(-1, 3).tolist()
             failed = [rank for rank, row in enumerate(rows) if row[2]]
             if (
                 failed
