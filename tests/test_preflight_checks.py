@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_solo.app.preflight.machine import check_machine, format_report
+from lightning_solo.app.preflight.machine import check_machine, format_report, preflight_device
 from lightning_solo.callbacks import Preflight
 from lightning_solo.core.cluster import PreflightError
 from lightning_solo.diagnostics.checks.agreement import disagreements, shared_devices
@@ -192,3 +192,27 @@ def test_the_machine_check_alone_reports_this_process(monkeypatch):
     assert "one process: run it under torchrun or srun" in report and report.endswith(
         "preflight passed: 0 error(s), 0 warning(s)"
     )
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "gpus_visible", "device"),
+    [
+        (None, None, "cpu"),  # no GPU
+        (1, None, "cpu"),
+        (0, 1, "cuda:0"),
+        (3, 4, "cuda:3"),
+        (1, 1, "cpu"),  # LOCAL_RANK past the visible GPUs: read the facts on the CPU, report the finding
+        (4, 4, "cpu"),
+    ],
+)
+def test_preflight_reads_its_facts_where_it_can_and_reports_the_rest(local_rank, gpus_visible, device):
+    assert str(preflight_device(local_rank, gpus_visible)) == device
+    if device == "cpu" and gpus_visible:
+        env = {
+            "RANK": str(local_rank),
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": "8",
+        }
+        found = {f.check: f.message for f in check_launch_env(env, gpus_visible=gpus_visible)}
+        assert f"{gpus_visible} GPU(s) are visible" in found["env.LOCAL_RANK"], found

@@ -31,9 +31,10 @@ def check_machine(
     test all-reduce. Returns (every rank's facts, findings), the same on every rank."""
     rank, world, local_rank, address, port = launch_placement()
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank or 0) if on_gpu else torch.device("cpu")
+    gpus_visible = torch.cuda.device_count() if on_gpu else None
+    device = preflight_device(local_rank, gpus_visible)
     backend = backend or ("nccl" if on_gpu else "gloo")
-    found = check_launch_env(os.environ, gpus_visible=torch.cuda.device_count() if on_gpu else None)
+    found = check_launch_env(os.environ, gpus_visible=gpus_visible)
     if (mismatch := check_backend(backend, device.type)) is not None:
         found.append(mismatch)
     if world > 1 and not any(
@@ -63,6 +64,13 @@ def check_machine(
         if dist.is_initialized():
             dist.destroy_process_group()
     return every, findings
+
+
+def preflight_device(local_rank: int | None, gpus_visible: int | None) -> torch.device:
+    """The device this rank's facts are read on: its GPU, or the CPU when it has none (no GPU visible, or
+    ``LOCAL_RANK`` past the visible ones, which check_launch_env reports instead of a crash here)."""
+    index = local_rank or 0
+    return torch.device("cuda", index) if gpus_visible and index < gpus_visible else torch.device("cpu")
 
 
 def launch_placement() -> tuple[int, int, int | None, str | None, int | None]:

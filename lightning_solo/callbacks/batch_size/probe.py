@@ -166,6 +166,8 @@ class MemoryProbe:
             pl_module.zero_grad(set_to_none=True)
             if tuned is not None:
                 tuned.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
+            if self.cuda:  # the probes' peaks are not the run's: TrainingDoctor reports the fit's own
+                torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
         """The peak of a training step on ``batch`` after an unmeasured one, as a fraction of the budget (on GPU
