@@ -66,6 +66,7 @@ def test_lightning_reads_exist():
     connector = lightning_compat.logger_connector(trainer)
     assert all(isinstance(getattr(connector, n), dict) for n in lightning_compat.LOGGER_CONNECTOR_METRICS)
     assert isinstance(lightning_compat.should_update_logs(trainer), bool)
+    assert lightning_compat.attached_trainer(L.LightningModule()) is None
     assert lightning_compat.precision_flags(trainer, "default")[0] == "32-true"
     assert hasattr(trainer.fit_loop, "_data_source") and lightning_compat.fit_data_source(trainer) is None
     assert hasattr(trainer._checkpoint_connector, "_ckpt_path")

@@ -36,7 +36,7 @@ class TinyClassifier(TinyModule):
     """TinyModule that logs its losses and keeps them in a list (a notebook habit: plot afterwards)."""
 
     def __init__(self) -> None:
-        super().__init__((8, 16, 4), activation=nn.ReLU, loss="cross_entropy", lr=0.1)
+        super().__init__((8, 16, 4), activation=nn.ReLU, loss="cross_entropy", lr=0.1, momentum=0.9)
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -58,7 +58,7 @@ def loader() -> DataLoader:
 def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
     recorder = RankRecorder(on_train_batch_end={"steps_seen": "global_step"})  # a user callback's list
     # Each rank's final weights, through a channel independent of the launcher.
-    weights = RankRecorder(tmp_path, on_train_end=("state", "global_step"), suffix=".pt")
+    weights = RankRecorder(tmp_path, on_train_end=("state", "global_step", "optimizer"), suffix=".pt")
     summary = RunSummary()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / name, monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
@@ -132,6 +132,13 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     assert trainer.logger.version == 0
     # No leaked temp directory.
     assert list(private_tmpdir.iterdir()) == []
+    # The optimizer, as a fit in one process leaves it: the parent's own, holding rank 0's momentum.
+    (optimizer,) = trainer.optimizers
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    rank0 = read_rank_records(tmp_path, WORLD, suffix=".pt")[0]["optimizer"]
+    for index, buffers in rank0["state"].items():
+        torch.testing.assert_close(optimizer.state_dict()["state"][index], buffers, rtol=0, atol=0)
+    assert len(rank0["state"]) == len(list(model.parameters()))
 
     # A second fit on the same Trainer continues from where the first stopped (Lightning raises here).
     trainer.fit_loop.max_epochs = 3

@@ -120,6 +120,12 @@ def logger_connector(trainer: Any) -> Any:
 LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
 
 
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public ``trainer``
+    raises when there is none; checked on lightning 2.6.6)."""
+    return module._trainer
+
+
 def should_update_logs(trainer: Any) -> bool:
     """Whether this training batch is one the loggers write (``trainer._logger_connector.should_update_logs``,
     which Lightning's ``LearningRateMonitor`` also reads at batch start; checked on lightning 2.6.6)."""

@@ -17,6 +17,8 @@ stripped of any subclass, a meta tensor is refused), so the parent never unpickl
   ``WarmupScaledLR.schedule``, a list your own callback filled); private fields stay behind;
 * the module's weights (Lightning's own file, loaded onto the CPU) and its public data attributes
   (``self.losses = []`` that ``training_step`` appended to);
+* the optimizers' and lr schedulers' ``state_dict()`` s, loaded into the parent's own (its module's
+  ``configure_optimizers``), so ``trainer.optimizers`` holds the fit's momentum, step counts and lr;
 * the precision plugin's checkpoint state (its ``state_dict()`` and ``on_save_checkpoint``: the GradScaler's
   scale and growth tracker, the skipped-step count, as numbers) with the settings it was built from, so the
   parent settles the same plugin and loads that state into it; the plugin object itself never crosses (its
@@ -186,6 +188,18 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
             for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ],
         "module": public_data(trainer.lightning_module, skip=("training",)),
+        # What a fit in one process leaves in trainer.optimizers and lr_scheduler_configs (their state_dicts).
+        "optimizers": [
+            pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(trainer.optimizers)
+        ]
+        if fitting
+        else [],
+        "lr_schedulers": [
+            pack(config.scheduler.state_dict(), f"lr scheduler {i}.state_dict()")
+            for i, config in enumerate(trainer.lr_scheduler_configs)
+        ]
+        if fitting
+        else [],
         "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
             name: pack(value, f"strategy.{name}")
             for name, value in (trainer.strategy.state_dict() if _is_solo(trainer.strategy) else {}).items()
@@ -317,6 +331,8 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
         if (epoch_loop_state := fit_loop.get("epoch_loop.state_dict")) is not None:
             trainer.fit_loop.epoch_loop.on_load_checkpoint(epoch_loop_state)  # the logging step
     _restore_callbacks(trainer.callbacks, state["callbacks"])  # type: ignore[attr-defined]
+    if state.get("optimizers"):
+        _restore_optimizers(trainer, state["optimizers"], state["lr_schedulers"])
     module = trainer.lightning_module
     _set_public_data(module, state["module"], skip={*module._parameters, *module._buffers, *module._modules})
     if _is_solo(trainer.strategy):
@@ -330,6 +346,33 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     for name in ("logged_metrics", "progress_bar_metrics"):
         if (metrics := unpack(state[name], f"trainer.{name}")) is not LEFT_BEHIND:
             getattr(connector, f"_{name}").update(metrics)
+
+
+def _restore_optimizers(
+    trainer: L.Trainer, optimizers: list[bytes | None], schedulers: list[bytes | None]
+) -> None:
+    """The parent's own optimizers and schedulers (``configure_optimizers`` on its module, as the fit ran it),
+    holding the worker's state: ``trainer.optimizers`` reads as after a fit in one process. A next ``fit`` makes
+    new ones, as in one process."""
+    module = trainer.lightning_module
+    attached = lightning_compat.attached_trainer(module)  # the parent never ran the fit: attach it meanwhile
+    try:
+        module.trainer = trainer
+        trainer.strategy.setup_optimizers(trainer)
+    except Exception as err:  # noqa: BLE001 - e.g. configure_optimizers reading what only the workers had
+        rank_zero_warn(
+            f"the optimizers' state stays in the worker processes: configure_optimizers failed here ({err!r})"
+        )
+        return
+    finally:
+        module.trainer = attached
+    pairs: list[tuple[Any, bytes | None]] = [
+        *zip(trainer.optimizers, optimizers),
+        *zip((c.scheduler for c in trainer.lr_scheduler_configs), schedulers),
+    ]
+    for owner, blob in pairs:
+        if (state := unpack(blob, f"{type(owner).__name__}.state_dict()")) is not LEFT_BEHIND:
+            owner.load_state_dict(state)
 
 
 def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix: str = "") -> None:

@@ -15,6 +15,7 @@ small, as SoloDDP's fork launcher blocks on a carried state over ~64 KiB).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,6 +42,7 @@ READERS: dict[str, Reader] = {
     "decisions": _decisions,  # the strategy's, as dicts (setting, value, reason)
     "global_step": lambda trainer, module: trainer.global_step,
     "lr": lambda trainer, module: trainer.optimizers[0].param_groups[0]["lr"],
+    "optimizer": lambda trainer, module: copy.deepcopy(trainer.optimizers[0].state_dict()),
 }
 
 ONCE = ("on_train_start", "on_train_end", "on_fit_end")
