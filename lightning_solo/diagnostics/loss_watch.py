@@ -129,7 +129,8 @@ class LossWatch(DecisionLog, L.Callback):
         self._advice: dict[str, str] = {}
         self.trend = LossTrend(window=window, spike_factor=spike_factor, rise=rise)
         self._restored: dict[str, Any] | None = None
-        self._trainer_ref: L.Trainer | None = None
+        self._trainer_ref: L.Trainer | None = None  # the fit's, for a save that reads the check in flight
+        self._pending: _Check | None = None  # the last optimizer step's check, not read yet
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -143,7 +144,7 @@ class LossWatch(DecisionLog, L.Callback):
         self._grad_check = self._decide(decide_grad_check(self.check_grad_norm, has_scaler)).value
         self._decide(decide_stop(self.stop_before_step))
         self._step_loss: torch.Tensor | None = None
-        self._pending: _Check | None = None
+        self._pending = None
         self._reset_spread(trainer.global_step)
 
     @override
@@ -181,7 +182,7 @@ class LossWatch(DecisionLog, L.Callback):
 
     def _settle_pending(self, trainer: L.Trainer) -> None:
         """Read the check in flight (every rank reads the same sums, so every rank stops or none does)."""
-        pending, self._pending = getattr(self, "_pending", None), None
+        pending, self._pending = self._pending, None
         if pending is not None:
             self._settle(trainer, pending)
 
@@ -202,7 +203,7 @@ class LossWatch(DecisionLog, L.Callback):
         # As of the last optimizer step (the trend moves only there): the check in flight is read first, on every
         # rank alike (a checkpoint is saved on every rank), so a non-finite step stops the run before it is saved.
         # A save inside an accumulation cycle holds no half-summed step loss, and the resume replays its batches.
-        if getattr(self, "_pending", None) is not None and self._trainer_ref is not None:
+        if self._pending is not None and self._trainer_ref is not None:
             self._settle_pending(self._trainer_ref)
         return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}
 
