@@ -1,0 +1,182 @@
+"""Uneven data cannot hang: when the ranks' loaders of an ``IterableDataset`` run out at different batches, every rank
+ends its epoch (or evaluation) at the batch where the first rank runs out, agreed at each batch without a blocking
+collective.
+
+Stock DDP on uneven data: the rank whose loader ends first leaves the epoch; from then on the ranks' collectives
+(DDP's gradient all-reduce, ``sync_dist`` logging, an in-fit validation) no longer belong to the same step, and the
+run trains on misaligned steps until a collective has no partner: "Connection closed by peer" on gloo, the timeout
+on NCCL. An ``IterableDataset`` has no sampler to even the ranks out (``DistributedSampler`` does for map-style data),
+and its ``__len__``, where it has one, is the user's word.
+
+:class:`UnevenData` reads each such loader (training, validation, test, predict) one batch ahead, so that a rank
+knows, one batch before, that its next batch is its last. Each batch the loader hands out, its ranks start an
+asynchronous MIN all-reduce of "the end I know" (:class:`~lightning_solo.ddp.agreement.Agreement` on a gloo group;
+``inf`` while unknown) and read the one started at the batch before. A rank whose data ends after batch ``L - 1``
+knows it when it hands out that batch; every rank reads it at the next one and ends there: all at batch ``L``, the
+first end. The first batch of each iteration waits for its own agreement (one wait an epoch: there is no batch
+before it to have agreed, and a rank may have no data at all). Lightning's fetcher, which reads one batch ahead of
+training, sees every rank's loader end after the same batch, so ``is_last_batch`` (and with it the epoch-end
+validation, the epoch's schedulers and checkpoints) is the same on every rank.
+
+The longer ranks' extra batches are not read that epoch. A ``__len__`` that overstates ends as the data does, on
+every rank together. Map-style loaders are left alone: their sampler's length is what they give, and
+``DistributedSampler`` gives every rank the same. ``SoloDDP(uneven_data=False)``: as stock.
+
+Example::
+
+    uneven = UnevenData("shortest")
+    decision = uneven.setup(world_size=2, group=gloo_group)     # each run, on every rank
+    loader = uneven.on_dataloader(loader)                       # every loader the strategy processes
+    uneven.uninstall()                                          # at teardown
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.agreement import Agreement
+
+Policy = Literal["shortest"] | Literal[False]
+# Batches read beyond the one handed out: a rank knows its end one batch before, in time for the others to read it.
+AHEAD = 1
+
+
+def check_policy(policy: Any) -> Policy:
+    """``uneven_data=``: "shortest" or False; "join" (torch's Join: the longer ranks finish) is not built."""
+    if not (policy == "shortest" or policy is False):
+        raise ValueError(
+            f"uneven_data must be 'shortest' (every rank ends at the first rank's end) or False (stock), "
+            f"got {policy!r}"
+        )
+    return policy
+
+
+class UnevenData:
+    """The uneven-data policy of one strategy: :meth:`setup` each run, :meth:`on_dataloader` for each loader,
+    :meth:`uninstall` at teardown.
+
+    Args:
+        policy: ``"shortest"``: every rank ends at the first rank's end; ``False``: stock Lightning.
+    """
+
+    def __init__(self, policy: Any = "shortest") -> None:
+        self.policy = check_policy(policy)
+        self._group: Any = None
+        self._wrapped: list[DataLoader] = []
+
+    def setup(self, world_size: int, group: Any) -> Decision:
+        """This run's group (the gloo side group; ``None`` where there is none) and what the policy does."""
+        self._group = group if self.policy and world_size > 1 else None
+        if not self.policy:
+            return Decision("uneven_data", False, "uneven_data=False: as stock (uneven data hangs or fails)")
+        if world_size == 1:
+            return Decision("uneven_data", "shortest", "one rank: its data ends where it ends")
+        if group is None:
+            return Decision("uneven_data", False, "no gloo group for the per-batch agreement: as stock")
+        return Decision(
+            "uneven_data",
+            "shortest",
+            "an IterableDataset's loaders are read one batch ahead and the ranks agree asynchronously at each batch "
+            "on the first end any rank knows: every rank ends the epoch (or evaluation) at the batch where the "
+            "first rank runs out, the longer ranks' extra batches unread; map-style loaders as they are "
+            "(SoloDDP(uneven_data=False): as stock, which hangs or fails on uneven data)",
+        )
+
+    def on_dataloader(self, dataloader: Any) -> Any:
+        """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
+        the policy runs); any other as it is. Through its ``_get_iterator``, which :meth:`uninstall` gives back."""
+        if (
+            self._group is not None
+            and isinstance(dataloader, DataLoader)
+            and isinstance(dataloader.dataset, IterableDataset)
+            and not any(dataloader is wrapped for wrapped in self._wrapped)
+        ):
+            agreed = _AgreedIterators(dataloader._get_iterator, self._group)
+            dataloader._get_iterator = agreed  # type: ignore[method-assign,assignment]  # undone by uninstall()
+            self._wrapped.append(dataloader)
+        return dataloader
+
+    def uninstall(self) -> None:
+        """Give the loaders their own iterators back (a later run decides again)."""
+        for dataloader in self._wrapped:
+            vars(dataloader).pop("_get_iterator", None)
+        self._wrapped = []
+
+
+class _AgreedIterators:
+    """A ``DataLoader._get_iterator`` whose iterators are :class:`AgreedEnd` around the loader's own."""
+
+    def __init__(self, get_iterator: Any, group: Any) -> None:
+        self.get_iterator = get_iterator
+        self.group = group
+
+    def __call__(self) -> AgreedEnd:
+        return AgreedEnd(self.get_iterator(), self.group)
+
+
+class AgreedEnd(Iterator):
+    """An iterator that ends where the first rank's ``iterator`` ends, on every rank at the same item (see the
+    module docstring); every rank must call ``next`` at the same points, as Lightning's loops do.
+
+    Args:
+        iterator: this rank's iterator (a ``DataLoader``'s).
+        group: the gloo group of every rank.
+    """
+
+    def __init__(self, iterator: Any, group: Any) -> None:
+        self.iterator = iterator
+        self.group = group
+        self._start()
+
+    def _start(self) -> None:
+        self._agreement = Agreement(self.group, op=dist.ReduceOp.MIN)
+        self._ahead: collections.deque[Any] = collections.deque()
+        self._exhausted = False  # this rank's iterator ran out
+        self._given = 0
+        self._end: float = math.inf  # the agreed end: the items every rank hands out
+        self._ended = False
+
+    def __next__(self) -> Any:
+        if self._ended:
+            raise StopIteration
+        while not self._exhausted and len(self._ahead) <= AHEAD:
+            try:
+                self._ahead.append(next(self.iterator))
+            except StopIteration:
+                self._exhausted = True
+        known = self._given + len(self._ahead) if self._exhausted else math.inf
+        agreed = self._agreement.exchange(known)
+        if (
+            self._given == 0 and self._agreement.in_flight
+        ):  # no item before this one agreed: wait for this one's
+            agreed = self._agreement.settle_value()
+        if agreed is not None:
+            self._end = min(self._end, agreed)
+        if self._given >= self._end:
+            self._agreement.settle_value()  # this item's, which every rank started here
+            self._ended = True
+            raise StopIteration
+        if not self._ahead:  # the agreement knows every rank's end one item before: never here
+            raise RuntimeError(f"uneven data: this rank's loader ended at item {self._given} unannounced")
+        self._given += 1
+        return self._ahead.popleft()
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        # DataLoader(persistent_workers=True) keeps its iterator and resets it for the next epoch.
+        self.iterator._reset(loader, first_iter)
+        self._start()
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def __getattr__(self, name: str) -> Any:  # the loader iterator's own attributes (workers, ...)
+        if name == "iterator":
+            raise AttributeError(name)
+        return getattr(self.iterator, name)

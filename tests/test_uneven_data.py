@@ -1,0 +1,159 @@
+"""Uneven data cannot hang (:mod:`lightning_solo.ddp.uneven`): two gloo ranks whose ``IterableDataset`` shards differ
+by about 30 % (training and validation) end every epoch and every validation at the first rank's end, and train
+exactly as a run whose shards were cut to the shortest; a ``__len__`` that overstates ends the same way;
+``uneven_data=False`` is stock, which fails on the same data."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.ddp.uneven import AgreedEnd, check_policy
+
+BATCH = 4
+TRAIN = (10, 13)  # training batches per epoch, rank 0 and rank 1
+VAL = (4, 6)  # validation batches
+MOST = 16
+
+
+class Shard(IterableDataset):
+    """``batches * BATCH`` samples of rank ``rank``'s own regression data; ``length``: what ``__len__`` claims."""
+
+    def __init__(self, rank: int, batches: int, seed: int, length: int | None = None):
+        self.rank, self.batches, self.seed, self.length = rank, batches, seed, length
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.rank)
+        x, y = torch.randn(MOST * BATCH, 8, generator=g), torch.randn(MOST * BATCH, 1, generator=g)
+        return iter(
+            zip(x[: self.batches * BATCH], y[: self.batches * BATCH])
+        )  # a cut shard: the same first samples
+
+
+class LyingShard(Shard):
+    def __len__(self) -> int:
+        return self.length
+
+
+class Net(L.LightningModule):
+    def __init__(self, out, train=TRAIN, val=VAL, lie: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.out, self.train_batches, self.val_batches, self.lie = str(out), train, val, lie
+        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+
+    def _loader(self, batches, seed):
+        rank = self.trainer.global_rank
+        cls = LyingShard if self.lie else Shard
+        return DataLoader(cls(rank, batches[rank], seed, self.lie), batch_size=BATCH)
+
+    def train_dataloader(self):
+        return self._loader(self.train_batches, 100)
+
+    def val_dataloader(self):
+        return self._loader(self.val_batches, 200)
+
+    def on_train_epoch_start(self):
+        self.seen["train"].append(0)
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"][-1] += 1
+        x, y = batch
+        return F.mse_loss(self.layer(x), y)
+
+    def on_validation_epoch_start(self):
+        self.seen["val"].append(0)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen["val"][-1] += 1
+        x, y = batch
+        # A collective at every validation batch: on uneven data, one without a partner.
+        self.log("val_loss", F.mse_loss(self.layer(x), y), on_step=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def on_fit_end(self):
+        decision = self.trainer.strategy.decisions.get("uneven_data")
+        record = {
+            "seen": self.seen,
+            "params": [p.detach().flatten().tolist() for p in self.parameters()],
+            "decision": decision.as_dict() if decision else None,
+        }
+        with open(f"{self.out}/rank{self.trainer.global_rank}.json", "w") as f:
+            json.dump(record, f, default=str)
+
+
+def fit(out, strategy, **net) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(Net(out, **net))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    for p, q in zip(a["params"], b["params"]):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_uneven_iterable_shards_end_together_and_train_as_the_shortest(tmp_path):
+    # Stock: rank 0 leaves its epoch after 10 batches, its next collectives pair with rank 1's batches 10-12, and
+    # rank 1 ends with "Connection closed by peer".
+    uneven = fit(tmp_path / "uneven", SoloDDP(start_method="fork"))
+    cut = fit(tmp_path / "cut", SoloDDP(start_method="fork", uneven_data=False), train=(10, 10), val=(4, 4))
+    for rank in uneven:
+        # Two sanity batches, then every validation ends at the shortest (4), every epoch at 10.
+        assert rank["seen"] == {"train": [10, 10], "val": [2, 4, 4]}, rank["seen"]
+        assert rank["decision"]["value"] == "shortest", rank["decision"]
+    assert cut[0]["decision"]["value"] is False
+    assert_same_weights(uneven[0], uneven[1])
+    assert_same_weights(uneven[0], cut[0])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_len_that_overstates_ends_with_the_data(tmp_path):
+    # __len__ says 40 batches on both ranks; the data has 10 and 13 (validation 4 and 6).
+    lying = fit(tmp_path / "lying", SoloDDP(start_method="fork"), lie=40 * BATCH)
+    cut = fit(tmp_path / "cut", SoloDDP(start_method="fork", uneven_data=False), train=(10, 10), val=(4, 4))
+    for rank in lying:
+        assert rank["seen"]["train"] == [10, 10], rank["seen"]
+    assert_same_weights(lying[0], lying[1])
+    assert_same_weights(lying[0], cut[0])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_uneven_data_off_is_stock_and_fails(tmp_path):
+    # What SoloDDP(uneven_data=False) and stock DDP do on the same data: an error, not a result (a short collective
+    # timeout bounds the wait where a collective has no partner).
+    # Here rank 1's gradient all-reduce of its batch 10 waits for a partner rank 0 never sends.
+    with pytest.raises(Exception, match=r"Timed out|Connection closed by peer"):
+        fit(tmp_path, SoloDDP(start_method="fork", uneven_data=False, timeout=timedelta(seconds=5)))
+
+
+def test_policy_switch():
+    assert check_policy("shortest") == "shortest" and check_policy(False) is False
+    for bad in ("join", True, None, 0):
+        with pytest.raises(ValueError, match="uneven_data"):
+            check_policy(bad)
+
+
+def test_one_rank_iterator_ends_with_its_data():
+    # No group: the agreement is the rank's own end; every item, in order, then the end.
+    end = AgreedEnd(iter(range(5)), group=None)
+    assert list(end) == [0, 1, 2, 3, 4]
+    assert list(AgreedEnd(iter([]), group=None)) == []
