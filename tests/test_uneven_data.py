@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_solo import SoloDDP
 from lightning_solo.ddp.uneven import AgreedEnd, check_policy
@@ -32,9 +32,12 @@ class Shard(IterableDataset):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.rank)
         x, y = torch.randn(MOST * BATCH, 8, generator=g), torch.randn(MOST * BATCH, 1, generator=g)
-        return iter(
-            zip(x[: self.batches * BATCH], y[: self.batches * BATCH])
-        )  # a cut shard: the same first samples
+        # A cut shard has the same first samples. Worker w of n loads batches w, w + n, ...: the loader's
+        # round-robin over its workers gives the batches in order.
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        for b in range(w, self.batches, n):
+            yield from zip(x[b * BATCH : (b + 1) * BATCH], y[b * BATCH : (b + 1) * BATCH])
 
 
 class LyingShard(Shard):
@@ -43,17 +46,19 @@ class LyingShard(Shard):
 
 
 class Net(L.LightningModule):
-    def __init__(self, out, train=TRAIN, val=VAL, lie: int | None = None):
+    def __init__(self, out, train=TRAIN, val=VAL, lie: int | None = None, workers: int = 0):
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.out, self.train_batches, self.val_batches, self.lie = str(out), train, val, lie
-        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+        self.workers = workers
+        self.seen: dict[str, list[int]] = {"train": [], "val": [], "predict": []}
 
     def _loader(self, batches, seed):
         rank = self.trainer.global_rank
         cls = LyingShard if self.lie else Shard
-        return DataLoader(cls(rank, batches[rank], seed, self.lie), batch_size=BATCH)
+        workers = dict(num_workers=self.workers, persistent_workers=True) if self.workers else {}
+        return DataLoader(cls(rank, batches[rank], seed, self.lie), batch_size=BATCH, **workers)
 
     def train_dataloader(self):
         return self._loader(self.train_batches, 100)
@@ -77,6 +82,23 @@ class Net(L.LightningModule):
         x, y = batch
         # A collective at every validation batch: on uneven data, one without a partner.
         self.log("val_loss", F.mse_loss(self.layer(x), y), on_step=True, sync_dist=True)
+
+    def predict_dataloader(self):
+        return self._loader(self.val_batches, 300)
+
+    def on_predict_epoch_start(self):
+        self.seen["predict"].append(0)
+
+    def predict_step(self, batch, batch_idx):
+        self.seen["predict"][-1] += 1
+        return self.all_gather(self.layer(batch[0]))  # a collective at every batch, as in a gathering predict
+
+    def on_predict_end(self):
+        self.on_fit_end()
+
+    def on_validation_end(self):
+        if not self.trainer.training and not self.trainer.sanity_checking:  # trainer.validate
+            self.on_fit_end()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -109,14 +131,17 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_uneven_iterable_shards_end_together_and_train_as_the_shortest(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uneven_iterable_shards_end_together_and_train_as_the_shortest(tmp_path, workers):
     # Stock: rank 0 leaves its epoch after 10 batches, its next collectives pair with rank 1's batches 10-12, and
-    # rank 1 ends with "Connection closed by peer".
-    uneven = fit(tmp_path / "uneven", SoloDDP(start_method="fork"))
+    # rank 1 waits for a partner (test_uneven_data_off_is_stock_and_fails). With 2 persistent workers the
+    # loaders' iterators are kept and reset each epoch; and the agreement runs without the SIGTERM one.
+    options = {"sigterm_agreement": False} if workers else {}
+    uneven = fit(tmp_path / "uneven", SoloDDP(start_method="fork", **options), workers=workers)
     cut = fit(tmp_path / "cut", SoloDDP(start_method="fork", uneven_data=False), train=(10, 10), val=(4, 4))
     for rank in uneven:
         # Two sanity batches, then every validation ends at the shortest (4), every epoch at 10.
-        assert rank["seen"] == {"train": [10, 10], "val": [2, 4, 4]}, rank["seen"]
+        assert rank["seen"] == {"train": [10, 10], "val": [2, 4, 4], "predict": []}, rank["seen"]
         assert rank["decision"]["value"] == "shortest", rank["decision"]
     assert cut[0]["decision"]["value"] is False
     assert_same_weights(uneven[0], uneven[1])
@@ -133,6 +158,22 @@ def test_a_len_that_overstates_ends_with_the_data(tmp_path):
         assert rank["seen"]["train"] == [10, 10], rank["seen"]
     assert_same_weights(lying[0], lying[1])
     assert_same_weights(lying[0], cut[0])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_validate_and_predict_end_at_the_shortest(tmp_path):
+    # Validation 4 and 6 batches, predict too, each batch with a collective (sync_dist logging, all_gather).
+    net = Net(tmp_path)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.validate(net)
+    for r in range(2):
+        record = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert record["seen"]["val"] == [4] and record["decision"]["value"] == "shortest", record
+    trainer.predict(net)
+    for r in range(2):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text())["seen"]["predict"] == [4]
 
 
 @pytest.mark.multiproc
