@@ -160,6 +160,41 @@ def test_a_len_that_overstates_ends_with_the_data(tmp_path):
     assert_same_weights(lying[0], cut[0])
 
 
+class MapStyle(Net):
+    """Map-style training data without Lightning's sampler: rank 0 has 10 batches, rank 1 13."""
+
+    def train_dataloader(self):
+        shard = list(Shard(self.trainer.global_rank, self.train_batches[self.trainer.global_rank], 100))
+        return DataLoader(shard, batch_size=BATCH)
+
+
+class DifferentLen(Net):
+    """An IterableDataset whose ``__len__`` is true on each rank, and differs (10 and 13 batches)."""
+
+    def _loader(self, batches, seed):
+        rank = self.trainer.global_rank
+        return DataLoader(LyingShard(rank, batches[rank], seed, batches[rank] * BATCH), batch_size=BATCH)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("net", "loaders", "fix"),
+    [(DifferentLen, "evaluation", "the same __len__, or none"), (MapStyle, "training", "DistributedSampler")],
+)
+def test_lengths_lightning_would_part_raise_instead_of_hanging(tmp_path, net, loaders, fix):
+    # Lightning schedules each rank's epoch end and validation by its own length: the rank with 10 batches validates
+    # after its 10th while the other goes on (stock: "Connection closed by peer"). Both ranks raise a ValueError
+    # at setup (the fork launcher passes it on in its ProcessRaisedException).
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_epochs=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False)  # fmt: skip
+    with pytest.raises(
+        Exception, match=f"ValueError: uneven data: the ranks' {loaders} loaders have \\[.*\\] batches.*{fix}"
+    ):
+        trainer.fit(net(tmp_path))
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_validate_and_predict_end_at_the_shortest(tmp_path):

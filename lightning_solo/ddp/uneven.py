@@ -20,13 +20,16 @@ validation, the epoch's schedulers and checkpoints) is the same on every rank.
 
 The longer ranks' extra batches are not read that epoch. A ``__len__`` that overstates ends as the data does, on
 every rank together. Map-style loaders are left alone: their sampler's length is what they give, and
-``DistributedSampler`` gives every rank the same. ``SoloDDP(uneven_data=False)``: as stock.
+``DistributedSampler`` gives every rank the same. Where the ranks' lengths differ and Lightning, which schedules
+each rank by its own length, would part them (a training loader of map-style data, an ``IterableDataset`` whose
+``__len__`` differs), the loader's setup raises a ``ValueError`` that says so, instead of the hang. A loader that is
+not a torch ``DataLoader`` is left alone. ``SoloDDP(uneven_data=False)``: as stock.
 
 Example::
 
     uneven = UnevenData("shortest")
     decision = uneven.setup(world_size=2, group=gloo_group)     # each run, on every rank
-    loader = uneven.on_dataloader(loader)                       # every loader the strategy processes
+    loader = uneven.on_dataloader(loader, training=True)        # every loader the strategy processes
     uneven.uninstall()                                          # at teardown
 """
 
@@ -37,6 +40,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -89,19 +93,44 @@ class UnevenData:
             "(SoloDDP(uneven_data=False): as stock, which hangs or fails on uneven data)",
         )
 
-    def on_dataloader(self, dataloader: Any) -> Any:
+    def on_dataloader(self, dataloader: Any, training: bool) -> Any:
         """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
-        the policy runs); any other as it is. Through its ``_get_iterator``, which :meth:`uninstall` gives back."""
-        if (
-            self._group is not None
-            and isinstance(dataloader, DataLoader)
-            and isinstance(dataloader.dataset, IterableDataset)
-            and not any(dataloader is wrapped for wrapped in self._wrapped)
-        ):
+        the policy runs); any other as it is. Through its ``_get_iterator``, which :meth:`uninstall` gives back.
+
+        Raises ``ValueError`` where the ranks' lengths differ and Lightning would part them: an ``IterableDataset``
+        whose ``__len__`` differs (Lightning schedules the epoch's end, its validation and an evaluation's limit by
+        each rank's own length), or a training loader of map-style data (every step has a collective). One
+        all-gather of the lengths per sized loader, where Lightning reduces them too; an uneven map-style
+        evaluation loader is left as it is (stock runs it where the evaluation has no per-batch collective)."""
+        if self._group is None or not isinstance(dataloader, DataLoader):
+            return dataloader
+        iterable = isinstance(dataloader.dataset, IterableDataset)
+        if (iterable or training) and len(set(lengths := self._lengths(dataloader))) > 1:
+            fix = (
+                "give every rank the same __len__, or none (SoloDDP then ends every rank at the first rank's end)"
+                if iterable
+                else "give every rank the same number of batches (DistributedSampler, drop_last=True)"
+            )
+            raise ValueError(
+                f"uneven data: the ranks' {'training' if training else 'evaluation'} loaders have {lengths} "
+                f"batches, and Lightning schedules each rank by its own length, so the ranks would part and hang: "
+                f"{fix}; SoloDDP(uneven_data=False): as stock"
+            )
+        if iterable and not any(dataloader is wrapped for wrapped in self._wrapped):
             agreed = _AgreedIterators(dataloader._get_iterator, self._group)
             dataloader._get_iterator = agreed  # type: ignore[method-assign,assignment]  # undone by uninstall()
             self._wrapped.append(dataloader)
         return dataloader
+
+    def _lengths(self, dataloader: DataLoader) -> list[int]:
+        """Every rank's ``len(dataloader)`` (-1: none), gathered on the group."""
+        try:
+            length = len(dataloader)
+        except (TypeError, NotImplementedError):
+            length = -1
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(gathered, torch.tensor([length]), group=self._group)
+        return [int(t.item()) for t in gathered]
 
     def uninstall(self) -> None:
         """Give the loaders their own iterators back (a later run decides again)."""
