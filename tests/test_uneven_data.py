@@ -160,6 +160,43 @@ def test_a_len_that_overstates_ends_with_the_data(tmp_path):
     assert_same_weights(lying[0], cut[0])
 
 
+class TwoLoaders(Net):
+    """Two training loaders (Lightning's max_size_cycle): the uneven one and a short one that cycles (5 and 3)."""
+
+    def train_dataloader(self):
+        return [self._loader(self.train_batches, 100), self._loader((5, 3), 400)]
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"][-1] += 1
+        (x, y), (x2, y2) = batch
+        return F.mse_loss(self.layer(x), y) + F.mse_loss(self.layer(x2), y2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("net", "trainer", "seen"),
+    [
+        (Net, {"limit_train_batches": 7}, {"train": [7, 7], "val": [2, 4, 4]}),
+        (Net, {"val_check_interval": 3, "check_val_every_n_epoch": None, "max_epochs": 1},
+         {"train": [10], "val": [2, 4, 4, 4]}),
+        (TwoLoaders, {}, {"train": [10, 10], "val": [2, 4, 4]}),
+    ],
+    ids=["limit_train_batches", "val_check_interval", "two_training_loaders"],
+)  # fmt: skip
+def test_lightning_limits_and_schedules_keep_the_ranks_together(tmp_path, net, trainer, seen):
+    # A limit stops reading before the agreed end, on every rank alike; validations inside the epoch end at the
+    # shortest; a second loader's own end (and its cycling) is agreed apart from the first's.
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  default_root_dir=tmp_path, **{"max_epochs": 2, **trainer})  # fmt: skip
+    t.fit(net(tmp_path))
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for record in records:
+        assert record["seen"] == {**seen, "predict": []}, record["seen"]
+    assert_same_weights(records[0], records[1])
+
+
 class MapStyle(Net):
     """Map-style training data without Lightning's sampler: rank 0 has 10 batches, rank 1 13."""
 
