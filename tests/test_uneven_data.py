@@ -234,6 +234,23 @@ def test_lengths_lightning_would_part_raise_instead_of_hanging(tmp_path, net, lo
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
+def test_a_batch_limit_within_every_rank_keeps_uneven_lengths(tmp_path):
+    # Map-style training shards of 10 and 13 batches, each rank running 7, and their validation (4 and 6
+    # batches of an IterableDataset) 3: the ranks stay together, as under stock; no error.
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_epochs=1,
+                        limit_train_batches=7, limit_val_batches=3, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)  # fmt: skip
+    trainer.fit(MapStyle(tmp_path))
+    for r in range(2):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] == {
+            "train": [7],
+            "val": [2, 3],
+            "predict": [],
+        }
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
 def test_validate_and_predict_end_at_the_shortest(tmp_path):
     # Validation 4 and 6 batches, predict too, each batch with a collective (sync_dist logging, all_gather).
     net = Net(tmp_path)

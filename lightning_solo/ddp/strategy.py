@@ -433,7 +433,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if trainer is not None and trainer.training:  # resumable, the resume plan attached
             dataloader = self._resume.on_dataloader(dataloader, trainer, self._decide)
         # Outside the resumable loader: read ahead and its end agreed (an IterableDataset's; training and eval).
-        dataloader = self._uneven.on_dataloader(dataloader, training=trainer is not None and trainer.training)
+        dataloader = self._uneven.on_dataloader(dataloader, trainer)
         # Every loader's workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.ddp.sigterm).
         return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
 

@@ -29,7 +29,7 @@ Example::
 
     uneven = UnevenData("shortest")
     decision = uneven.setup(world_size=2, group=gloo_group)     # each run, on every rank
-    loader = uneven.on_dataloader(loader, training=True)        # every loader the strategy processes
+    loader = uneven.on_dataloader(loader, trainer)              # every loader the strategy processes
     uneven.uninstall()                                          # at teardown
 """
 
@@ -93,7 +93,7 @@ class UnevenData:
             "(SoloDDP(uneven_data=False): as stock, which hangs or fails on uneven data)",
         )
 
-    def on_dataloader(self, dataloader: Any, training: bool) -> Any:
+    def on_dataloader(self, dataloader: Any, trainer: Any) -> Any:
         """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
         the policy runs); any other as it is. Through its ``_get_iterator``, which :meth:`uninstall` gives back.
 
@@ -101,11 +101,13 @@ class UnevenData:
         whose ``__len__`` differs (Lightning schedules the epoch's end, its validation and an evaluation's limit by
         each rank's own length), or a training loader of map-style data (every step has a collective). One
         all-gather of the lengths per sized loader, where Lightning reduces them too; an uneven map-style
-        evaluation loader is left as it is (stock runs it where the evaluation has no per-batch collective)."""
+        evaluation loader is left as it is (stock runs it where the evaluation has no per-batch collective). A
+        batch limit (``limit_train_batches=7``, ...) at or below every rank's length keeps the ranks together."""
         if self._group is None or not isinstance(dataloader, DataLoader):
             return dataloader
+        training = trainer is not None and trainer.training
         iterable = isinstance(dataloader.dataset, IterableDataset)
-        if (iterable or training) and len(set(lengths := self._lengths(dataloader))) > 1:
+        if (iterable or training) and len(set(_limited(lengths := self._lengths(dataloader), trainer))) > 1:
             fix = (
                 "give every rank the same __len__, or none (SoloDDP then ends every rank at the first rank's end)"
                 if iterable
@@ -137,6 +139,21 @@ class UnevenData:
         for dataloader in self._wrapped:
             vars(dataloader).pop("_get_iterator", None)
         self._wrapped = []
+
+
+def _limited(lengths: list[int], trainer: Any) -> list[float]:
+    """The batches Lightning runs of each rank's loader (-1: no length), under the stage's integer batch limit."""
+    limit: Any = math.inf
+    if trainer is not None:
+        # TrainerFn is a str enum ("test", ...); a fit's loaders are training or validation (the sanity check's too).
+        by_fn = {"test": trainer.limit_test_batches, "predict": trainer.limit_predict_batches}
+        limit = (
+            trainer.limit_train_batches
+            if trainer.training
+            else by_fn.get(trainer.state.fn, trainer.limit_val_batches)
+        )
+    limit = limit if isinstance(limit, int) else math.inf  # a fraction scales each rank's own length
+    return [min(length if length >= 0 else math.inf, limit) for length in lengths]
 
 
 class _AgreedIterators:
