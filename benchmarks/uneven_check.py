@@ -26,8 +26,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_solo import SoloDDP
+from lightning_solo.ddp.agreed_end import AgreedEnd
 from lightning_solo.ddp.agreement import Agreement
-from lightning_solo.ddp.uneven import AgreedEnd
 from lightning_solo.testing import run_ranks
 
 BATCH = 32

@@ -8,18 +8,16 @@ run trains on misaligned steps until a collective has no partner: "Connection cl
 on NCCL. An ``IterableDataset`` has no sampler to even the ranks out (``DistributedSampler`` does for map-style data),
 and its ``__len__``, where it has one, is the user's word.
 
-:class:`UnevenData` reads each such loader (training, validation, test, predict) one batch ahead, so that a rank
-knows, one batch before, that its next batch is its last. Each batch the loader hands out, its ranks start an
-asynchronous MIN all-reduce of "the end I know" (:class:`~lightning_solo.ddp.agreement.Agreement` on a gloo group;
-``inf`` while unknown) and read the one started at the batch before. A rank whose data ends after batch ``L - 1``
-knows it when it hands out that batch; every rank reads it at the next one and ends there: all at batch ``L``, the
-first end. The first batch of each iteration waits for its own agreement (one wait an epoch: there is no batch
-before it to have agreed, and a rank may have no data at all). Lightning's fetcher, which reads one batch ahead of
-training, sees every rank's loader end after the same batch, so ``is_last_batch`` (and with it the epoch-end
-validation, the epoch's schedulers and checkpoints) is the same on every rank.
+:class:`UnevenData` wraps each such loader's iterators (training, validation, test, predict) in
+:class:`~lightning_solo.ddp.agreed_end.AgreedEnd`: read one batch ahead, so that a rank knows one batch before that
+its next batch is its last, and at each batch an asynchronous MIN all-reduce of "the end I know", read at the next
+one; every rank ends at the first rank's end (the first batch of an iteration waits for its own all-reduce: one
+wait an epoch). Lightning's fetcher, which reads one batch ahead of training, sees every rank's loader end after
+the same batch, so ``is_last_batch`` (and with it the epoch-end validation, the epoch's schedulers and
+checkpoints) is the same on every rank.
 
 The longer ranks' extra batches are not read that epoch. A ``__len__`` that overstates ends as the data does, on
-every rank together. Map-style loaders are left alone: their sampler's length is what they give, and
+every rank together (with no epoch-end validation, as on one process: Lightning waits for the promised batch). Map-style loaders are left alone: their sampler's length is what they give, and
 ``DistributedSampler`` gives every rank the same. Where the ranks' lengths differ and Lightning, which schedules
 each rank by its own length, would part them (a training loader of map-style data, an ``IterableDataset`` whose
 ``__len__`` differs), the loader's setup raises a ``ValueError`` that says so, instead of the hang. A loader that is
@@ -35,9 +33,7 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import math
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -45,11 +41,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.agreement import Agreement
+from lightning_solo.ddp.agreed_end import AgreedEnd
 
 Policy = Literal["shortest"] | Literal[False]
-# Batches read beyond the one handed out: a rank knows its end one batch before, in time for the others to read it.
-AHEAD = 1
 
 
 def check_policy(policy: Any) -> Policy:
@@ -165,64 +159,3 @@ class _AgreedIterators:
 
     def __call__(self) -> AgreedEnd:
         return AgreedEnd(self.get_iterator(), self.group)
-
-
-class AgreedEnd(Iterator):
-    """An iterator that ends where the first rank's ``iterator`` ends, on every rank at the same item (see the
-    module docstring); every rank must call ``next`` at the same points, as Lightning's loops do.
-
-    Args:
-        iterator: this rank's iterator (a ``DataLoader``'s).
-        group: the gloo group of every rank.
-    """
-
-    def __init__(self, iterator: Any, group: Any) -> None:
-        self.iterator = iterator
-        self.group = group
-        self._start()
-
-    def _start(self) -> None:
-        self._agreement = Agreement(self.group, op=dist.ReduceOp.MIN)
-        self._ahead: collections.deque[Any] = collections.deque()
-        self._exhausted = False  # this rank's iterator ran out
-        self._given = 0
-        self._end: float = math.inf  # the agreed end: the items every rank hands out
-        self._ended = False
-
-    def __next__(self) -> Any:
-        if self._ended:
-            raise StopIteration
-        while not self._exhausted and len(self._ahead) <= AHEAD:
-            try:
-                self._ahead.append(next(self.iterator))
-            except StopIteration:
-                self._exhausted = True
-        known = self._given + len(self._ahead) if self._exhausted else math.inf
-        agreed = self._agreement.exchange(known)
-        if (
-            self._given == 0 and self._agreement.in_flight
-        ):  # no item before this one agreed: wait for this one's
-            agreed = self._agreement.settle_value()
-        if agreed is not None:
-            self._end = min(self._end, agreed)
-        if self._given >= self._end:
-            self._agreement.settle_value()  # this item's, which every rank started here
-            self._ended = True
-            raise StopIteration
-        if not self._ahead:  # the agreement knows every rank's end one item before: never here
-            raise RuntimeError(f"uneven data: this rank's loader ended at item {self._given} unannounced")
-        self._given += 1
-        return self._ahead.popleft()
-
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        # DataLoader(persistent_workers=True) keeps its iterator and resets it for the next epoch.
-        self.iterator._reset(loader, first_iter)
-        self._start()
-
-    def __len__(self) -> int:
-        return len(self.iterator)
-
-    def __getattr__(self, name: str) -> Any:  # the loader iterator's own attributes (workers, ...)
-        if name == "iterator":
-            raise AttributeError(name)
-        return getattr(self.iterator, name)
