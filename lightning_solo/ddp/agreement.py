@@ -1,5 +1,6 @@
 """Any rank flagged, all stop: the one agreement behind the stops a signal asks for on some ranks only (SIGTERM in
-:mod:`lightning_solo.ddp.sigterm`, SLURM's requeue signal in :mod:`lightning_solo.callbacks.requeue`).
+:mod:`lightning_solo.ddp.sigterm`, SLURM's requeue signal in :mod:`lightning_solo.callbacks.requeue`), and behind the
+end of uneven data (:mod:`lightning_solo.ddp.uneven`: the first end any rank's loader knows, a MIN of numbers).
 
 A signal handler may only note the signal: a collective issued from it would pair with whatever collective another
 rank is inside. So at each check, which every rank makes at the same point of training (a batch), every rank starts
@@ -13,6 +14,9 @@ Example::
     if agreement.check(flagged):        # at each batch, on every rank alike
         ...                             # every rank is here, at the same batch: stop together
     agreement.settle()                  # where every rank ends normally: the check still in flight
+
+    ends = Agreement(group, op=dist.ReduceOp.MIN)
+    agreed = ends.exchange(known_end)   # a number; the previous check's MIN over the ranks (None: no check before)
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ class Agreement:
 
     Args:
         group: the gloo group of every rank the checks run on; ``None``: one rank, whose own flag is the answer.
+        op: the reduction; MAX (a flag: any rank), MIN for :meth:`exchange` of a number every rank bounds.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, op: Any = dist.ReduceOp.MAX) -> None:
         self.group = group
+        self.op = op
         self._pending: tuple[torch.Tensor, Any] | None = None
 
     @property
@@ -44,19 +50,32 @@ class Agreement:
         some rank was flagged then. Call on every rank at the same points; with no group: ``flagged``."""
         if self.group is None:
             return flagged
-        flag = torch.tensor([float(flagged)])
+        agreed = self.exchange(float(flagged))
+        return agreed is not None and agreed > 0
+
+    def exchange(self, value: float) -> float | None:
+        """Start this check's all-reduce of ``value`` and return the one started at the previous check (``None``:
+        there was none). With no group: ``value``."""
+        if self.group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)  # exact for any batch count
         previous = self._pending
-        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
-        return previous is not None and _read(previous)
+        self._pending = (tensor, dist.all_reduce(tensor, op=self.op, group=self.group, async_op=True))
+        return _read(previous) if previous is not None else None
 
     def settle(self) -> bool:
         """Wait for the check in flight, if any, and whether it found a rank flagged; only where every rank gets
         here (every rank started it)."""
+        agreed = self.settle_value()
+        return agreed is not None and agreed > 0
+
+    def settle_value(self) -> float | None:
+        """Wait for the check in flight and return its reduced value (``None``: none in flight); as :meth:`settle`."""
         pending, self._pending = self._pending, None
-        return pending is not None and _read(pending)
+        return _read(pending) if pending is not None else None
 
 
-def _read(pending: tuple[torch.Tensor, Any]) -> bool:
+def _read(pending: tuple[torch.Tensor, Any]) -> float:
     agreed, work = pending
     work.wait()
-    return agreed.item() > 0
+    return float(agreed.item())

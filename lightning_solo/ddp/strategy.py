@@ -12,8 +12,9 @@ Example::
 Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body calls the components in the order they
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
-(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`) and
-the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`). Every choice made for the user is a
+(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
+the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`) and the uneven-data agreement
+(:mod:`lightning_solo.ddp.uneven`). Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
 ``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``record()``, ``add_resume_state()``, ``state_dict()``.
@@ -52,6 +53,8 @@ from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
 from lightning_solo.ddp.sigterm import SigtermAgreement, install_agreement
+from lightning_solo.ddp.uneven import Policy as UnevenPolicy
+from lightning_solo.ddp.uneven import UnevenData
 from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
 from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
 from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
@@ -122,6 +125,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         sigterm_checkpoint: on that agreed stop every rank saves ``on_sigterm.ckpt`` in the checkpoint callback's
             directory, which ``resume=auto`` and ``fit(ckpt_path="auto")`` pick up; ``False``: stop without saving,
             as stock.
+        uneven_data: ``"shortest"`` (default): where the ranks' ``IterableDataset`` loaders (training or
+            evaluation) run out at different batches, every rank ends at the batch where the first one does, agreed
+            asynchronously at each batch (:mod:`lightning_solo.ddp.uneven`); ``False``: as stock, where uneven data
+            hangs or fails.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -157,6 +164,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         cpu_malloc_reuse: bool = True,
         sigterm_agreement: bool = True,
         sigterm_checkpoint: bool = True,
+        uneven_data: UnevenPolicy = "shortest",
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -204,6 +212,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._comm = comm_hooks
         self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
         self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
+        self._uneven = UnevenData(uneven_data)
         # Settings, read when the fit reaches them.
         self._sync_batchnorm = sync_batchnorm
         self._sync_batchnorm_threshold = sync_batchnorm_threshold
@@ -361,6 +370,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._decide(self._unused.decision)
         # SyncBN converted (fitting), then DDP: _setup_model, _register_ddp_hooks, _enable_model_averaging.
         super().setup(trainer)
+        # Every run (fit, validate, test, predict), before its loaders are processed; every rank alike.
+        group = self._side_channel() if self._uneven.policy and self.world_size > 1 else None
+        self._decide(self._uneven.setup(self.world_size, group))
         if fitting:  # before Lightning registers its signal handlers; every rank alike
             group = self._side_channel() if self._sigterm_agreement and self.world_size > 1 else None
             self._sigterm = install_agreement(
@@ -420,6 +432,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         trainer = self._attached_trainer
         if trainer is not None and trainer.training:  # resumable, the resume plan attached
             dataloader = self._resume.on_dataloader(dataloader, trainer, self._decide)
+        # Outside the resumable loader: read ahead and its end agreed (an IterableDataset's; training and eval).
+        dataloader = self._uneven.on_dataloader(dataloader, trainer)
         # Every loader's workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.ddp.sigterm).
         return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
 
@@ -602,6 +616,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if self._sigterm is not None:
             self._sigterm.uninstall()
             self._sigterm = None
+        self._uneven.uninstall()
         self._resume.reset()
         if not self._layer_sync_read:  # no fit's setup chose a SyncBN plugin: nothing to revert
             self._layer_sync_request, self._layer_sync = self._layer_sync, None
