@@ -25,9 +25,12 @@ BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after 
 
 
 def run(out, mode: str) -> tuple[subprocess.CompletedProcess, float, dict]:
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, capture_output=True, text=True,
-                          timeout=110)  # fmt: skip
+    # Into a file: the run must end by itself, not when the last process holding a pipe open does.
+    with open(out / "output.txt", "w") as log:
+        code = subprocess.run([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=110).returncode  # fmt: skip
     ended = time.time()
+    proc = subprocess.CompletedProcess([], code, (out / "output.txt").read_text(), "")
     stall = json.loads((out / "stall.json").read_text()) if (out / "stall.json").exists() else {}
     return proc, ended - stall.get("t", ended), stall
 
@@ -36,7 +39,7 @@ def verdict_line(proc: subprocess.CompletedProcess) -> str:
     lines = [
         line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("SoloDDP watchdog:")
     ]
-    assert len(lines) == 1, proc.stderr[-4000:]  # one line for the whole run
+    assert len(lines) == 1, proc.stdout[-4000:]  # one line for the whole run
     return lines[0]
 
 
@@ -51,7 +54,7 @@ def assert_stacks(out, ranks, frame: str) -> None:
 
 def assert_hang(out, mode: str, expected: str, frame: str, stuck: int = 1) -> str:
     proc, elapsed, stall = run(out, mode)
-    assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-4000:]
+    assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
     line = verdict_line(proc)
     assert stall["rank"] == stuck and line.startswith(f"SoloDDP watchdog: rank {stuck} {expected}"), line
     assert (out / "hang" / "verdict.txt").read_text().strip() in line
@@ -103,7 +106,7 @@ def test_a_stalled_checkpoint_write_leaves_the_newest_verified_checkpoint(tmp_pa
 def test_a_rank_killed_with_sigkill(tmp_path):
     # gloo fails rank 0's all-reduce at once ("Connection closed by peer", no rank named); the line names rank 1.
     proc, elapsed, _ = run(tmp_path, "kill")
-    assert proc.returncode in (1, HANG_EXIT_CODE), proc.stderr[-4000:]
+    assert proc.returncode in (1, HANG_EXIT_CODE), proc.stdout[-4000:]
     line = verdict_line(proc)
     assert line.startswith("SoloDDP watchdog: rank 1 is gone (its process ended; its last heartbeat: "), line
     assert "rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
@@ -115,7 +118,7 @@ def test_a_rank_killed_with_sigkill(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_healthy_run_says_nothing(tmp_path):
     proc, _, _ = run(tmp_path, "none")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-4000:]
     assert "SoloDDP watchdog" not in proc.stdout + proc.stderr and not (tmp_path / "hang").exists()
     assert json.loads((tmp_path / "end.json").read_text())["ended"] == "normally"
 

@@ -13,7 +13,8 @@ judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`): two judges, so 
 the interpreter lock does not silence the watchdog. The first verdict is written to the store once
 (``compare_set``); every live rank then writes its Python stacks (all threads, ``faulthandler``) to
 ``<dump_dir>/rank<r>.stacks.txt``, the judge that wrote it prints ONE line on stderr (and ``verdict.txt``), each
-waits up to ``grace_s`` for the others' dumps, and exits with status :data:`HANG_EXIT_CODE`.
+waits up to ``grace_s`` for the others' dumps, ends its own child processes (loader workers, one of which may be the
+stuck one) and exits with status :data:`HANG_EXIT_CODE`.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -256,4 +258,8 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
         if abort:
+            # This rank's own child processes (loader workers; one may be the stuck one) would outlive it.
+            for child in multiprocessing.active_children():
+                with contextlib.suppress(Exception):
+                    child.kill()
             os._exit(HANG_EXIT_CODE)
