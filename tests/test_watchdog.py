@@ -61,6 +61,9 @@ def assert_hang(out, mode: str, expected: str, frame: str, stuck: int = 1) -> st
     assert_stacks(out, [stuck, 1 - stuck], frame)
     # Ended within the margin (and the promise of the defaults), not at the 30-minute collective timeout.
     assert MARGIN_S < elapsed < min(MARGIN_S + 12, BOUND_S), (elapsed, line)
+    print(
+        f"{mode}: ended {elapsed:.1f} s after the stall: {line}"
+    )  # pytest -s: benchmarks/RESULTS.md's table
     return line
 
 
@@ -112,6 +115,7 @@ def test_a_rank_killed_with_sigkill(tmp_path):
     assert "rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
     assert_stacks(tmp_path, [0], "Thread 0x")
     assert elapsed < 10, elapsed
+    print(f"kill: ended {elapsed:.1f} s after the stall: {line}")
 
 
 @pytest.mark.multiproc

@@ -122,6 +122,7 @@ class Watchdog:
         self._beats = 0
         self._seen: dict[int, tuple[int, float, Heartbeat]] = {}  # rank -> (beats, when seen, heartbeat)
         self._stop = threading.Event()
+        self._stopped = False
         self._acted = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -133,17 +134,29 @@ class Watchdog:
 
     def stop(self, failed: bool = False) -> None:
         """The fit ended (``failed``: with an exception): say so at once, so no peer takes this rank's exit for
-        a death, and end the thread."""
+        a death, and end the thread. Rank 0, whose process holds the store's server (``env://`` rendezvous), waits
+        up to ``grace_s`` for the others to say so too: they would otherwise write to a store that is gone."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            # First: a heartbeat the thread is still writing must not land over "done".
+            self._thread.join(timeout=2 * self.settings.interval_s + 1)
+        self._thread = None
         if failed:
             self.writer.failed()
         elif self.writer.state[1] != FAILED:
             self.writer.done()
         with contextlib.suppress(Exception):  # the store's host may be gone already: nothing left to tell
             self._publish()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.settings.interval_s + 1)
-        self._thread = None
+            if self.rank == 0:
+                deadline = time.monotonic() + self.settings.grace_s
+                while time.monotonic() < deadline and any(
+                    not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED))
+                    for v in self._views()
+                ):
+                    time.sleep(0.05)
 
     def on_exception(self) -> Verdict | None:
         """The fit failed on this rank: if a peer's process ended (a collective then fails here at once, naming
