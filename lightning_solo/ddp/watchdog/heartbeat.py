@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # Phases, in the order a training batch runs them (the verdict compares ranks' progress with it).
 SETUP = "setup"
@@ -59,6 +59,9 @@ class Heartbeat:
     seq: int = 0
     beats: int = 0
     median_step_s: float | None = None
+    phase_s: dict[str, float] = field(
+        default_factory=dict
+    )  # seconds in each phase so far (TrainingDoctor reads it)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -78,11 +81,19 @@ class HeartbeatWriter:
         self._durations: dict[str, deque[float]] = {"step": deque(maxlen=_WINDOW)}
         self._batch_started: float | None = None
         self._batch_other = 0.0  # time inside this batch's validations and saves: not a step's
+        self._totals = dict.fromkeys(ORDER, 0.0)  # every key made now: the thread copies it while it changes
+        self._mark = self.state[2]
 
     # ------------------------------------------------------------------ the training thread
+    def _account(self, now: float) -> None:
+        """The time since the last transition goes to the phase that held it."""
+        self._totals[self.state[1]] += now - self._mark
+        self._mark = now
+
     def batch(self, step: int) -> None:
         """A training batch starts: the time since the previous one, less its validations and saves, is a step's."""
         now = self._clock()
+        self._account(now)
         if self._batch_started is not None:
             self._durations["step"].append(now - self._batch_started - self._batch_other)
         self._batch_started, self._batch_other = now, 0.0
@@ -91,7 +102,9 @@ class HeartbeatWriter:
     def enter(self, phase: str, step: int | None = None) -> tuple[str, float]:
         """Enter ``phase``; returns what :meth:`leave` puts back."""
         step_now, previous, since, _, seq = self.state
-        self.state = (step_now if step is None else step, phase, self._clock(), None, seq)
+        now = self._clock()
+        self._account(now)
+        self.state = (step_now if step is None else step, phase, now, None, seq)
         return previous, since
 
     def leave(self, outer: tuple[str, float], stepped: bool = False) -> None:
@@ -101,6 +114,7 @@ class HeartbeatWriter:
         step += stepped
         previous, previous_since = outer
         now = self._clock()
+        self._account(now)
         if (group := _GROUP.get(phase)) is not None:
             self._durations.setdefault(group, deque(maxlen=_WINDOW)).append(now - since)
             if previous not in _GROUP:  # a save inside a validation is counted once, with the validation
@@ -124,11 +138,15 @@ class HeartbeatWriter:
         self.state = (step, phase, since, name, seq + (name is not None))
 
     def done(self) -> None:
-        self.state = (self.state[0], DONE, self._clock(), None, self.state[4])
+        now = self._clock()
+        self._account(now)
+        self.state = (self.state[0], DONE, now, None, self.state[4])
 
     def failed(self) -> None:
         step, phase, _, _, seq = self.state
-        self.state = (step, FAILED, self._clock(), f"{phase} at step {step}", seq)
+        now = self._clock()
+        self._account(now)
+        self.state = (step, FAILED, now, f"{phase} at step {step}", seq)
 
     # ------------------------------------------------------------------ the watchdog thread
     def median(self, group: str) -> float | None:
@@ -147,8 +165,11 @@ class HeartbeatWriter:
         self, rank: int, pid: int, host: str, beats: int, allowance: Callable[[str], float]
     ) -> Heartbeat:
         step, phase, since, collective, seq = self.state
+        now, mark = self._clock(), self._mark
+        totals = dict(self._totals)
+        totals[phase] += now - mark
         return Heartbeat(
-            rank=rank, pid=pid, host=host, step=step, phase=phase, age_s=self._clock() - since,
+            rank=rank, pid=pid, host=host, step=step, phase=phase, age_s=now - since,
             allowance_s=allowance(phase), collective=collective, seq=seq, beats=beats,
-            median_step_s=self.median("step"),
+            median_step_s=self.median("step"), phase_s=totals,
         )  # fmt: skip
