@@ -3,6 +3,8 @@ allowance, the settings, and the NCCL flight recorder's environment."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lightning_solo.ddp.watchdog import (
@@ -213,3 +215,35 @@ def test_the_flight_recorder_is_set_for_nccl_unless_the_user_set_it(backend, env
     decision, added = decide_flight_recorder(backend, environ)
     assert added == env
     assert (decision.value if decision is not None else None) == value
+
+
+def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tmp_path, capfd):
+    # Two ranks' watchdogs in one process on a real store (report only: abort=False): rank 1 stays in
+    # training_step past its allowance while rank 0 waits in backward.
+    import torch.distributed as dist
+
+    from lightning_solo.ddp.watchdog import Watchdog
+
+    store = dist.HashStore()
+    settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False)
+    dogs = [Watchdog(settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang") for r in range(2)]
+    dogs[1].writer.batch(6)
+    dogs[1].writer.enter(hb.TRAINING_STEP)
+    dogs[0].writer.batch(6)
+    dogs[0].writer.enter(hb.BACKWARD)
+    for dog in dogs:
+        dog.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(d.verdict for d in dogs):
+        time.sleep(0.05)
+    for dog in reversed(dogs):  # rank 0 last: it waits for the others' "done" (its process holds the store)
+        dog.stop()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("SoloDDP watchdog:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
+    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6." in lines[0]
+    assert all(d.verdict is not None and d.verdict.line == lines[0] for d in dogs)
+    for rank in (0, 1):
+        assert lines[0] in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
+    # "done" published at stop: a peer reads it, and no longer counts the rank
+    assert {r: b.phase for r, b in dogs[0].heartbeats().items()} == {0: hb.DONE, 1: hb.DONE}

@@ -177,7 +177,8 @@ class Watchdog:
     def heartbeats(self) -> dict[int, Heartbeat]:
         """Every rank's latest heartbeat this rank has read (this rank's own, fresh): ranks 0 and W-1 read all."""
         own = self._snapshot()
-        return {**{r: beat for r, (_, _, beat) in self._seen.items()}, self.rank: own}
+        seen = dict(self._seen)  # one copy: the thread adds to it
+        return {**{r: beat for r, (_, _, beat) in seen.items()}, self.rank: own}
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -186,7 +187,7 @@ class Watchdog:
                 self._publish()
                 if self._store.check([_VERDICT]):
                     line = self._store.get(_VERDICT).decode().split("|", 1)[1]
-                    self._act(Verdict((), line.removeprefix("SoloDDP watchdog: ")), print_it=False)
+                    self._act(Verdict((), line), print_it=False)
                     return
                 if not self._judge:
                     continue
@@ -233,8 +234,9 @@ class Watchdog:
     def _act(self, verdict: Verdict, print_it: bool = True, abort: bool | None = None) -> None:
         if not self._acted.acquire(blocking=False):
             return
-        line = f"SoloDDP watchdog: {verdict.line}. Python stacks: {self.dump_dir}/rank*.stacks.txt."
-        if print_it:  # the first verdict only: one line for the whole run
+        line = verdict.line  # another rank's, as it printed it
+        if print_it:
+            line = f"SoloDDP watchdog: {verdict.line}. Python stacks: {self.dump_dir}/rank*.stacks.txt."  # the first verdict only: one line for the whole run
             mine = f"{self.rank}|{line}"  # two judges may word the same line: the rank tells whose it is
             try:
                 won = self._store.compare_set(_VERDICT, "", mine).decode() == mine
@@ -243,17 +245,19 @@ class Watchdog:
             if not won:
                 line, print_it = self._store.get(_VERDICT).decode().split("|", 1)[1], False
         self.verdict = Verdict(verdict.stuck, line)
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
-            f.write(
-                f"rank {self.rank} (pid {self._pid}, {self._host}): {json.dumps(asdict(self._snapshot()))}\n"
-            )
-            f.write(line + "\n\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
         abort = self.settings.abort if abort is None else abort
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
+                beat = json.dumps(asdict(self._snapshot()))
+                f.write(f"rank {self.rank} (pid {self._pid}, {self._host}): {beat}\n{line}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            if print_it:
+                (self.dump_dir / "verdict.txt").write_text(line + "\n")
+        except OSError as err:  # an unwritable run directory must not keep the run from ending
+            line += f" (no stack dump: {err})"
         if print_it:
-            (self.dump_dir / "verdict.txt").write_text(line + "\n")
             end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
             sys.stderr.write(line + end + "\n")
             sys.stderr.flush()
