@@ -12,9 +12,9 @@ Example::
 Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body calls the components in the order they
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
-(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`) and
-the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`) and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`). Every choice made for the user is a
-:class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
+(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
+the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`) and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`).
+Every choice made for the user is a :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
 ``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``heartbeats()``, ``record()``, ``add_resume_state()``,
 ``state_dict()``.
@@ -60,7 +60,13 @@ from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
 from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
 from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
 from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
-from lightning_solo.ddp.watchdog import Heartbeat, Watchdog, WatchdogSettings, decide_flight_recorder
+from lightning_solo.ddp.watchdog import (
+    Heartbeat,
+    Watchdog,
+    WatchdogSettings,
+    decide_flight_recorder,
+    next_store_prefix,
+)
 from lightning_solo.ddp.watchdog import heartbeat as hb
 
 
@@ -232,7 +238,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._watchdog_settings = WatchdogSettings.from_option(watchdog)
         self._watchdog: Watchdog | None = None  # started by each fit's setup
         self._validation_outer: tuple[str, float] | None = None
-        self._fits = 0  # each fit's heartbeats under their own keys (a notebook fits again in one group)
         # Made once per process: the monitored barrier's group (None: the world) and the side channel.
         self._barrier_group: Any = None
         self._barrier_made = False
@@ -659,9 +664,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
-        if (
-            self._watchdog is not None
-        ):  # a peer whose process ended is named (the collective's error names none)
+        if self._watchdog is not None:  # names a peer whose process ended (the collective's error names none)
             self._watchdog.on_exception()
         if self._unused.phase is not Phase.USER:
             self._unused.stop()
@@ -714,13 +717,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def _start_watchdog(self, trainer: pl.Trainer) -> None:
         """Each fit's watchdog, on every rank alike, with its own connection to the process group's store."""
-        self._fits += 1
+        prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
         settings = self._watchdog_settings
         if settings is None or self.world_size < 2 or not torch.distributed.is_initialized():
             return
-        store = torch.distributed.PrefixStore(
-            f"lightning_solo/watchdog/{self._fits}/", torch_compat.default_store().clone()
-        )
+        store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
         dump_dir = Path(trainer.default_root_dir) / "hang"
         self._watchdog = Watchdog(settings, store, self.global_rank, self.world_size, dump_dir)
         self._validation_outer = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import json
 import multiprocessing
 import os
@@ -46,6 +47,13 @@ from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
 _VERDICT = "verdict"
+_fits = itertools.count(1)
+
+
+def next_store_prefix() -> str:
+    """Each fit's keys in the process group's store (a script may fit twice in one process group), counted per
+    process: every rank runs the same fits."""
+    return f"lightning_solo/watchdog/{next(_fits)}/"
 
 
 @dataclass(frozen=True)
