@@ -6,7 +6,10 @@ whole timeout and names no rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,11 +28,17 @@ BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after 
 
 
 def run(out, mode: str) -> tuple[subprocess.CompletedProcess, float, dict]:
-    # Into a file: the run must end by itself, not when the last process holding a pipe open does.
+    # Into a file: the run must end by itself, not when the last process holding a pipe open does. In a session
+    # of its own, so that what the run leaves behind (stock's sleeping rank 1) goes with it.
     with open(out / "output.txt", "w") as log:
-        code = subprocess.run([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=110).returncode  # fmt: skip
-    ended = time.time()
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout=110)
+        finally:
+            ended = time.time()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     proc = subprocess.CompletedProcess([], code, (out / "output.txt").read_text(), "")
     stall = json.loads((out / "stall.json").read_text()) if (out / "stall.json").exists() else {}
     return proc, ended - stall.get("t", ended), stall
