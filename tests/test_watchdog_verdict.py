@@ -171,6 +171,22 @@ def test_the_first_steps_get_the_first_step_allowance():
     assert writer.median("step") is None and writer.allowance(hb.TRAINING_STEP, 2.0, 30.0, 600.0) == 600.0
 
 
+def test_the_sanity_check_is_no_sample_of_a_validation():
+    clock = Clock()
+    writer = HeartbeatWriter(clock)
+    outer = writer.enter(hb.SANITY_CHECK)
+    clock.t += 0.5  # two batches
+    writer.leave(outer)
+    assert writer.state[1] == hb.SETUP and writer.median("validation") is None
+    assert (
+        writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 600.0
+    )  # the first real one: the first allowance
+    outer = writer.enter(hb.VALIDATION)
+    clock.t += 100.0
+    writer.leave(outer)
+    assert writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 230.0
+
+
 def test_manual_optimization_keeps_the_training_step_clock():
     clock = Clock()
     writer = HeartbeatWriter(clock)

@@ -580,7 +580,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self._watchdog is not None:
-            self._validation_outer = self._watchdog.writer.enter(hb.VALIDATION)
+            sanity = self._module.trainer.sanity_checking  # before training: the first-step allowance
+            self._validation_outer = self._watchdog.writer.enter(hb.SANITY_CHECK if sanity else hb.VALIDATION)
 
     @override
     def on_validation_end(self) -> None:

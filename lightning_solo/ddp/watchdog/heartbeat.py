@@ -31,10 +31,11 @@ TRAINING_STEP = "training_step"
 BACKWARD = "backward"
 OPTIMIZER_STEP = "optimizer step"
 VALIDATION = "validation"
+SANITY_CHECK = "sanity check"  # Lightning's validation before training: not a sample of a validation's time
 CHECKPOINT_SAVE = "checkpoint save"
 DONE = "done"
 FAILED = "failed"  # the fit ended with an exception on this rank
-ORDER = {SETUP: -1, VALIDATION: 0, CHECKPOINT_SAVE: 0, DATA_WAIT: 1, BATCH_START: 2, TRAINING_STEP: 3,
+ORDER = {SETUP: -1, SANITY_CHECK: -1, VALIDATION: 0, CHECKPOINT_SAVE: 0, DATA_WAIT: 1, BATCH_START: 2, TRAINING_STEP: 3,
          BACKWARD: 4, OPTIMIZER_STEP: 5, DONE: 9, FAILED: 9}  # fmt: skip
 # Where a phase's time is judged against: a whole batch, a whole validation, a whole save.
 _GROUP = {VALIDATION: "validation", CHECKPOINT_SAVE: "checkpoint"}
@@ -125,7 +126,7 @@ class HeartbeatWriter:
             previous == OPTIMIZER_STEP
         ):  # the closure's training_step and backward ran: the step's own work now
             self.state = (step, previous, now, None, seq)
-        elif previous in (TRAINING_STEP, BACKWARD, VALIDATION, SETUP):
+        elif previous in (TRAINING_STEP, BACKWARD, VALIDATION, SANITY_CHECK, SETUP):
             # A phase inside a step (manual optimization's step inside training_step) or inside validation:
             # the outer one's clock goes on.
             self.state = (step, previous, previous_since, None, seq)
@@ -159,7 +160,8 @@ class HeartbeatWriter:
 
     def allowance(self, phase: str, factor: float, margin_s: float, first_s: float) -> float:
         median = self.median(_GROUP.get(phase, "step"))
-        return first_s if median is None or phase in (SETUP, DONE, FAILED) else factor * median + margin_s
+        untimed = (SETUP, SANITY_CHECK, DONE, FAILED)
+        return first_s if median is None or phase in untimed else factor * median + margin_s
 
     def snapshot(
         self, rank: int, pid: int, host: str, beats: int, allowance: Callable[[str], float]
