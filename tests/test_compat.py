@@ -119,6 +119,8 @@ def test_torch_names_exist():
     reducer = torch.distributed.Reducer
     for name in ("_get_local_used_map", "_autograd_hook", "_ddp_graph_static"):
         assert hasattr(reducer, name), name
+    assert callable(torch.distributed.distributed_c10d._get_default_store)  # torch_compat.default_store
+    assert callable(torch.distributed.Store.clone)  # the watchdog's own connection to that store
     assert callable(powerSGD_hook._should_compress) and callable(default_hooks._compress_hook)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     assert torch_compat.scaler_scale(scaler) is None and torch_compat.scaler_init_scale(scaler) == 8.0

@@ -132,6 +132,9 @@ def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp
     ]  # one verdict, all ranks
     _compute, data, _comm, straggler = r0["reports"]
     assert straggler["straggler"]["rank"] == 1 and straggler["straggler"]["behind_ms"] > 0.5 * SLOW_S * 1e3
+    # named with its phase from SoloDDP's heartbeat (strategy.heartbeats()): slow in training_step, not stopped
+    assert straggler["straggler"]["phase"] == "training_step", straggler["straggler"]
+    assert straggler["straggler"]["phase_excess_ms"] > 0.5 * SLOW_S * 1e3, straggler["straggler"]
     assert data["verdict"]["remedies"][0]["setting"] == "DataLoader.num_workers"
     advised = {(r["setting"], r["value"]) for report in r0["reports"] for r in report["verdict"]["remedies"]}
     assert not {v for k, v in advised if k == "SoloDDP.comm_hook"} & {"fp16", "bf16", "powersgd", "auto"}, "no compression advice on CPU"  # fmt: skip

@@ -9,7 +9,13 @@ import time
 import pytest
 import torch
 
-from lightning_solo.diagnostics.doctor.report import rank_times, summarize, throughput
+from lightning_solo.diagnostics.doctor.report import (
+    format_table,
+    rank_times,
+    straggler_phase,
+    summarize,
+    throughput,
+)
 from lightning_solo.diagnostics.doctor.timing import (
     COMM,
     DATA,
@@ -124,9 +130,11 @@ def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
     assert throughput([sums(0.0, 1.0, 0.0), slow])["global_samples_per_s"] == pytest.approx(
         640 / 2.5
     )  # not 2 × 320
+    # SoloDDP's heartbeats, gathered too: seconds in each phase of the rank's own work
+    beats = [{"phase_s:data wait": 0.1, "phase_s:training_step": 1.0}, {"phase_s:data wait": 1.6, "phase_s:training_step": 1.0}]  # fmt: skip
     gathered = [
-        {"window": fast, "total": fast, "peak_memory_mib": 100.0, "memory_total_mib": 1000.0, "idle_cores": 2.0, "bins": []},
-        {"window": slow, "total": slow, "peak_memory_mib": 500.0, "memory_total_mib": 1000.0, "idle_cores": 0.0, "bins": []},
+        {"window": fast, "total": fast, "peak_memory_mib": 100.0, "memory_total_mib": 1000.0, "idle_cores": 2.0, "bins": [], **beats[0]},
+        {"window": slow, "total": slow, "peak_memory_mib": 500.0, "memory_total_mib": 1000.0, "idle_cores": 0.0, "bins": [], **beats[1]},
     ]  # fmt: skip
     report = summarize(gathered, "window", CPU)
     assert report["ranks"][1]["data_ms"] == pytest.approx(150.0) and report["ranks"][0][
@@ -134,8 +142,31 @@ def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
     ] == pytest.approx(100.0)
     assert report["verdict"]["bound"] == "straggler" and report["straggler"]["rank"] == 1
     assert report["straggler"]["behind_ms"] == pytest.approx(150.0)
+    # named with its phase, from the heartbeat: the straggler has not stopped, it waits on data
+    assert report["straggler"]["phase"] == "data wait"
+    assert report["straggler"]["phase_excess_ms"] == pytest.approx(150.0)
+    assert "most of it in data wait (+150.00 ms per step, by its heartbeat)" in format_table(report)
     # rank 1's excess is its data wait
     assert report["verdict"]["remedies"][0]["setting"] == "DataLoader.num_workers"
+
+
+@pytest.mark.parametrize(
+    ("phase_s", "rank", "found"),
+    [
+        ([{"training_step": 1.0}, {"training_step": 2.2}], 1, ("training_step", 120.0)),  # slow compute
+        (
+            [{"data wait": 0.1}, {"data wait": 0.1}, {"data wait": 1.3}],
+            2,
+            ("data wait", 120.0),
+        ),  # slow loader
+        ([{"training_step": 1.0}, {"training_step": 1.0}], 1, None),  # nothing over the others
+        ([{}, {}], 1, None),  # no heartbeat (not SoloDDP, or watchdog=False)
+        ([{"training_step": 1.0}], 0, None),  # one rank
+    ],
+)
+def test_the_straggler_phase_is_its_own_work_most_over_the_others(phase_s, rank, found):
+    got = straggler_phase(phase_s, rank, steps=10)
+    assert got == found if found is None else (got[0] == found[0] and got[1] == pytest.approx(found[1]))
 
 
 @pytest.mark.parametrize(

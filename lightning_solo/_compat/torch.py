@@ -91,3 +91,9 @@ def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.T
     """``cls._check_input_dim(module, input)``: a BatchNorm class's own input check, which SyncBN variants
     override and call for the class they replace (checked on torch 2.14.1)."""
     cls._check_input_dim(module, input)  # type: ignore[attr-defined]  # private: why it is fenced here
+
+
+def default_store() -> Any:
+    """``torch.distributed.distributed_c10d._get_default_store()``: the default process group's store, which the
+    watchdog clones for its heartbeats (checked on torch 2.14.1)."""
+    return torch.distributed.distributed_c10d._get_default_store()

@@ -13,11 +13,12 @@ Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body cal
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
 (:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
-the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`) and the uneven-data agreement
-(:mod:`lightning_solo.ddp.uneven`). Every choice made for the user is a
+the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`), the uneven-data agreement (:mod:`lightning_solo.ddp.uneven`)
+and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`). Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
-``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``record()``, ``add_resume_state()``, ``state_dict()``.
+``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``heartbeats()``, ``record()``, ``add_resume_state()``,
+``state_dict()``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -41,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster, cpu_malloc
 from lightning_solo.core.checks import check_bool, check_number
@@ -59,6 +63,14 @@ from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
 from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
 from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
 from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
+from lightning_solo.ddp.watchdog import (
+    Heartbeat,
+    Watchdog,
+    WatchdogSettings,
+    decide_flight_recorder,
+    next_store_prefix,
+)
+from lightning_solo.ddp.watchdog import heartbeat as hb
 
 
 class SoloDDP(DecisionLog, DDPStrategy):
@@ -129,6 +141,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
             evaluation) run out at different batches, every rank ends at the batch where the first one does, agreed
             asynchronously at each batch (:mod:`lightning_solo.ddp.uneven`); ``False``: as stock, where uneven data
             hangs or fails.
+        watchdog: a hang on any rank ends the run with one line naming the stuck rank(s), their phase and step,
+            and what the others wait in, each rank's Python stacks in ``<default_root_dir>/hang/``, and exit status
+            86, within ``factor`` × the median step + ``margin_s`` (2 × median + 55 s by default) instead of the
+            collective timeout: :mod:`lightning_solo.ddp.watchdog`. A mapping sets
+            :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
+            Under NCCL the flight recorder is switched on too (``TORCH_NCCL_TRACE_BUFFER_SIZE=2000``,
+            ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, unless set).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -165,6 +184,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         sigterm_agreement: bool = True,
         sigterm_checkpoint: bool = True,
         uneven_data: UnevenPolicy = "shortest",
+        watchdog: bool | Mapping[str, Any] = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -224,6 +244,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
+        self._watchdog_settings = WatchdogSettings.from_option(watchdog)
+        self._watchdog: Watchdog | None = None  # started by each fit's setup
+        self._validation_outer: tuple[str, float] | None = None
         # Made once per process: the monitored barrier's group (None: the world) and the side channel.
         self._barrier_group: Any = None
         self._barrier_made = False
@@ -242,6 +265,17 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         )
         self._decide(unused.decision)
+        settings = self._watchdog_settings
+        self._decide(
+            Decision(
+                "watchdog",
+                settings is not None,
+                f"a stall past {settings.factor:g} x the median step + {settings.margin_s:g} s ({settings.first_s:g} s "
+                "before the median is known) ends the run with one line naming the stuck rank and every rank's stacks"
+                if settings is not None
+                else "set by the user: a hang waits for the collective timeout",
+            )
+        )
 
     # ----------------------------------------------------------------------------------------- public seams
     @property
@@ -270,6 +304,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def advice(self) -> list[str]:
         """The end-of-fit advice from DDP's logging data (:mod:`lightning_solo.ddp.advice`)."""
         return self._advice
+
+    def heartbeats(self) -> dict[int, Heartbeat]:
+        """Each rank's latest heartbeat (step, phase, seconds in it, the collective it waits in) as this rank's
+        watchdog last read it (ranks 0 and W-1 read every rank's; the others their own); empty without a watchdog
+        (``watchdog=False``, one process, outside a fit)."""
+        return self._watchdog.heartbeats() if self._watchdog is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """What the last fit left to report (``decisions``, ``advice``), for a notebook parent to take back."""
@@ -313,6 +353,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self._watchdog_settings is not None:  # NCCL reads these when the process group is created
+            backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            recorder, env = decide_flight_recorder(backend, os.environ)
+            os.environ.update(env)
+            if recorder is not None:
+                self._decide(recorder)
         super().setup_environment()  # the device, then the process group
         # torchrun / SLURM started the processes, not the start method chosen above.
         if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
@@ -382,6 +428,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 checkpoint=self._sigterm_checkpoint,
                 decide=self._decide,
             )
+            self._start_watchdog(trainer)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -442,6 +489,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # The resume plan settles before the epoch loop reads the batch counters it rewinds.
         self._resume.close_loaders(self._module.trainer)
         super().on_train_start()
+        if self._watchdog is not None:
+            self._watchdog.writer.enter(hb.DATA_WAIT, step=self._module.trainer.global_step)
         # Made after setup, while restoring a checkpoint (e.g. the GradScaler kept across a resume).
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
@@ -451,6 +500,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         trainer = self._attached_trainer
         if trainer is not None and trainer.training and not trainer.sanity_checking:
             self._resume.before_batch(trainer)  # the first resumed batch starts from the checkpoint's RNG
+            if self._watchdog is not None:
+                self._watchdog.writer.batch(trainer.global_step)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # ------------------------------------------------------------------------------------------------ steps
@@ -474,7 +525,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
         # non-reentrant (lightning_solo.ddp.unused.watch).
         searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
-        with searching or contextlib.nullcontext():
+        with searching or contextlib.nullcontext(), self._phase(hb.TRAINING_STEP):
             output = super().training_step(*args, **kwargs)
         self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
         return output
@@ -492,7 +543,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             if self._unused.phase is Phase.WINDOW
             else None
         )
-        with watch or contextlib.nullcontext():
+        with watch or contextlib.nullcontext(), self._phase(hb.BACKWARD):
             self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         self._unused.after_backward(self._wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
@@ -501,7 +552,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with self._resume.stepping():  # the closure runs training_step
+        with self._resume.stepping(), self._phase(hb.OPTIMIZER_STEP):  # the closure runs training_step
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._comm.averager is not None:  # post-local-SGD's averager (see _enable_model_averaging)
             self._comm.average_after_step(optimizer)
@@ -523,34 +574,53 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
             if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
                 return all_gather_grad_on(tensor, group, self._side_channel())
-        return super().all_gather(tensor, group, sync_grads)
+        with self._collective("all_gather"):
+            return super().all_gather(tensor, group, sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
-        return super().reduce(
-            mean_operand(tensor, reduce_op) if self._exact_eval else tensor, group, reduce_op
-        )
+        with self._collective("reduce"):
+            return super().reduce(
+                mean_operand(tensor, reduce_op) if self._exact_eval else tensor, group, reduce_op
+            )
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._collective("broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._watchdog is not None:
+            sanity = self._module.trainer.sanity_checking  # before training: the first-step allowance
+            self._validation_outer = self._watchdog.writer.enter(hb.SANITY_CHECK if sanity else hb.VALIDATION)
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
         self._resume.after_validation(self._module.trainer)  # the training RNG as the last batch left it
+        if self._watchdog is not None and self._validation_outer is not None:
+            self._watchdog.writer.leave(self._validation_outer)
+        self._validation_outer = None
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
-        if self._barrier_group is None or not torch.distributed.is_initialized():
-            return super().barrier(name, *args, **kwargs)
-        comm.monitored_barrier(name, self._collective_timeout, self._barrier_group)
+        with self._collective(f"barrier {name!r}" if name else "barrier"):
+            if self._barrier_group is None or not torch.distributed.is_initialized():
+                return super().barrier(name, *args, **kwargs)
+            comm.monitored_barrier(name, self._collective_timeout, self._barrier_group)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
     ) -> None:
-        self.add_resume_state(checkpoint, filepath=filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        with self._phase(hb.CHECKPOINT_SAVE):
+            self.add_resume_state(checkpoint, filepath=filepath)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def add_resume_state(
         self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None
@@ -598,6 +668,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._comm.average_parameters(self._module)
         if self._sigterm is not None:
             self._sigterm.close()  # the agreement in flight
+        if self._watchdog is not None:  # "done" at once: no peer takes this rank's exit for a death
+            self._watchdog.stop()
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
         if isinstance(self.model, DistributedDataParallel):
@@ -607,12 +679,17 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
+        if self._watchdog is not None:  # names a peer whose process ended (the collective's error names none)
+            self._watchdog.on_exception()
         if self._unused.phase is not Phase.USER:
             self._unused.stop()
         explain_exception(exception, self._unused)
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._sigterm is not None:
             self._sigterm.uninstall()
             self._sigterm = None
@@ -653,6 +730,37 @@ class SoloDDP(DecisionLog, DDPStrategy):
             exact_allreduce=self._exact_allreduce,
         )
         self._register_ddp_hooks()
+
+    def _start_watchdog(self, trainer: pl.Trainer) -> None:
+        """Each fit's watchdog, on every rank alike, with its own connection to the process group's store."""
+        prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
+        settings = self._watchdog_settings
+        if settings is None or self.world_size < 2 or not torch.distributed.is_initialized():
+            return
+        store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
+        dump_dir = Path(trainer.default_root_dir) / "hang"
+        self._watchdog = Watchdog(settings, store, self.global_rank, self.world_size, dump_dir)
+        self._validation_outer = None
+        self._watchdog.start()
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Any:
+        """The watchdog's phase for the block (nothing without a watchdog)."""
+        if self._watchdog is None:
+            yield
+            return
+        outer = self._watchdog.writer.enter(name)
+        yield
+        self._watchdog.writer.leave(outer, stepped=name == hb.OPTIMIZER_STEP)
+
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Any:
+        if self._watchdog is None:
+            yield
+            return
+        self._watchdog.writer.collective(name)
+        yield
+        self._watchdog.writer.collective(None)
 
     def _note_reentrant(self) -> None:
         if "reentrant_checkpoint" not in self.decisions:

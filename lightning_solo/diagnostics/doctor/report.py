@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_solo.core import ranks as ranks_
+from lightning_solo.ddp.watchdog import heartbeat as hb
 from lightning_solo.diagnostics.doctor.timing import (
     COMM,
     DATA,
@@ -36,7 +38,26 @@ from lightning_solo.diagnostics.doctor.timing import (
 )
 from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose, setting_call
 
-EXTRA = ("peak_memory_mib", "memory_total_mib", "idle_cores")
+# A rank's own work, by the watchdog's heartbeat (SoloDDP): seconds in each phase since the last report. Backward
+# is left out: it holds DDP's all-reduce, where the others wait for a straggler.
+OWN_PHASES = (hb.DATA_WAIT, hb.TRAINING_STEP, hb.OPTIMIZER_STEP, hb.VALIDATION, hb.CHECKPOINT_SAVE)
+EXTRA = ("peak_memory_mib", "memory_total_mib", "idle_cores", *(f"phase_s:{p}" for p in OWN_PHASES))
+
+
+def straggler_phase(phase_s: list[dict[str, float]], rank: int, steps: int) -> tuple[str, float] | None:
+    """Pure: the phase of ``rank``'s own work most over the other ranks' median, in ms per step, or ``None``
+    (one rank, no heartbeat, nothing over)."""
+    others = [p for i, p in enumerate(phase_s) if i != rank]
+    if not others or steps <= 0 or not any(phase_s[rank].values()):
+        return None
+    excess = {
+        phase: 1e3
+        * (phase_s[rank].get(phase, 0.0) - statistics.median(o.get(phase, 0.0) for o in others))
+        / steps
+        for phase in OWN_PHASES
+    }
+    phase = max(excess, key=excess.__getitem__)
+    return (phase, excess[phase]) if excess[phase] > 0 else None
 
 
 def gather_ranks(
@@ -135,17 +156,24 @@ def summarize(
             }
         )
     step_ms = sum(t.step_ms for t in times) / len(times)
+    straggler: dict[str, Any] = {
+        "rank": verdict.straggler,
+        "behind_ms": verdict.behind_ms,
+        "behind_fraction": verdict.behind_ms / step_ms if step_ms else 0.0,
+        "phase": None,
+        "phase_excess_ms": None,
+    }
+    if verdict.straggler is not None:
+        phases = [{p: g.get(f"phase_s:{p}", 0.0) for p in OWN_PHASES} for g in gathered]
+        if (found := straggler_phase(phases, verdict.straggler, steps)) is not None:
+            straggler["phase"], straggler["phase_excess_ms"] = found
     return {
         "steps": steps,
         "world_size": len(gathered),
         "device": setup.device,
         "ranks": rows,
         "throughput": throughput(per_rank, reference),
-        "straggler": {
-            "rank": verdict.straggler,
-            "behind_ms": verdict.behind_ms,
-            "behind_fraction": verdict.behind_ms / step_ms if step_ms else 0.0,
-        },
+        "straggler": straggler,
         "verdict": {
             "bound": verdict.bound,
             "shares": verdict.shares,
@@ -205,9 +233,12 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
     lines.append(line)
     s = report["straggler"]
     if s["rank"] is not None:
-        lines.append(
-            f"slowest rank: {s['rank']}, {s['behind_ms']:.2f} ms ({s['behind_fraction']:.0%} of the step) behind the others"
-        )
+        line = f"slowest rank: {s['rank']}, {s['behind_ms']:.2f} ms ({s['behind_fraction']:.0%} of the step) behind the others"
+        if s.get("phase") is not None:
+            line += (
+                f", most of it in {s['phase']} (+{s['phase_excess_ms']:.2f} ms per step, by its heartbeat)"
+            )
+        lines.append(line)
     lines.append(f"verdict: {report['verdict']['text']}")
     for i, r in enumerate(report["verdict"]["remedies"], 1):
         lines.append(

@@ -3,7 +3,9 @@
 Per optimizer step, on every rank: data wait, forward+backward, optimizer step and the communication DDP
 could not hide behind backward (from DDP's own reducer timings; :mod:`lightning_solo.diagnostics.doctor.timing`);
 samples/s per device and global (measured on every rank and reduced), peak memory (CUDA allocator on GPU,
-RSS on CPU), scaling efficiency against a one-process reference when given, and the slowest rank. At the end
+RSS on CPU), scaling efficiency against a one-process reference when given, and the slowest rank, with the phase
+of its own work it is slow in (data wait, training_step, optimizer step, validation, checkpoint save), read from
+SoloDDP's watchdog heartbeat (``strategy.heartbeats()``; a rank that stops altogether is the watchdog's). At the end
 of training, and every ``every_n_steps`` steps if asked, the ranks' sums are gathered (one collective, at the
 same step on every rank) and the verdict (:mod:`lightning_solo.diagnostics.doctor.verdict`) names the bound (data,
 communication, compute, straggler) with remedies that name the setting to change, ranked by expected gain. Rank 0 logs a
@@ -42,7 +44,14 @@ from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.strategy import SoloDDP
 from lightning_solo.diagnostics.doctor.chart import plot_doctor
-from lightning_solo.diagnostics.doctor.report import format_table, gather_ranks, series, summarize, write_json
+from lightning_solo.diagnostics.doctor.report import (
+    OWN_PHASES,
+    format_table,
+    gather_ranks,
+    series,
+    summarize,
+    write_json,
+)
 from lightning_solo.diagnostics.doctor.timing import ExposedComm, StepTimer
 from lightning_solo.diagnostics.doctor.verdict import Setup
 from lightning_solo.diagnostics.loss_watch import LossWatch
@@ -122,6 +131,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self._steps, self._first_step = 0, trainer.global_step + self._warmup
         self.report, self.reports, self.files = None, [], {}
         self._process, self._rss = psutil.Process(), 0
+        self._phase_s: dict[str, float] = {}  # this rank's heartbeat phase times at the last report
         if pl_module.automatic_optimization:
             self._timer.loss_scale = trainer.accumulate_grad_batches
         if self._warmup == 0:
@@ -195,7 +205,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         """Gather every rank's sums (a collective, at the same step everywhere), judge, log, write (rank 0)."""
         window = self._timer.take_window()
         self._sample_rss()
-        extra = self._memory(trainer, pl_module)
+        extra = {**self._memory(trainer, pl_module), **self._phases(trainer, which)}
         gathered = gather_ranks(window, self._timer.total, self._timer.bins, extra, pl_module.device)
         report = summarize(gathered, which, self._setup(trainer, pl_module), self.reference_throughput)
         report["global_step"] = trainer.global_step
@@ -222,6 +232,17 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self.files = {"json": str(root / self.filename), "chart": str(chart) if chart else None}
         content["files"] = self.files
         write_json(content, root / self.filename)
+
+    def _phases(self, trainer: L.Trainer, which: str) -> dict[str, float]:
+        """This rank's own heartbeat (SoloDDP's watchdog, fresh on its own rank): seconds in each phase since the
+        last report ("window") or in all (the final "total"), gathered with the rest to name a straggler's phase."""
+        strategy = trainer.strategy
+        beat = strategy.heartbeats().get(trainer.global_rank) if isinstance(strategy, SoloDDP) else None
+        if beat is None:
+            return {}
+        now = {f"phase_s:{p}": beat.phase_s.get(p, 0.0) for p in OWN_PHASES}
+        last, self._phase_s = self._phase_s, now
+        return now if which == "total" else {k: v - last.get(k, 0.0) for k, v in now.items()}
 
     def _sample_rss(self) -> None:
         if not self._timer.cuda:

@@ -1,0 +1,144 @@
+"""Cost of SoloDDP's hang watchdog on a 10-15 ms CPU step: 2 gloo processes x 1 thread, an MLP sized to that step,
+fits with ``watchdog=True`` (the default: a heartbeat every second on a daemon thread, ranks 0 and 1 judging) and
+``watchdog=False`` interleaved round by round (the order alternating), rank 0's median step time per fit. Two
+figures: the median over rounds of (on / off) step-time ratio, and the training thread's own cost per step (the
+phase transitions SoloDDP's hooks make: one batch start, three phases entered and left), timed in-process.
+
+    python benchmarks/bench_watchdog.py                    # ~2-3 minutes on 2 idle cores
+    python benchmarks/bench_watchdog.py --rounds 8 --steps 200 --hidden 384
+    python benchmarks/bench_watchdog.py --costs-only       # seconds: the two costs, no fits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import timeit
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_solo import SoloDDP
+from lightning_solo.ddp.watchdog import HeartbeatWriter, Watchdog, WatchdogSettings, judge
+from lightning_solo.ddp.watchdog import heartbeat as hb
+
+
+class MLP(L.LightningModule):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class StepTimer(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.starts = out, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            self.out.write_text(json.dumps([b - a for a, b in zip(self.starts, self.starts[1:])]))
+
+
+def fit(watchdog: bool, steps: int, hidden: int, batch: int) -> float:
+    out = Path(tempfile.mkdtemp()) / "times.json"
+    data = TensorDataset(
+        torch.randn(2 * batch * (steps + 1), 256), torch.randint(0, 10, (2 * batch * (steps + 1),))
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork", watchdog=watchdog), max_steps=steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[StepTimer(out)], default_root_dir=out.parent,
+    )  # fmt: skip
+    trainer.fit(MLP(hidden), DataLoader(data, batch_size=batch))
+    times = json.loads(out.read_text())[10:]  # the first steps warm up
+    return statistics.median(times)
+
+
+def hook_cost_us() -> float:
+    """The training thread's watchdog work per step, as SoloDDP's hooks do it."""
+    writer = HeartbeatWriter()
+
+    def step() -> None:
+        writer.batch(6)
+        outer_opt = writer.enter(hb.OPTIMIZER_STEP)
+        outer = writer.enter(hb.TRAINING_STEP)
+        writer.leave(outer)
+        outer = writer.enter(hb.BACKWARD)
+        writer.leave(outer)
+        writer.leave(outer_opt, stepped=True)
+
+    return 1e6 * min(timeit.repeat(step, number=10_000, repeat=5)) / 10_000
+
+
+def beat_cost_ms(world_size: int = 2) -> float:
+    """The watchdog thread's work per heartbeat on a judging rank (write its own, read and judge every rank's),
+    on a real TCPStore of this process: once per ``interval_s`` (1 s)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dogs = [Watchdog(WatchdogSettings(), torch.distributed.PrefixStore("b/", store), r, world_size, "unused")
+            for r in range(world_size)]  # fmt: skip
+    for dog in dogs:
+        dog._publish()
+
+    def beat() -> None:
+        dogs[0]._publish()
+        store.check(["b/verdict"])
+        judge(dogs[0]._views(), dogs[0].settings.silent_s)
+
+    return 1e3 * min(timeit.repeat(beat, number=200, repeat=5)) / 200
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--costs-only", action="store_true", help="only the per-step and per-beat costs")
+    args = parser.parse_args()
+    cost, beat = hook_cost_us(), beat_cost_ms()
+    print(f"training-thread work per step: {cost:.2f} us = {cost / 1e4:.3%} of a 10 ms step")
+    print(
+        f"watchdog thread per heartbeat (judging rank, 2 ranks): {beat:.3f} ms, once a second = {beat / 1e3:.3%}"
+    )
+    if args.costs_only:
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    medians: dict[bool, list[float]] = {True: [], False: []}
+    ratios = []
+    for r in range(args.rounds):
+        for watchdog in (True, False) if r % 2 == 0 else (False, True):
+            medians[watchdog].append(fit(watchdog, args.steps, args.hidden, args.batch))
+        ratios.append(medians[True][-1] / medians[False][-1])
+        print(f"round {r}: on {1000 * medians[True][-1]:.2f} ms, off {1000 * medians[False][-1]:.2f} ms, "
+              f"ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+    off = statistics.median(medians[False])
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds x {args.steps} steps; hidden {args.hidden}"
+    )
+    print(f"median step: on {1000 * statistics.median(medians[True]):.2f} ms, off {1000 * off:.2f} ms")
+    print(
+        f"ratio on/off (median over rounds): {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
+    )
+    print(f"training-thread work per step = {cost / (1e6 * off):.3%} of the off step")
+
+
+if __name__ == "__main__":
+    main()

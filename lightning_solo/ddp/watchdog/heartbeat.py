@@ -1,0 +1,177 @@
+"""What a rank is doing, published by its watchdog thread: the global step, the phase (data wait, training_step,
+backward, optimizer step, validation, checkpoint save), a named collective inside it with its sequence number, and
+how long it has been there.
+
+Example::
+
+    writer = HeartbeatWriter()
+    writer.batch(step=6)                      # a training batch starts (SoloDDP.batch_to_device)
+    outer = writer.enter("training_step")     # SoloDDP.training_step ...
+    writer.leave(outer)                       # ... and back: the next thing a rank does is wait for data
+    beat = writer.snapshot(1, os.getpid(), "host", beats=3, allowance=lambda phase: 60.0)
+
+The training thread only assigns one tuple per transition (and appends a batch time): the watchdog thread reads it
+and does the rest (medians, encoding, the store), so a step pays about a microsecond.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+# Phases, in the order a training batch runs them (the verdict compares ranks' progress with it).
+SETUP = "setup"
+DATA_WAIT = "data wait"
+BATCH_START = "batch start"
+TRAINING_STEP = "training_step"
+BACKWARD = "backward"
+OPTIMIZER_STEP = "optimizer step"
+VALIDATION = "validation"
+SANITY_CHECK = "sanity check"  # Lightning's validation before training: not a sample of a validation's time
+CHECKPOINT_SAVE = "checkpoint save"
+DONE = "done"
+FAILED = "failed"  # the fit ended with an exception on this rank
+ORDER = {SETUP: -1, SANITY_CHECK: -1, VALIDATION: 0, CHECKPOINT_SAVE: 0, DATA_WAIT: 1, BATCH_START: 2, TRAINING_STEP: 3,
+         BACKWARD: 4, OPTIMIZER_STEP: 5, DONE: 9, FAILED: 9}  # fmt: skip
+# Where a phase's time is judged against: a whole batch, a whole validation, a whole save.
+_GROUP = {VALIDATION: "validation", CHECKPOINT_SAVE: "checkpoint"}
+_WINDOW = 64  # durations kept per group: the median of the recent ones
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One rank's published state. ``age_s``: seconds in ``phase`` when published; ``allowance_s``: how long this
+    rank may stay there (``factor`` × its median of that kind + ``margin``, or the first-step allowance);
+    ``collective``: a named collective it waits in (``None``: none seen), ``seq`` its number on this rank;
+    ``beats``: a counter that moves at every publication (a silent rank's stops)."""
+
+    rank: int
+    pid: int
+    host: str
+    step: int
+    phase: str
+    age_s: float
+    allowance_s: float
+    collective: str | None = None
+    seq: int = 0
+    beats: int = 0
+    median_step_s: float | None = None
+    phase_s: dict[str, float] = field(
+        default_factory=dict
+    )  # seconds in each phase so far (TrainingDoctor reads it)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Heartbeat:
+        return cls(**json.loads(data))
+
+
+class HeartbeatWriter:
+    """The training thread's side: phase transitions (cheap), batch times; :meth:`snapshot` for the thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # (step, phase, since, collective, seq): one tuple, assigned whole, so the thread never reads a torn state.
+        self.state: tuple[int, str, float, str | None, int] = (0, SETUP, clock(), None, 0)
+        self._durations: dict[str, deque[float]] = {"step": deque(maxlen=_WINDOW)}
+        self._batch_started: float | None = None
+        self._batch_other = 0.0  # time inside this batch's validations and saves: not a step's
+        self._totals = dict.fromkeys(ORDER, 0.0)  # every key made now: the thread copies it while it changes
+        self._mark = self.state[2]
+
+    # ------------------------------------------------------------------ the training thread
+    def _account(self, now: float) -> None:
+        """The time since the last transition goes to the phase that held it."""
+        self._totals[self.state[1]] += now - self._mark
+        self._mark = now
+
+    def batch(self, step: int) -> None:
+        """A training batch starts: the time since the previous one, less its validations and saves, is a step's."""
+        now = self._clock()
+        self._account(now)
+        if self._batch_started is not None:
+            self._durations["step"].append(now - self._batch_started - self._batch_other)
+        self._batch_started, self._batch_other = now, 0.0
+        self.state = (step, BATCH_START, now, None, self.state[4])
+
+    def enter(self, phase: str, step: int | None = None) -> tuple[str, float]:
+        """Enter ``phase``; returns what :meth:`leave` puts back."""
+        step_now, previous, since, _, seq = self.state
+        now = self._clock()
+        self._account(now)
+        self.state = (step_now if step is None else step, phase, now, None, seq)
+        return previous, since
+
+    def leave(self, outer: tuple[str, float], stepped: bool = False) -> None:
+        """Back from a phase: to the one around it, except that after a batch's own work comes the data wait.
+        ``stepped``: the phase was an optimizer step, which Lightning counts in the global step right after."""
+        step, phase, since, _, seq = self.state
+        step += stepped
+        previous, previous_since = outer
+        now = self._clock()
+        self._account(now)
+        if (group := _GROUP.get(phase)) is not None:
+            self._durations.setdefault(group, deque(maxlen=_WINDOW)).append(now - since)
+            if previous not in _GROUP:  # a save inside a validation is counted once, with the validation
+                self._batch_other += now - since
+        if previous in (BATCH_START, SETUP) and phase in (TRAINING_STEP, BACKWARD, OPTIMIZER_STEP):
+            self.state = (step, DATA_WAIT, now, None, seq)
+        elif (
+            previous == OPTIMIZER_STEP
+        ):  # the closure's training_step and backward ran: the step's own work now
+            self.state = (step, previous, now, None, seq)
+        elif previous in (TRAINING_STEP, BACKWARD, VALIDATION, SANITY_CHECK, SETUP):
+            # A phase inside a step (manual optimization's step inside training_step) or inside validation:
+            # the outer one's clock goes on.
+            self.state = (step, previous, previous_since, None, seq)
+        else:
+            self.state = (step, previous, now, None, seq)
+
+    def collective(self, name: str | None) -> None:
+        """A named collective starts (``name``) or ends (``None``), numbered on this rank."""
+        step, phase, since, _, seq = self.state
+        self.state = (step, phase, since, name, seq + (name is not None))
+
+    def done(self) -> None:
+        now = self._clock()
+        self._account(now)
+        self.state = (self.state[0], DONE, now, None, self.state[4])
+
+    def failed(self) -> None:
+        step, phase, _, _, seq = self.state
+        now = self._clock()
+        self._account(now)
+        self.state = (step, FAILED, now, f"{phase} at step {step}", seq)
+
+    # ------------------------------------------------------------------ the watchdog thread
+    def median(self, group: str) -> float | None:
+        """The median of the recent durations of ``group``; ``None`` before enough (the first step is excluded:
+        it holds the warm-up)."""
+        samples = list(self._durations.get(group, ()))
+        if group == "step":
+            samples = samples[1:]
+        return statistics.median(samples) if len(samples) >= 3 or (group != "step" and samples) else None
+
+    def allowance(self, phase: str, factor: float, margin_s: float, first_s: float) -> float:
+        median = self.median(_GROUP.get(phase, "step"))
+        untimed = (SETUP, SANITY_CHECK, DONE, FAILED)
+        return first_s if median is None or phase in untimed else factor * median + margin_s
+
+    def snapshot(
+        self, rank: int, pid: int, host: str, beats: int, allowance: Callable[[str], float]
+    ) -> Heartbeat:
+        step, phase, since, collective, seq = self.state
+        now, mark = self._clock(), self._mark
+        totals = dict(self._totals)
+        totals[phase] += now - mark
+        return Heartbeat(
+            rank=rank, pid=pid, host=host, step=step, phase=phase, age_s=now - since,
+            allowance_s=allowance(phase), collective=collective, seq=seq, beats=beats,
+            median_step_s=self.median("step"), phase_s=totals,
+        )  # fmt: skip

@@ -1,0 +1,290 @@
+"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, and ends a stalled run.
+
+Example::
+
+    dog = Watchdog(WatchdogSettings(), store, rank=0, world_size=2, dump_dir="runs/x/hang")
+    dog.start()                   # SoloDDP does this at each fit's setup, and moves dog.writer from its hooks
+    ...
+    dog.stop()                    # end of fit: "done" is published at once
+
+Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`) into the process
+group's store every ``interval_s``, off the training stream. Ranks 0 and ``W - 1`` also read every rank's and
+judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`): two judges, so one stuck in native code holding
+the interpreter lock does not silence the watchdog. The first verdict is written to the store once
+(``compare_set``); every live rank then writes its Python stacks (all threads, ``faulthandler``) to
+``<dump_dir>/rank<r>.stacks.txt``, the judge that wrote it prints ONE line on stderr (and ``verdict.txt``), each
+waits up to ``grace_s`` for the others' dumps, ends its own child processes (loader workers, one of which may be the
+stuck one) and exits with status :data:`HANG_EXIT_CODE`.
+
+Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
+``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
+timeout (30 minutes by default); ``ProcessGroup.abort()`` on gloo returns but leaves the waiting collective waiting
+(tried on torch 2.14.1: benchmarks/RESULTS.md). Ending the process is what reliably unblocks: the peers' collectives
+fail at once on the closed connections, and their own watchdogs end them. Nothing is saved on the way out, so the
+newest verified checkpoint stays the newest (an atomic save that was under way leaves only its temporary file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import itertools
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from lightning_solo.core.checks import check_number
+from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, Heartbeat, HeartbeatWriter
+from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
+
+HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
+_VERDICT = "verdict"
+_fits = itertools.count(1)
+
+
+def next_store_prefix() -> str:
+    """Each fit's keys in the process group's store (a script may fit twice in one process group), counted per
+    process: every rank runs the same fits."""
+    return f"lightning_solo/watchdog/{next(_fits)}/"
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    """``factor`` × the median step (or validation, or checkpoint save) + ``margin_s``: how long a rank may stay in
+    a phase; ``first_s`` before the median is known (the first steps, the first validation and save);
+    ``interval_s``: heartbeat period; ``silent_s``: a heartbeat that has not moved for longer is a frozen rank;
+    ``grace_s``: how long a rank waits for the others' stack dumps before it exits; ``abort``: end the run (else
+    report only). The defaults end a stall within 2 × median step + 60 s."""
+
+    factor: float = 2.0
+    margin_s: float = 55.0
+    first_s: float = 600.0
+    interval_s: float = 1.0
+    silent_s: float = 120.0
+    grace_s: float = 10.0
+    abort: bool = True
+
+    @classmethod
+    def from_option(cls, option: bool | Mapping[str, Any]) -> WatchdogSettings | None:
+        """``SoloDDP(watchdog=...)``: ``True`` (these defaults), ``False``/``None`` (off) or a mapping of fields."""
+        if option is None or option is False:
+            return None
+        if option is True:
+            return cls()
+        if not isinstance(option, Mapping):
+            raise ValueError(
+                f"watchdog must be True, False or a mapping of {[f.name for f in fields(cls)]}, got {option!r}"
+            )
+        known = {f.name for f in fields(cls)}
+        if unknown := set(option) - known:
+            raise ValueError(f"unknown watchdog setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        values = {k: v if k == "abort" else check_number(f"watchdog.{k}", v) for k, v in option.items()}
+        return cls(**values)
+
+
+def _gone(beat: Heartbeat | None, host: str) -> bool:
+    """A rank on this host whose process has ended (a zombie counts: its parent has not reaped it yet)."""
+    if beat is None or beat.host != host:
+        return False
+    try:
+        state = Path(f"/proc/{beat.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(beat.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    return state in ("Z", "X")
+
+
+class Watchdog:
+    """One fit's watchdog on one rank (see the module docstring). ``store``: a ``torch.distributed.Store`` of its
+    own (a prefix store over a clone of the process group's); ``writer``: the phases SoloDDP's hooks set."""
+
+    def __init__(
+        self,
+        settings: WatchdogSettings,
+        store: Any,
+        rank: int,
+        world_size: int,
+        dump_dir: str | os.PathLike,
+    ) -> None:
+        self.settings = settings
+        self.writer = HeartbeatWriter()
+        self.rank, self.world_size = rank, world_size
+        self.dump_dir = Path(dump_dir)
+        self.verdict: Verdict | None = None
+        self._store = store
+        self._host, self._pid = socket.gethostname(), os.getpid()
+        self._judge = rank in (0, world_size - 1)
+        self._beats = 0
+        self._seen: dict[int, tuple[int, float, Heartbeat]] = {}  # rank -> (beats, when seen, heartbeat)
+        self._stop = threading.Event()
+        self._stopped = False
+        self._acted = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the training thread
+    def start(self) -> None:
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="lightning_solo-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, failed: bool = False) -> None:
+        """The fit ended (``failed``: with an exception): say so at once, so no peer takes this rank's exit for
+        a death, and end the thread. Rank 0, whose process holds the store's server (``env://`` rendezvous), waits
+        up to ``grace_s`` for the others to say so too: they would otherwise write to a store that is gone."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            # First: a heartbeat the thread is still writing must not land over "done".
+            self._thread.join(timeout=2 * self.settings.interval_s + 1)
+        self._thread = None
+        if failed:
+            self.writer.failed()
+        elif self.writer.state[1] != FAILED:
+            self.writer.done()
+        with contextlib.suppress(Exception):  # the store's host may be gone already: nothing left to tell
+            self._publish()
+            if self.rank == 0:
+                deadline = time.monotonic() + self.settings.grace_s
+                while time.monotonic() < deadline and any(
+                    not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED))
+                    for v in self._views()
+                ):
+                    time.sleep(0.05)
+
+    def on_exception(self) -> Verdict | None:
+        """The fit failed on this rank: if a peer's process ended (a collective then fails here at once, naming
+        no rank), say which, with this rank's stacks; then stop. Returns the verdict, if any."""
+        verdict = None
+        if self.verdict is None:
+            try:
+                views = self._views()
+            except Exception:  # noqa: BLE001 - the store is gone with its host
+                views = []
+            if any(v.gone for v in views):
+                verdict = judge(views, self.settings.silent_s)
+                if verdict is not None:
+                    self._act(verdict, abort=False)
+        self.stop(failed=True)
+        return verdict or self.verdict
+
+    def heartbeats(self) -> dict[int, Heartbeat]:
+        """Every rank's latest heartbeat this rank has read (this rank's own, fresh): ranks 0 and W-1 read all."""
+        own = self._snapshot()
+        seen = dict(self._seen)  # one copy: the thread adds to it
+        return {**{r: beat for r, (_, _, beat) in seen.items()}, self.rank: own}
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.interval_s):
+            try:
+                self._publish()
+                if self._store.check([_VERDICT]):
+                    line = self._store.get(_VERDICT).decode().split("|", 1)[1]
+                    self._act(Verdict((), line), print_it=False)
+                    return
+                if not self._judge:
+                    continue
+                verdict = judge(self._views(), self.settings.silent_s)
+            except Exception:  # noqa: BLE001 - the store's host ended (the run is over): nothing to judge
+                return
+            if verdict is not None and not self._stop.is_set():
+                self._act(verdict)
+                return
+
+    def _snapshot(self) -> Heartbeat:
+        s = self.settings
+        return self.writer.snapshot(
+            self.rank, self._pid, self._host, self._beats,
+            lambda phase: self.writer.allowance(phase, s.factor, s.margin_s, s.first_s),
+        )  # fmt: skip
+
+    def _publish(self) -> None:
+        self._beats += 1
+        self._store.set(f"beat/{self.rank}", self._snapshot().encode())
+
+    def _views(self) -> list[RankView]:
+        keys = [f"beat/{r}" for r in range(self.world_size)]
+        if self._store.check(keys):
+            raw: list[bytes | None] = list(self._store.multi_get(keys))
+        else:  # before every rank's first heartbeat
+            raw = [self._store.get(k) if self._store.check([k]) else None for k in keys]
+        now = time.monotonic()
+        views = []
+        for rank, data in enumerate(raw):
+            beat = self._snapshot() if rank == self.rank else (Heartbeat.decode(data) if data else None)
+            if beat is None:
+                views.append(RankView(rank, None))
+                continue
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != beat.beats:
+                self._seen[rank] = seen = (beat.beats, now, beat)
+            since = now - seen[1]
+            views.append(
+                RankView(rank, beat, age_s=beat.age_s + since, silent_s=since, gone=_gone(beat, self._host))
+            )
+        return views
+
+    def _act(self, verdict: Verdict, print_it: bool = True, abort: bool | None = None) -> None:
+        if not self._acted.acquire(blocking=False):
+            return
+        line = verdict.line  # another rank's, as it printed it
+        if print_it:
+            line = f"SoloDDP watchdog: {verdict.line}. Python stacks: {self.dump_dir}/rank*.stacks.txt."  # the first verdict only: one line for the whole run
+            mine = f"{self.rank}|{line}"  # two judges may word the same line: the rank tells whose it is
+            try:
+                won = self._store.compare_set(_VERDICT, "", mine).decode() == mine
+            except Exception:  # noqa: BLE001 - no store: this rank is alone to speak
+                won = True
+            if not won:
+                line, print_it = self._store.get(_VERDICT).decode().split("|", 1)[1], False
+        self.verdict = Verdict(verdict.stuck, line)
+        abort = self.settings.abort if abort is None else abort
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
+                beat = json.dumps(asdict(self._snapshot()))
+                f.write(f"rank {self.rank} (pid {self._pid}, {self._host}): {beat}\n{line}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            if print_it:
+                (self.dump_dir / "verdict.txt").write_text(line + "\n")
+        except OSError as err:  # an unwritable run directory must not keep the run from ending
+            line += f" (no stack dump: {err})"
+        if print_it:
+            end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
+            sys.stderr.write(line + end + "\n")
+            sys.stderr.flush()
+        try:
+            self._store.set(f"dumped/{self.rank}", "1")
+            if abort:  # the store's host must outlive the others' dumps
+                deadline = time.monotonic() + self.settings.grace_s
+                live = [
+                    v.rank
+                    for v in self._views()
+                    if not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED))
+                ]
+                while time.monotonic() < deadline and not self._store.check([f"dumped/{r}" for r in live]):
+                    time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store's host ended first
+            pass
+        if abort:
+            # This rank's own child processes (loader workers; one may be the stuck one) would outlive it.
+            for child in multiprocessing.active_children():
+                with contextlib.suppress(Exception):
+                    child.kill()
+            os._exit(HANG_EXIT_CODE)

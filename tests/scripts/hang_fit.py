@@ -1,0 +1,122 @@
+"""A 2-process CPU fit (popen launcher, SoloDDP's defaults but small watchdog thresholds) in which one rank stalls
+at step STEP, as MODE says:
+
+    python tests/scripts/hang_fit.py MODE OUT_DIR
+
+* ``sleep``: rank 1 sleeps forever in ``training_step``;
+* ``loader``: rank 1's loader worker (``num_workers=1``) sleeps forever in ``__getitem__``;
+* ``extra``: rank 1 issues one collective the other does not (``strategy.barrier("extra")`` in ``training_step``);
+* ``checkpoint``: rank 0's checkpoint write stalls halfway (pickling an object that never returns);
+* ``kill``: rank 1 sends itself SIGKILL in ``training_step``;
+* ``none``: nothing stalls (the watchdog must stay quiet);
+* ``stock``: stock ``DDPStrategy(timeout=20 s)``, rank 1 sleeps 45 s in ``training_step`` (the contrast).
+
+The stalling rank writes OUT_DIR/stall.json (its rank, the time the stall began) just before it stalls; rank 0
+writes OUT_DIR/end.json when its fit returns or raises (the exception's type and message).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, Dataset
+from user_model import QUIET, Tiny
+
+from lightning_solo import SoloDDP
+
+STEP = 6
+WATCHDOG = {"factor": 2.0, "margin_s": 3.0, "first_s": 30.0, "interval_s": 0.25, "grace_s": 5.0}
+
+
+def stall_marker(out: Path, rank: int) -> None:
+    (out / "stall.json").write_text(json.dumps({"rank": rank, "t": time.time()}))
+
+
+class Data(Dataset):
+    def __init__(self, out: Path, stall: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(512, 8, generator=g), torch.randint(0, 2, (512,), generator=g)
+        self.out, self.stall, self.rank, self.calls = out, stall, -1, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        # In rank 1's one worker: the first sample of batch STEP + 2 (the worker and Lightning fetch ahead).
+        self.calls += 1
+        if self.stall and self.rank == 1 and self.calls == 4 * (STEP + 2) + 1:
+            stall_marker(self.out, 1)
+            time.sleep(3600)
+        return self.x[i], self.y[i]
+
+
+class NeverPickled:
+    """A checkpoint entry whose write never ends, as a write to a stalled file system."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __reduce__(self):
+        stall_marker(self.out, 0)
+        time.sleep(3600)
+        return (NeverPickled, (self.out,))
+
+
+class Stalling(Tiny):
+    def __init__(self, mode: str, out: Path, data: Data) -> None:
+        super().__init__()
+        self.mode, self.out, self.data = mode, out, data
+
+    def train_dataloader(self):
+        self.data.rank = self.global_rank  # the worker is forked with it
+        return DataLoader(self.data, batch_size=4, num_workers=1 if self.mode == "loader" else 0)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)  # a 10-15 ms step
+        if self.global_rank == 1 and self.global_step == STEP:
+            if self.mode in ("sleep", "stock"):
+                stall_marker(self.out, 1)
+                time.sleep(45 if self.mode == "stock" else 3600)
+            elif self.mode == "extra" and batch_idx == STEP:
+                stall_marker(self.out, 1)
+                self.trainer.strategy.barrier("extra")
+            elif self.mode == "kill":
+                stall_marker(self.out, 1)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.mode == "checkpoint" and self.global_rank == 0 and self.global_step == STEP:
+            checkpoint["stall"] = NeverPickled(self.out)
+
+
+def main(mode: str, out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    strategy = DDPStrategy(timeout=timedelta(seconds=20)) if mode == "stock" else SoloDDP(watchdog=WATCHDOG)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=12, num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)],
+        default_root_dir=out, **QUIET,
+    )  # fmt: skip
+    model = Stalling(mode, out, Data(out, stall=mode == "loader"))
+    end = {"ended": "normally"}
+    try:
+        trainer.fit(model)
+    except BaseException as err:
+        end = {"ended": type(err).__name__, "message": str(err)[:2000]}
+        raise
+    finally:
+        if trainer.global_rank == 0:
+            (out / "end.json").write_text(json.dumps({**end, "t": time.time()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

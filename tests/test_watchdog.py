@@ -1,0 +1,155 @@
+"""A rank that stalls ends a 2-process run (popen launcher, SoloDDP's defaults, small watchdog thresholds) with
+ONE line naming the stuck rank and its phase, every live rank's Python stacks in ``<default_root_dir>/hang/``, and
+exit status 86, within seconds of the stall instead of the 30-minute collective timeout
+(:mod:`lightning_solo.ddp.watchdog`); tests/scripts/hang_fit.py makes each fault. Stock ``DDPStrategy`` waits the
+whole timeout and names no rank."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_solo import SoloDDP
+from lightning_solo.checkpoint import verify
+from lightning_solo.checkpoint.select import find_latest_valid
+from lightning_solo.ddp.watchdog import HANG_EXIT_CODE
+from tests.helpers import REPO
+
+SCRIPT = REPO / "tests" / "scripts" / "hang_fit.py"
+MARGIN_S = 3.0  # the script's watchdog margin (factor 2 x a ~15 ms median step adds little)
+BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after the stall
+
+
+def run(out, mode: str) -> tuple[subprocess.CompletedProcess, float, dict]:
+    # Into a file: the run must end by itself, not when the last process holding a pipe open does. In a session
+    # of its own, so that what the run leaves behind (stock's sleeping rank 1) goes with it.
+    with open(out / "output.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout=110)
+        finally:
+            ended = time.time()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    proc = subprocess.CompletedProcess([], code, (out / "output.txt").read_text(), "")
+    stall = json.loads((out / "stall.json").read_text()) if (out / "stall.json").exists() else {}
+    return proc, ended - stall.get("t", ended), stall
+
+
+def verdict_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("SoloDDP watchdog:")
+    ]
+    assert len(lines) == 1, proc.stdout[-4000:]  # one line for the whole run
+    return lines[0]
+
+
+def assert_stacks(out, ranks, frame: str) -> None:
+    """Each live rank's stacks, every thread; the stuck rank's show where it stalled."""
+    for rank in ranks:
+        text = (out / "hang" / f"rank{rank}.stacks.txt").read_text()
+        assert text.startswith(f"rank {rank} (pid ") and "Thread 0x" in text, text[:500]
+    stuck = (out / "hang" / f"rank{ranks[0]}.stacks.txt").read_text()
+    assert frame in stuck, stuck
+
+
+def assert_hang(out, mode: str, expected: str, frame: str, stuck: int = 1) -> str:
+    proc, elapsed, stall = run(out, mode)
+    assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
+    line = verdict_line(proc)
+    assert stall["rank"] == stuck and line.startswith(f"SoloDDP watchdog: rank {stuck} {expected}"), line
+    assert (out / "hang" / "verdict.txt").read_text().strip() in line
+    assert_stacks(out, [stuck, 1 - stuck], frame)
+    # Ended within the margin (and the promise of the defaults), not at the 30-minute collective timeout.
+    assert MARGIN_S < elapsed < min(MARGIN_S + 12, BOUND_S), (elapsed, line)
+    print(
+        f"{mode}: ended {elapsed:.1f} s after the stall: {line}"
+    )  # pytest -s: benchmarks/RESULTS.md's table
+    return line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_rank_asleep_in_training_step(tmp_path):
+    line = assert_hang(tmp_path, "sleep", "has been in training_step for", "in training_step")
+    assert "at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_loader_worker_blocked_in_getitem(tmp_path):
+    line = assert_hang(tmp_path, "loader", "has been in data wait for", "_next_data")
+    assert "rank 0 waits in backward (DDP's gradient all-reduce)" in line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_rank_issuing_one_extra_collective(tmp_path):
+    line = assert_hang(
+        tmp_path, "extra", "has been waiting in barrier 'extra' (collective #", "monitored_barrier"
+    )
+    assert "in training_step) for" in line and "rank 0 waits in backward (DDP's gradient all-reduce)" in line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_stalled_checkpoint_write_leaves_the_newest_verified_checkpoint(tmp_path):
+    line = assert_hang(tmp_path, "checkpoint", "has been in checkpoint save for", "__reduce__", stuck=0)
+    assert "at step 6; rank 1 waits in barrier 'Trainer.save_checkpoint'" in line
+    # The stalled write left its temporary file only; resume=auto continues from step 4's, which verifies.
+    ckpt = tmp_path / "ckpt"
+    assert not (ckpt / "step=6.ckpt").exists() and any("solo-tmp" in p.name for p in ckpt.iterdir()), list(
+        ckpt.iterdir()
+    )
+    assert find_latest_valid(ckpt) == str(ckpt / "step=4.ckpt")
+    verify(ckpt / "step=4.ckpt")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_rank_killed_with_sigkill(tmp_path):
+    # gloo fails rank 0's all-reduce at once ("Connection closed by peer", no rank named); the line names rank 1.
+    proc, elapsed, _ = run(tmp_path, "kill")
+    assert proc.returncode in (1, HANG_EXIT_CODE), proc.stdout[-4000:]
+    line = verdict_line(proc)
+    assert line.startswith("SoloDDP watchdog: rank 1 is gone (its process ended; its last heartbeat: "), line
+    assert "rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
+    assert_stacks(tmp_path, [0], "Thread 0x")
+    assert elapsed < 10, elapsed
+    print(f"kill: ended {elapsed:.1f} s after the stall: {line}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_healthy_run_says_nothing(tmp_path):
+    proc, _, _ = run(tmp_path, "none")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "SoloDDP watchdog" not in proc.stdout + proc.stderr and not (tmp_path / "hang").exists()
+    assert json.loads((tmp_path / "end.json").read_text())["ended"] == "normally"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stock_ddp_waits_the_whole_timeout_and_names_no_rank(tmp_path):
+    # DDPStrategy(timeout=20 s), rank 1 asleep 45 s in training_step: rank 0 fails only after the timeout.
+    proc, _, stall = run(tmp_path, "stock")
+    end = json.loads((tmp_path / "end.json").read_text())
+    assert proc.returncode != 0 and end["ended"] == "RuntimeError", end
+    assert end["t"] - stall["t"] >= 20, (end, stall)
+    assert "rank 1" not in end["message"] and "Rank 1" not in end["message"], end["message"]
+
+
+def test_the_watchdog_is_a_decision_with_a_switch():
+    assert SoloDDP().decisions["watchdog"].value is True
+    off = SoloDDP(watchdog=False)
+    assert off.decisions["watchdog"].value is False and off.heartbeats() == {}
+    assert "median step + 5 s" in SoloDDP(watchdog={"margin_s": 5}).decisions["watchdog"].reason

@@ -1,0 +1,265 @@
+"""The watchdog's pure parts: the verdict from every rank's heartbeat (a table), the heartbeat writer's phases and
+allowance, the settings, and the NCCL flight recorder's environment."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lightning_solo.ddp.watchdog import (
+    Heartbeat,
+    HeartbeatWriter,
+    RankView,
+    WatchdogSettings,
+    decide_flight_recorder,
+    judge,
+)
+from lightning_solo.ddp.watchdog import heartbeat as hb
+
+
+def beat(rank, phase, step=6, collective=None, seq=0, allowance=30.0):
+    return Heartbeat(rank, 100 + rank, "host", step, phase, 0.0, allowance, collective, seq)
+
+
+def view(rank, phase, age, **kw):
+    gone, silent = kw.pop("gone", False), kw.pop("silent", 0.0)
+    return RankView(rank, beat(rank, phase, **kw), age_s=age, silent_s=silent, gone=gone)
+
+
+CASES = [
+    # (name, views, stuck ranks, the line, or None: no verdict)
+    ("within allowance", [view(0, hb.BACKWARD, 10), view(1, hb.TRAINING_STEP, 12)], None, None),
+    (
+        "a rank stuck in training_step",
+        [view(0, hb.BACKWARD, 93), view(1, hb.TRAINING_STEP, 94)],
+        (1,),
+        "rank 1 has been in training_step for 94 s at step 6; "
+        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+    (
+        "a rank waiting for data",
+        [view(0, hb.BACKWARD, 40), view(1, hb.DATA_WAIT, 41)],
+        (1,),
+        "rank 1 has been in data wait for 41 s at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+    (
+        "an extra collective on one rank: every rank waits; the one behind is named",
+        [view(0, hb.BACKWARD, 40), view(1, hb.TRAINING_STEP, 41, collective="barrier 'extra'", seq=7)],
+        (1,),
+        "rank 1 has been waiting in barrier 'extra' (collective #7, in training_step) for 41 s at step 6; "
+        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+    (
+        "a checkpoint write stalls on rank 0",
+        [
+            view(0, hb.CHECKPOINT_SAVE, 40),
+            view(1, hb.DATA_WAIT, 39, collective="barrier 'Trainer.save_checkpoint'", seq=12),
+        ],
+        (0,),
+        "rank 0 has been in checkpoint save for 40 s at step 6; "
+        "rank 1 waits in barrier 'Trainer.save_checkpoint' (collective #12, in data wait) at step 6",
+    ),
+    (
+        "a rank whose process ended",
+        [view(0, hb.BACKWARD, 1), view(1, hb.TRAINING_STEP, 1, gone=True)],
+        (1,),
+        "rank 1 is gone (its process ended; its last heartbeat: training_step at step 6); "
+        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+    (
+        "a silent rank (frozen, or native code holding the GIL)",
+        [view(0, hb.BACKWARD, 50), view(1, hb.TRAINING_STEP, 50, silent=45)],
+        (1,),
+        "rank 1 has been silent for 45 s (last seen in training_step at step 6); "
+        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+    (
+        "every rank in backward: all named",
+        [view(0, hb.BACKWARD, 40), view(1, hb.BACKWARD, 40)],
+        (0, 1),
+        "rank 0 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6; "
+        "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6",
+    ),
+    (
+        "a rank a step behind in backward is the one named",
+        [view(0, hb.BACKWARD, 40, step=7), view(1, hb.BACKWARD, 41)],
+        (1,),
+        "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 41 s at step 6; "
+        "rank 0 waits in backward (DDP's gradient all-reduce) at step 7",
+    ),
+    (
+        "a finished rank is neither stuck nor waited for",
+        [view(0, hb.DONE, 400), view(1, hb.VALIDATION, 10)],
+        None,
+        None,
+    ),
+    (
+        "a finished rank and a stuck one",
+        [view(0, hb.DONE, 400), view(1, hb.VALIDATION, 40)],
+        (1,),
+        "rank 1 has been in validation for 40 s at step 6; rank 0 finished training",
+    ),
+    (
+        "no heartbeat yet from a rank while another is over",
+        [view(0, hb.BACKWARD, 40), RankView(1, None)],
+        (1,),
+        "rank 1 has sent no heartbeat; rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "views", "stuck", "line"), CASES, ids=[c[0] for c in CASES])
+def test_verdict(name, views, stuck, line):
+    verdict = judge(views, silent_after_s=30.0)
+    if stuck is None:
+        assert verdict is None
+    else:
+        assert verdict is not None and verdict.stuck == stuck and verdict.line == line
+
+
+def test_a_heartbeat_round_trips_through_the_store_encoding():
+    b = beat(1, hb.BACKWARD, collective="reduce", seq=3)
+    assert Heartbeat.decode(b.encode()) == b
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_writer_follows_a_batch_and_measures_steps_without_its_saves():
+    clock = Clock()
+    writer = HeartbeatWriter(clock)
+    for step in range(6):
+        writer.batch(step)
+        assert writer.state[1] == hb.BATCH_START
+        outer_opt = writer.enter(hb.OPTIMIZER_STEP)
+        outer = writer.enter(hb.TRAINING_STEP)  # the closure
+        clock.t += 0.004
+        writer.leave(outer)
+        outer = writer.enter(hb.BACKWARD)
+        clock.t += 0.004
+        writer.leave(outer)
+        assert writer.state[1] == hb.OPTIMIZER_STEP and writer.state[2] == clock.t  # its own clock
+        clock.t += 0.002
+        writer.leave(outer_opt, stepped=True)
+        assert writer.state[:2] == (step + 1, hb.DATA_WAIT)  # Lightning counts the step right after
+        if step % 2:  # a 5 s save between batches: not a step's time
+            outer = writer.enter(hb.CHECKPOINT_SAVE)
+            writer.collective("barrier 'x'")
+            assert writer.state[3:] == ("barrier 'x'", step // 2 + 1)
+            writer.collective(None)
+            clock.t += 5.0
+            writer.leave(outer)
+            assert writer.state[1] == hb.DATA_WAIT
+    writer.batch(6)
+    assert writer.median("step") == pytest.approx(0.010)
+    assert writer.median("checkpoint") == pytest.approx(5.0)
+    assert writer.allowance(hb.BACKWARD, 2.0, 30.0, 600.0) == pytest.approx(30.02)
+    assert writer.allowance(hb.CHECKPOINT_SAVE, 2.0, 30.0, 600.0) == pytest.approx(40.0)
+    assert writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 600.0  # none yet: the first-step allowance
+
+
+def test_the_first_steps_get_the_first_step_allowance():
+    writer = HeartbeatWriter(Clock())
+    for step in range(3):  # the first is the warm-up, excluded: two samples are not enough
+        writer.batch(step)
+    assert writer.median("step") is None and writer.allowance(hb.TRAINING_STEP, 2.0, 30.0, 600.0) == 600.0
+
+
+def test_the_sanity_check_is_no_sample_of_a_validation():
+    clock = Clock()
+    writer = HeartbeatWriter(clock)
+    outer = writer.enter(hb.SANITY_CHECK)
+    clock.t += 0.5  # two batches
+    writer.leave(outer)
+    assert writer.state[1] == hb.SETUP and writer.median("validation") is None
+    assert (
+        writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 600.0
+    )  # the first real one: the first allowance
+    outer = writer.enter(hb.VALIDATION)
+    clock.t += 100.0
+    writer.leave(outer)
+    assert writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 230.0
+
+
+def test_manual_optimization_keeps_the_training_step_clock():
+    clock = Clock()
+    writer = HeartbeatWriter(clock)
+    writer.batch(0)
+    outer = writer.enter(hb.TRAINING_STEP)
+    since = writer.state[2]
+    clock.t += 1
+    inner = writer.enter(hb.OPTIMIZER_STEP)
+    writer.leave(inner)
+    assert writer.state[1:3] == (hb.TRAINING_STEP, since)
+    writer.leave(outer)
+    assert writer.state[1] == hb.DATA_WAIT
+
+
+def test_settings():
+    assert (
+        WatchdogSettings.from_option(False) is None
+        and WatchdogSettings.from_option(True) == WatchdogSettings()
+    )
+    assert WatchdogSettings.from_option({"margin_s": 5}).margin_s == 5
+    with pytest.raises(ValueError, match="unknown watchdog setting"):
+        WatchdogSettings.from_option({"margin": 5})
+    with pytest.raises(ValueError, match=r"watchdog\.factor"):
+        WatchdogSettings.from_option({"factor": -1})
+    with pytest.raises(ValueError, match="must be True, False or a mapping"):
+        WatchdogSettings.from_option("yes")
+
+
+@pytest.mark.parametrize(
+    ("backend", "environ", "env", "value"),
+    [
+        ("gloo", {}, {}, None),
+        (None, {}, {}, None),
+        ("nccl", {}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
+         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
+        ("cpu:gloo,cuda:nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
+         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000"),
+        ("nccl", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=0"),
+    ],
+)  # fmt: skip
+def test_the_flight_recorder_is_set_for_nccl_unless_the_user_set_it(backend, environ, env, value):
+    decision, added = decide_flight_recorder(backend, environ)
+    assert added == env
+    assert (decision.value if decision is not None else None) == value
+
+
+def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tmp_path, capfd):
+    # Two ranks' watchdogs in one process on a real store (report only: abort=False): rank 1 stays in
+    # training_step past its allowance while rank 0 waits in backward.
+    import torch.distributed as dist
+
+    from lightning_solo.ddp.watchdog import Watchdog
+
+    store = dist.HashStore()
+    settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False)
+    dogs = [Watchdog(settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang") for r in range(2)]
+    dogs[1].writer.batch(6)
+    dogs[1].writer.enter(hb.TRAINING_STEP)
+    dogs[0].writer.batch(6)
+    dogs[0].writer.enter(hb.BACKWARD)
+    for dog in dogs:
+        dog.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(d.verdict for d in dogs):
+        time.sleep(0.05)
+    for dog in reversed(dogs):  # rank 0 last: it waits for the others' "done" (its process holds the store)
+        dog.stop()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("SoloDDP watchdog:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
+    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6." in lines[0]
+    assert all(d.verdict is not None and d.verdict.line == lines[0] for d in dogs)
+    for rank in (0, 1):
+        assert lines[0] in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
+    # "done" published at stop: a peer reads it, and no longer counts the rank
+    assert {r: b.phase for r, b in dogs[0].heartbeats().items()} == {0: hb.DONE, 1: hb.DONE}
