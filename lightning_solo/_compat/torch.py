@@ -91,3 +91,20 @@ def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.T
     """``cls._check_input_dim(module, input)``: a BatchNorm class's own input check, which SyncBN variants
     override and call for the class they replace (checked on torch 2.14.1)."""
     cls._check_input_dim(module, input)  # type: ignore[attr-defined]  # private: why it is fenced here
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters``: Dynamo's per-process counters (``frames``: ``total``/``ok`` compiled
+    frames; ``unimplemented``: why a frame fell back to eager; ``aot_autograd``: ``total`` graphs handed to
+    AOTAutograd, one per DDPOptimizer split) (checked on torch 2.14.1)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def optimize_ddp() -> Any:
+    """``torch._dynamo.config.optimize_ddp``: ``True``/``"ddp_optimizer"`` splits a graph compiled inside DDP's
+    forward at DDP's bucket boundaries (checked on torch 2.14.1)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.optimize_ddp

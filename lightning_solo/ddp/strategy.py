@@ -48,6 +48,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp import comm, syncbn
 from lightning_solo.ddp import precision as amp
 from lightning_solo.ddp.advice import ddp_advice
+from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
 from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
@@ -122,6 +123,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
         sigterm_checkpoint: on that agreed stop every rank saves ``on_sigterm.ckpt`` in the checkpoint callback's
             directory, which ``resume=auto`` and ``fit(ckpt_path="auto")`` pick up; ``False``: stop without saving,
             as stock.
+        compile: ``False`` (default, stock: eager unless ``fit(torch.compile(model))``), ``True``, a dict of
+            ``torch.compile`` options, or ``"auto"`` (compiled and eager steps timed once the unused-parameter
+            policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
+            the planned steps). The LightningModule's steps are compiled inside DDP's forward, so DDPOptimizer
+            keeps the overlap and re-wraps recompile nothing: :mod:`lightning_solo.ddp.compile`.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -157,6 +163,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         cpu_malloc_reuse: bool = True,
         sigterm_agreement: bool = True,
         sigterm_checkpoint: bool = True,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -203,6 +210,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._unused = unused
         self._comm = comm_hooks
         self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
+        self._compile = CompiledSteps(compile)
         self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
         # Settings, read when the fit reaches them.
         self._sync_batchnorm = sync_batchnorm
@@ -233,6 +241,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         )
         self._decide(unused.decision)
+        self._decide(self._compile.decision)
 
     # ----------------------------------------------------------------------------------------- public seams
     @property
@@ -359,6 +368,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused = self._unused.fresh()
             self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
             self._decide(self._unused.decision)
+            # Compiled before DDP wraps it, inside DDP's forward at run time (lightning_solo.ddp.compile).
+            self._compile = self._compile.fresh()
+            self._decide(self._compile.setup(trainer.lightning_module))
         # SyncBN converted (fitting), then DDP: _setup_model, _register_ddp_hooks, _enable_model_averaging.
         super().setup(trainer)
         if fitting:  # before Lightning registers its signal handlers; every rank alike
@@ -450,6 +462,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)
+        # compile="auto" times steady steps: once no re-wrap is pending; its choice is a collective.
+        settled = self._unused.phase is not Phase.WINDOW and self._comm.decided
+        if decision := self._compile.at_boundary(settled, self.root_device, self._planned_steps):
+            self._decide(decision)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -460,7 +476,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
         # non-reentrant (lightning_solo.ddp.unused.watch).
         searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
-        with searching or contextlib.nullcontext():
+        with searching or contextlib.nullcontext(), self._compile.step_context():
             output = super().training_step(*args, **kwargs)
         self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
         return output
@@ -496,6 +512,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
             self.model.require_forward_param_sync = True
         self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
+        self._compile.after_step(self.root_device)  # and compile="auto"
         self._resume.after_optimizer_step(self._module.trainer)  # the point a checkpoint's record describes
         return output
 
@@ -586,6 +603,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._sigterm.close()  # the agreement in flight
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
+        self._decide(self._compile.finish())
+        if self._compile.fallback is not None:
+            self._decide(self._compile.fallback)
         if isinstance(self.model, DistributedDataParallel):
             self._advice = ddp_advice(self.model, self._unused)
             rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self._advice))
@@ -603,6 +623,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._sigterm.uninstall()
             self._sigterm = None
         self._resume.reset()
+        self._compile.teardown()
         if not self._layer_sync_read:  # no fit's setup chose a SyncBN plugin: nothing to revert
             self._layer_sync_request, self._layer_sync = self._layer_sync, None
         super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
@@ -647,6 +668,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def _exact_allreduce(self) -> bool:
         """No comm hook, ours or the user's: DDP's own all-reduce can carry the policy's probe and sentinel."""
         return self._comm.name is None and self._ddp_comm_hook is None
+
+    @property
+    def _planned_steps(self) -> float | None:
+        """The fit's optimizer steps as Lightning estimates them (``inf``: unbounded); None without a trainer."""
+        trainer = self._attached_trainer
+        return None if trainer is None else float(trainer.estimated_stepping_batches)
 
     @property
     def _attached_trainer(self) -> pl.Trainer | None:
