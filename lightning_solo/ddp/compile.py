@@ -27,7 +27,7 @@ import inspect
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -42,6 +42,9 @@ from lightning_solo.core.decision import Decision
 CompileSetting = bool | Literal["auto"] | Mapping[str, Any]
 COMPILE_VALUES = (False, True, "auto")
 _COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters if p != "model")
+# Run eagerly inside a compiled step: traced, ``self.log`` guards on the number of metrics Lightning holds, so
+# each new metric key recompiles the step (22 recompiles per rank in the runner's model, then the limit).
+_EAGER_METHODS = ("log", "log_dict")
 
 _WAITING, _TRIAL, _SETTLED = "waiting", "trial", "settled"
 
@@ -106,7 +109,8 @@ class CompiledSteps:
         self._started: float | None = None
         self._stepped = False
         self._frames_seen = 0  # Dynamo frames compiled when the fit started / after its first compiled step
-        self._after_first: int | None = None
+        self._after_first: bool | None = None  # the first compiled training step is done
+        self._recompiles = 0
         self._failed_seen = 0
 
     def fresh(self) -> CompiledSteps:
@@ -120,10 +124,9 @@ class CompiledSteps:
 
     @property
     def recompiles(self) -> int:
-        """Frames Dynamo compiled in this fit after the first compiled step (0 before it)."""
-        if self._after_first is None:
-            return 0
-        return _frames_ok() - self._after_first
+        """Frames Dynamo compiled inside training steps after the first compiled one: recompiles of the step
+        (guards that failed) and first compiles of code the first step did not reach."""
+        return self._recompiles
 
     # -------------------------------------------------------------------------------------------- the fit
     def setup(self, module: Any) -> Decision:
@@ -140,7 +143,12 @@ class CompiledSteps:
             self._ours = True
             how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
         self._module = module
-        where = f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper); {_ddp_note()}"
+        for name in _EAGER_METHODS:  # instance attributes, removed at teardown
+            setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+        where = (
+            f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; self.log "
+            f"eager); {_ddp_note()}"
+        )
         if self.setting == "auto":
             self._state = _WAITING
             self.decision = Decision(
@@ -170,12 +178,18 @@ class CompiledSteps:
             self._started = _now(device)
         return new
 
-    def step_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Around each training step: "auto" runs eagerly before and between its compiled trial steps."""
+    @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Around each training step: "auto" runs eagerly before and between its compiled trial steps; the
+        frames Dynamo compiles inside a step after the first compiled one are counted (``recompiles``)."""
         eager = self._state == _WAITING or (
             self._state == _TRIAL and self._schedule[len(self._times)] == "eager"
         )
-        return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+        before = _frames_ok()
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+            yield
+        if self._after_first is not None:
+            self._recompiles += _frames_ok() - before
 
     def after_step(self, device: torch.device) -> None:
         """At the end of every optimizer step."""
@@ -183,7 +197,7 @@ class CompiledSteps:
             self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
         )
         if self._after_first is None and self.compiled and first:
-            self._after_first = _frames_ok()
+            self._after_first = True
         if self._state != _TRIAL or self._started is None:
             return
         self._times.append(_now(device) - self._started)
@@ -196,15 +210,14 @@ class CompiledSteps:
             self.decision = Decision(
                 "compile",
                 self.decision.value,
-                f"{self.decision.reason}; {self.recompiles} recompiles after the first compiled step",
+                f"{self.decision.reason}; {self.recompiles} recompiles in training steps after the first compiled one",
             )
         return self.decision
 
     def teardown(self) -> None:
-        """Give the module back its own steps when they were compiled here."""
-        if self._ours and self._module is not None:
-            to_uncompiled(self._module)
-        self._module, self._ours = None, False
+        """Give the module back its own steps (when they were compiled here) and its own ``log``."""
+        if self._module is not None:
+            self._restore(uncompile=self._ours)
 
     # -------------------------------------------------------------------------------------------- helpers
     def _decide(self, device: torch.device, planned_steps: Any) -> Decision:
@@ -223,9 +236,15 @@ class CompiledSteps:
         )
         self._state = _SETTLED
         if not self.decision.value and self._module is not None:
-            to_uncompiled(self._module)  # Lightning's own undo of from_compiled (the user's compile too)
-            self._module, self._ours = None, False
+            self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)
         return self.decision
+
+    def _restore(self, uncompile: bool) -> None:
+        for name in _EAGER_METHODS:
+            self._module.__dict__.pop(name, None)
+        if uncompile:
+            to_uncompiled(self._module)
+        self._module, self._ours = None, False
 
     def _check_fallback(self) -> Decision | None:
         """A frame Dynamo gave up on runs eagerly (e.g. ``recompile_limit`` hit): said once, with the reason."""
@@ -236,7 +255,7 @@ class CompiledSteps:
         self.fallback = Decision(
             "compile_fallback",
             "eager",
-            f"{_frames_failed() - self._failed_seen} compiled frames fell back to eager: "
+            f"{_frames_failed() - self._failed_seen} frames ran eagerly (Dynamo could not compile them): "
             + "; ".join(limit or reasons[-3:] or ["Dynamo gave no reason"]),
         )
         return self.fallback
