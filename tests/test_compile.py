@@ -189,6 +189,13 @@ def test_auto_measures_and_every_rank_keeps_the_same_choice(tmp_path):
     decided = [r["decisions"]["compile"] for r in records]
     assert decided[0] == decided[1], decided
     assert isinstance(decided[0]["value"], bool) and "auto: compiled step" in decided[0]["reason"], decided[0]
+    # 6 steps: 2 left after the unused window, fewer than the trial's 7: eager, without compiling.
+    model = _model()
+    records = _fit(tmp_path / "short", model, 6, compile="auto", fit_model=torch.compile(model, **CHEAP))
+    for record in records:
+        assert record["decisions"]["compile"]["value"] is False, record["decisions"]["compile"]
+        assert "too short" in record["decisions"]["compile"]["reason"]
+        assert record["frames"][-1] == record["frames0"]  # nothing compiled
 
 
 def test_decide_compile_pays_back_within_the_planned_run():

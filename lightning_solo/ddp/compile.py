@@ -111,6 +111,7 @@ class CompiledSteps:
         self._frames_seen = 0  # Dynamo frames compiled when the fit started / after its first compiled step
         self._after_first: bool | None = None  # the first compiled training step is done
         self._recompiles = 0
+        self._steps = 0  # optimizer steps in this fit
         self._failed_seen = 0
 
     def fresh(self) -> CompiledSteps:
@@ -168,6 +169,15 @@ class CompiledSteps:
         if self._state == _WAITING and settled:
             self._state = _TRIAL
             self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
+            left = (float(planned_steps) if planned_steps is not None else math.inf) - self._steps
+            if left < len(self._schedule):  # every rank alike: the same steps done and planned
+                self._state = _SETTLED
+                self.decision = Decision(
+                    "compile", False, f"auto: {left:.0f} steps left, fewer than the {len(self._schedule)} of the "
+                    "trial: too short to measure or pay back a compile -> eager",
+                )  # fmt: skip
+                self._restore(uncompile=True)
+                return self.decision
         if self._state != _TRIAL:
             return new
         if self._stepped:  # a new optimizer step (accumulation cycle) starts here
@@ -196,6 +206,7 @@ class CompiledSteps:
         first = self._state == _SETTLED or (
             self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
         )
+        self._steps += 1
         if self._after_first is None and self.compiled and first:
             self._after_first = True
         if self._state != _TRIAL or self._started is None:
