@@ -108,8 +108,7 @@ class CompiledSteps:
         self._times: list[float] = []
         self._started: float | None = None
         self._stepped = False
-        self._frames_seen = 0  # Dynamo frames compiled when the fit started / after its first compiled step
-        self._after_first: bool | None = None  # the first compiled training step is done
+        self._after_first = False  # the first compiled training step is done
         self._recompiles = 0
         self._steps = 0  # optimizer steps in this fit
         self._failed_seen = 0
@@ -132,23 +131,26 @@ class CompiledSteps:
     # -------------------------------------------------------------------------------------------- the fit
     def setup(self, module: Any) -> Decision:
         """At a fit's setup, on every rank, before DDP wraps ``module``."""
-        self._frames_seen, self._failed_seen = _frames_ok(), _frames_failed()
+        self._failed_seen = _frames_failed()
         users = lightning_compat.compiled_by_user(module)
         if self.setting is False and not users:
             self.decision = Decision("compile", False, "stock: the steps run eagerly")
             return self.decision
         if users:
             how = "fit(torch.compile(model)): Lightning compiled the steps with the user's options"
+            how += f" (compile={self.options!r} unused)" if self.options else ""
         else:
             from_compiled(torch.compile(module, **self.options))  # type: ignore[arg-type]  # an OptimizedModule
             self._ours = True
             how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
         self._module = module
-        for name in _EAGER_METHODS:  # instance attributes, removed at teardown
-            setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+        if self.setting is not False:  # compile=False leaves the user's compile as Lightning applied it
+            for name in _EAGER_METHODS:  # instance attributes, removed at teardown
+                setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+        log = "self.log traced, as stock" if self.setting is False else "self.log eager"
         where = (
-            f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; self.log "
-            f"eager); {_ddp_note()}"
+            f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; {log}); "
+            f"{_ddp_note()}"
         )
         if self.setting == "auto":
             self._state = _WAITING
@@ -198,7 +200,7 @@ class CompiledSteps:
         before = _frames_ok()
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             yield
-        if self._after_first is not None:
+        if self._after_first:
             self._recompiles += _frames_ok() - before
 
     def after_step(self, device: torch.device) -> None:
@@ -207,7 +209,7 @@ class CompiledSteps:
             self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
         )
         self._steps += 1
-        if self._after_first is None and self.compiled and first:
+        if not self._after_first and self.compiled and first:
             self._after_first = True
         if self._state != _TRIAL or self._started is None:
             return
@@ -217,7 +219,7 @@ class CompiledSteps:
     def finish(self) -> Decision:
         """At the end of training: the decision with the recompiles counted."""
         self._check_fallback()
-        if self.compiled and self._after_first is not None:
+        if self.compiled and self._after_first:
             self.decision = Decision(
                 "compile",
                 self.decision.value,
@@ -251,8 +253,9 @@ class CompiledSteps:
         return self.decision
 
     def _restore(self, uncompile: bool) -> None:
-        for name in _EAGER_METHODS:
-            self._module.__dict__.pop(name, None)
+        if self.setting is not False:
+            for name in _EAGER_METHODS:
+                self._module.__dict__.pop(name, None)
         if uncompile:
             to_uncompiled(self._module)
         self._module, self._ours = None, False
