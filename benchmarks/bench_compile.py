@@ -11,6 +11,7 @@ prints what it kept and why.
 
     python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
+    python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _module(kind: str, batch: int, steps: int):
 
 
 def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compile_setting=True,
-         planned: int | None = None) -> dict:  # fmt: skip
+         planned: int | None = None, bucket_cap_mb: float | None = None) -> dict:  # fmt: skip
     """One fit of ``steps`` steps; ``planned``: ``max_steps`` as the Trainer sees it (the fit stops at ``steps``)."""
     import lightning as L
     import torch
@@ -119,10 +120,13 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
             with open(os.path.join(out, f"{model_name}-{config}.json"), "w") as f:
                 json.dump(record, f)
 
+    ddp = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     if config == "stock_compile":
-        strategy, fit_model = DDPStrategy(start_method="fork"), torch.compile(module)
+        strategy, fit_model = DDPStrategy(start_method="fork", **ddp), torch.compile(module)
     else:
-        strategy = SoloDDP(start_method="fork", compile=False if config == "eager" else compile_setting)
+        strategy = SoloDDP(
+            start_method="fork", compile=False if config == "eager" else compile_setting, **ddp
+        )
         fit_model = module
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=planned or steps, callbacks=[Timer()],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -143,6 +147,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=6, help="untimed steps (unused window, re-wrap)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its 25)")
+    parser.add_argument("--no-auto", action="store_true", help="skip the compile='auto' fits")
     parser.add_argument(
         "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
     )
@@ -156,7 +162,7 @@ def main() -> None:
             order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
             for config in order:
                 started = time.perf_counter()
-                rec = _fit(model_name, config, args.steps, args.warmup, out)
+                rec = _fit(model_name, config, args.steps, args.warmup, out, bucket_cap_mb=args.bucket_cap_mb)
                 rec["wall_s"] = time.perf_counter() - started
                 rows.setdefault((model_name, config), []).append(rec)
                 print(model_name, config, f"round {r + 1}", {k: v for k, v in rec.items() if k != "decision"},
@@ -174,7 +180,7 @@ def main() -> None:
             print(f"| {model_name} | {config} | {steady:.1f} | {eager / steady:.2f}x | {compile_s} | "
                   f"{statistics.median(exposed):.2f} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
     # compile="auto" on a long planned run: the fit stops after the trial, "auto" weighs the plan.
-    for model_name in args.models:
+    for model_name in [] if args.no_auto else args.models:
         rec = _fit(model_name, "auto", args.warmup + 12, args.warmup, out, "auto", planned=args.auto_steps)
         print(f"\n{model_name} compile='auto' (planned {args.auto_steps} steps): {rec['decision']}")
 

@@ -27,7 +27,7 @@ import inspect
 import math
 import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -164,14 +164,16 @@ class CompiledSteps:
             self.decision = Decision("compile", True, f"{where}; re-wraps reuse the compiled code")
         return self.decision
 
-    def at_boundary(self, settled: bool, device: torch.device, planned_steps: Any) -> Decision | None:
+    def at_boundary(
+        self, settled: bool, device: torch.device, planned_steps: Callable[[], Any]
+    ) -> Decision | None:
         """At every batch start, on every rank alike. ``settled``: no re-wrap is pending from the unused-parameter
         policy or comm_hook="auto" (the trial then times steady steps). Returns a new decision, if any."""
         new = self._check_fallback()
         if self._state == _WAITING and settled:
             self._state = _TRIAL
             self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
-            left = (float(planned_steps) if planned_steps is not None else math.inf) - self._steps
+            left = _planned(planned_steps) - self._steps
             if left < len(self._schedule):  # every rank alike: the same steps done and planned
                 self._state = _SETTLED
                 self.decision = Decision(
@@ -194,6 +196,9 @@ class CompiledSteps:
     def step_context(self) -> Iterator[None]:
         """Around each training step: "auto" runs eagerly before and between its compiled trial steps; the
         frames Dynamo compiles inside a step after the first compiled one are counted (``recompiles``)."""
+        if not self.compiled:  # stock: nothing read, nothing counted
+            yield
+            return
         eager = self._state == _WAITING or (
             self._state == _TRIAL and self._schedule[len(self._times)] == "eager"
         )
@@ -233,7 +238,7 @@ class CompiledSteps:
             self._restore(uncompile=self._ours)
 
     # -------------------------------------------------------------------------------------------- helpers
-    def _decide(self, device: torch.device, planned_steps: Any) -> Decision:
+    def _decide(self, device: torch.device, planned_steps: Callable[[], Any]) -> Decision:
         first = self._times[0]
         compiled = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "compiled")
         eager = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "eager")
@@ -243,9 +248,8 @@ class CompiledSteps:
                 numbers, op=dist.ReduceOp.MAX
             )  # the same numbers, hence the same choice, everywhere
         first, compiled, eager = numbers.tolist()
-        planned = float(planned_steps) if planned_steps is not None else math.inf
         self.decision = decide_compile(
-            compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), planned, self.timed_steps
+            compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), _planned(planned_steps), self.timed_steps
         )
         self._state = _SETTLED
         if not self.decision.value and self._module is not None:
@@ -273,6 +277,12 @@ class CompiledSteps:
             + "; ".join(limit or reasons[-3:] or ["Dynamo gave no reason"]),
         )
         return self.fallback
+
+
+def _planned(planned_steps: Callable[[], Any]) -> float:
+    """The fit's planned optimizer steps (``inf``: unbounded or unknown), read only when "auto" needs them."""
+    steps = planned_steps()
+    return float(steps) if steps is not None else math.inf
 
 
 def _frames_ok() -> int:

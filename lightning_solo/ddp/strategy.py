@@ -464,7 +464,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._decide(self._unused.decision)
         # compile="auto" times steady steps: once no re-wrap is pending; its choice is a collective.
         settled = self._unused.phase is not Phase.WINDOW and self._comm.decided
-        if decision := self._compile.at_boundary(settled, self.root_device, self._planned_steps):
+        if decision := self._compile.at_boundary(settled, self.root_device, lambda: self._planned_steps):
             self._decide(decision)
 
     @override
