@@ -12,6 +12,7 @@ prints what it kept and why.
     python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
     python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
+    python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
 """
 
 from __future__ import annotations
@@ -149,12 +150,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its 25)")
     parser.add_argument("--no-auto", action="store_true", help="skip the compile='auto' fits")
+    parser.add_argument("--single", action="store_true", help="only: one process, no DDP, eager vs compiled")
     parser.add_argument(
         "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
     )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore")
+    if args.single:
+        return _single(args.models)
     out = tempfile.mkdtemp(prefix="bench_compile_")
     rows: dict[tuple[str, str], list[dict]] = {}
     for model_name in args.models:
@@ -183,6 +187,33 @@ def main() -> None:
     for model_name in [] if args.no_auto else args.models:
         rec = _fit(model_name, "auto", args.warmup + 12, args.warmup, out, "auto", planned=args.auto_steps)
         print(f"\n{model_name} compile='auto' (planned {args.auto_steps} steps): {rec['decision']}")
+
+
+def _single(models: list[str], steps: int = 8) -> None:
+    """The model alone (one process, one thread, no DDP, no Lightning): eager and compiled steps interleaved."""
+    import torch
+
+    torch.set_num_threads(1)
+    for model_name in models:
+        kwargs, batch = MODELS[model_name]
+        module = _module(kwargs["kind"], batch, steps)
+        x, y = next(iter(module.train_dataloader()))
+        compiled = torch.compile(module.net)
+
+        def step(net, x=x, y=y):
+            started = time.perf_counter()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            return time.perf_counter() - started
+
+        first = step(compiled)
+        step(module.net)
+        times = {"eager": [], "compiled": []}
+        for _ in range(steps):
+            times["eager"].append(step(module.net))
+            times["compiled"].append(step(compiled))
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{model_name} alone: eager {ms['eager']:.1f} ms, compiled {ms['compiled']:.1f} ms per step; "
+              f"compile {first - ms['compiled'] / 1e3:.1f} s")  # fmt: skip
 
 
 def _rel_diff(out: str, model_name: str, config: str) -> float:
