@@ -11,7 +11,9 @@ compiled code holds the LightningModule, not the wrapper, so SoloDDP's re-wraps 
 window, on a trainable-set change, between comm_hook="auto"'s trials) leave it valid; and the module object is
 not replaced, so its ``state_dict`` has no ``_orig_mod.`` keys and checkpoints are interchangeable with eager
 runs. A trainable-set change recompiles once (``requires_grad`` is guarded); back to an earlier set, Dynamo
-reuses that set's graph.
+reuses that set's graph. ``"auto"`` compiles only when its trial starts (after the unused-parameter window and
+comm_hook="auto"'s trials), times compiled and eager steps interleaved, and keeps the faster if it pays
+(:func:`decide_compile`), the same choice on every rank.
 
 Example::
 
@@ -140,8 +142,9 @@ class CompiledSteps:
             how = "fit(torch.compile(model)): Lightning compiled the steps with the user's options"
             how += f" (compile={self.options!r} unused)" if self.options else ""
         else:
-            from_compiled(torch.compile(module, **self.options))  # type: ignore[arg-type]  # an OptimizedModule
-            self._ours = True
+            # "auto" compiles when its trial starts: eager until then, the validations in between too.
+            if self.setting is True:
+                self._compile(module)
             how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
         self._module = module
         if self.setting is not False:  # compile=False leaves the user's compile as Lightning applied it
@@ -174,6 +177,8 @@ class CompiledSteps:
             self._state = _TRIAL
             self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
             left = _planned(planned_steps) - self._steps
+            if left >= len(self._schedule) and not lightning_compat.compiled_by_user(self._module):
+                self._compile(self._module)
             if left < len(self._schedule):  # every rank alike: the same steps done and planned
                 self._state = _SETTLED
                 self.decision = Decision(
@@ -256,11 +261,15 @@ class CompiledSteps:
             self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)
         return self.decision
 
+    def _compile(self, module: Any) -> None:
+        from_compiled(torch.compile(module, **self.options))  # type: ignore[arg-type]  # an OptimizedModule
+        self._ours = True
+
     def _restore(self, uncompile: bool) -> None:
         if self.setting is not False:
             for name in _EAGER_METHODS:
                 self._module.__dict__.pop(name, None)
-        if uncompile:
+        if uncompile and lightning_compat.compiled_by_user(self._module):
             to_uncompiled(self._module)
         self._module, self._ours = None, False
 

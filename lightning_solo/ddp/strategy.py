@@ -12,8 +12,9 @@ Example::
 Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body calls the components in the order they
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
-(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`) and
-the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`). Every choice made for the user is a
+(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
+``compile=`` (:class:`~lightning_solo.ddp.compile.CompiledSteps`) and the SIGTERM agreement
+(:mod:`lightning_solo.ddp.sigterm`). Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
 ``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``record()``, ``add_resume_state()``, ``state_dict()``.
