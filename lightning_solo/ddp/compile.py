@@ -248,10 +248,10 @@ class CompiledSteps:
         compiled = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "compiled")
         eager = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "eager")
         numbers = torch.tensor([first, compiled, eager], dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(
-                numbers, op=dist.ReduceOp.MAX
-            )  # the same numbers, hence the same choice, everywhere
+        if (
+            dist.is_available() and dist.is_initialized()
+        ):  # the same numbers, hence the same choice, everywhere
+            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
         first, compiled, eager = numbers.tolist()
         self.decision = decide_compile(
             compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), _planned(planned_steps), self.timed_steps
