@@ -35,6 +35,15 @@ CONFIGS = ("eager", "solo_compile", "solo_compile_no_split", "stock_compile")
 SEQ, D, LAYERS = 64, 256, 4
 
 
+def _timed_allreduce(timer, bucket):
+    """DDP's all-reduce (``allreduce_hook``), noting when the step's first bucket was launched."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if timer.first_launch is None:
+        timer.first_launch = time.perf_counter()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
 def _module(kind: str, batch: int, steps: int):
     import lightning as L
     import torch
@@ -85,12 +94,21 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
 
     class Timer(L.Callback):
         def __init__(self):
-            self.times, self.wrapper, self.exposed = [], None, []
+            self.times, self.wrapper, self.exposed, self.overlap = [], None, [], []
+            self.first_launch = self.last_grad = None
+            self.grad_hook = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.strategy.model is not self.wrapper:  # a new DDP wrapper (SoloDDP re-wraps): sample all
                 self.wrapper = trainer.strategy.model
                 torch_compat.set_ddp_runtime_logging_sample_rate(self.wrapper, 1)
+                self.wrapper.register_comm_hook(self, _timed_allreduce)  # DDP's own all-reduce, timed
+            if self.grad_hook is None:  # the first layer's weight: the last gradient backward computes
+                first = next(pl_module.parameters())
+                self.grad_hook = first.register_post_accumulate_grad_hook(
+                    lambda p: setattr(self, "last_grad", time.perf_counter())
+                )
+            self.first_launch = self.last_grad = None
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -104,6 +122,8 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                     data.get("avg_backward_compute_comm_overlap_time", 0),
                 )
                 self.exposed.append((comm - overlap) / 1e6)  # fmt: skip
+                if self.first_launch is not None and self.last_grad is not None:
+                    self.overlap.append((self.last_grad - self.first_launch) * 1e3)
 
         def on_fit_end(self, trainer, pl_module):
             if trainer.global_rank != 0:
@@ -116,6 +136,7 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                 "steady_ms": steady * 1e3,
                 "compile_s": self.times[0] - steady,
                 "exposed_ms": statistics.median(self.exposed) if self.exposed else None,
+                "overlap_ms": statistics.median(self.overlap) if self.overlap else None,
                 "decision": str(decision) if decision else None,
             }
             with open(os.path.join(out, f"{model_name}-{config}.json"), "w") as f:
@@ -172,17 +193,19 @@ def main() -> None:
                 print(model_name, config, f"round {r + 1}", {k: v for k, v in rec.items() if k != "decision"},
                       flush=True)  # fmt: skip
     print("\n| model | configuration | steady ms/step | vs eager | compile s (cold / warm) | exposed comm ms/step | "
-          "weights vs eager (rel) |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "backward after the first bucket ms | weights vs eager (rel) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for model_name in args.models:
         eager = statistics.median(r["steady_ms"] for r in rows[(model_name, "eager")])
         for config in CONFIGS:
             recs = rows[(model_name, config)]
             steady = statistics.median(r["steady_ms"] for r in recs)
             exposed = [r["exposed_ms"] for r in recs if r["exposed_ms"] is not None]
+            after = [r["overlap_ms"] for r in recs if r["overlap_ms"] is not None]
+            after_ms = f"{statistics.median(after):.2f}" if after else "-"
             compile_s = f"{recs[0]['compile_s']:.1f} / {statistics.median(r['compile_s'] for r in recs[1:]):.1f}" \
                 if config != "eager" and len(recs) > 1 else "-"  # fmt: skip
             print(f"| {model_name} | {config} | {steady:.1f} | {eager / steady:.2f}x | {compile_s} | "
-                  f"{statistics.median(exposed):.2f} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
+                  f"{statistics.median(exposed):.2f} | {after_ms} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
     # compile="auto" on a long planned run: the fit stops after the trial, "auto" weighs the plan.
     for model_name in [] if args.no_auto else args.models:
         rec = _fit(model_name, "auto", args.warmup + 12, args.warmup, out, "auto", planned=args.auto_steps)
