@@ -5,8 +5,11 @@ Each fit is one configuration (its own 2 forked ranks); the configurations run i
 each round, and the figures are medians over rounds of rank 0's numbers: the steady step time (median of the
 steps after ``--warmup``), the compile time (the first step minus the steady step; round 1 compiles cold, later
 rounds hit inductor's on-disk cache: both are shown), DDP's exposed communication per step (the reducer's
-backward communication minus its overlap with compute, every step sampled), and the relative difference of the
-final weights from eager SoloDDP's (same seed and data). A last fit per model runs ``compile="auto"`` and
+backward communication minus its overlap with compute, every step sampled), the backward compute left after
+the step's first bucket was launched (the overlap a split keeps: the first layer's weight gradient, the last
+backward computes, minus the launch, timed by a comm hook doing DDP's own all-reduce; about 0 when every
+gradient arrives at the end of one compiled backward), and the relative difference of the final weights from
+eager SoloDDP's (same seed and data). A last fit per model runs ``compile="auto"`` and
 prints what it kept and why.
 
     python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores
