@@ -23,6 +23,8 @@ Checks (each in its own subprocess, so a CUDA context never leaks into a fork), 
 * ``fork``: after CUDA is initialised, ``SoloDDP(start_method="fork")`` must refuse with a clear error, not
   let every worker die with "Cannot re-initialize CUDA in forked subprocess".
 * ``precision``: ``bench_precision.py`` at 224² × 128, channels_last: strict fp32, TF32, bf16-mixed, 16-mixed.
+* ``compile``: ``SoloDDP(compile=True)`` (inductor) on the one GPU: compiled inside DDP's forward, no fallback to
+  eager, no recompile over the fit, and the weights after 6 steps within 1e-4 (relative) of the eager fit's.
 * ``fsdp``: ``SoloFSDP`` on the one GPU (nccl, a one-rank mesh): ``precision="auto"`` must pick bf16 parameters
   with fp32 reduction, the sharded checkpoint must verify and consolidate into a plain model (weights_only).
 
@@ -60,6 +62,7 @@ CHECKS = (
     "syncbn",
     "rng",
     "fork",
+    "compile",
     "fsdp",
 )
 #: NVIDIA's published ResNet-50 AMP training throughput on one A100 (images/s); the target is twice it.
@@ -379,6 +382,43 @@ def check_nccl1(device: str) -> tuple[bool, str]:
         f"barrier = {barrier.value!r} ({barrier.reason[:80]})"
         if barrier
         else f"seen {seen}; no barrier decision"
+    )
+
+
+def check_compile(device: str) -> tuple[bool, str]:
+    import lightning as L
+    import torch
+
+    class Probe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    weights = {}
+    for setting in (False, True):
+        module = Probe()
+        trainer = _fit_solo(device, module, _regression_loader(), steps=6, compile=setting)
+        weights[setting] = torch.nn.utils.parameters_to_vector(module.parameters()).detach().cpu()
+    decisions = trainer.strategy.decisions
+    compiled = decisions["compile"]
+    rel = float((weights[True] - weights[False]).norm() / weights[False].norm())
+    ok = (
+        compiled.value is True
+        and "inside DDP's forward" in compiled.reason
+        and "0 recompiles" in compiled.reason
+        and "compile_fallback" not in decisions
+        and rel <= 1e-4
+    )
+    fallback = decisions.get("compile_fallback")
+    return ok, f"weights vs eager {rel:.1e}; {compiled.reason[-70:]}" + (
+        f"; {fallback.reason[:80]}" if fallback else ""
     )
 
 

@@ -158,3 +158,20 @@ def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
     data = torch_compat.ddp_logging_data(ddp)
     assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
     assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)
+
+
+def test_compile_names_exist():
+    from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
+
+    from tests.helpers.modules import TinyModule
+
+    module = TinyModule()
+    assert not lightning_compat.compiled_by_user(module)
+    from_compiled(torch.compile(module, backend="eager"))
+    assert lightning_compat.compiled_by_user(module)
+    to_uncompiled(module)
+    assert not lightning_compat.compiled_by_user(module)
+    counters = torch_compat.dynamo_counters()
+    assert {"total", "ok"} >= set(counters["frames"]) and isinstance(counters["unimplemented"], dict)
+    assert torch_compat.optimize_ddp() in (True, False, "ddp_optimizer", "python_reducer",
+                                           "python_reducer_without_compiled_forward", "no_optimization")  # fmt: skip

@@ -5,8 +5,9 @@ to a few batches, ending in a checkpoint. Each run also checks that its options 
 
 Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
-``auto_batch_size=memory`` or ``logger=none``; ``parallelism=fsdp`` on CPU is the seventh. The runs start
-without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give every rank the same.
+``auto_batch_size=memory`` or ``logger=none``; ``parallelism=fsdp`` on CPU is the seventh, ``compile`` the
+eighth. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
+every rank the same.
 Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def _fsdp(run: Path, summary: dict, decided: Decided) -> None:
     assert decided["fsdp_state_dict"]["value"] == "sharded" and decided["preflight"]["value"] == "passed"
 
 
+def _compile(run: Path, summary: dict, decided: Decided) -> None:
+    assert decided["compile"]["value"] is True and "inside DDP's forward" in decided["compile"]["reason"]
+    assert "0 recompiles in training steps" in decided["compile"]["reason"], decided["compile"]
+    state = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)["state_dict"]
+    assert not [k for k in state if "_orig_mod" in k]
+
+
 class Run(NamedTuple):
     options: list[str]
     check: Callable[[Path, dict, Decided], None]
@@ -188,6 +196,8 @@ RUNS = {
     "auto": Run(
         ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
     ),
+    # aot_eager: Dynamo's capture and DDPOptimizer's split without inductor's C++ compile (~30 s a graph on CPU).
+    "compile": Run([*_strategy(compile="{backend:aot_eager}")], _compile),
     # Each rank splits the CPU threads alike (OMP_NUM_THREADS), or the preflight stops the run: SoloFSDP's
     # launcher in every rank, as DDPStrategy's, not in rank 0 only (ModelParallelStrategy).
     "fsdp_on_cpu": Run(["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2"], _fsdp),

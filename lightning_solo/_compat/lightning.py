@@ -175,3 +175,9 @@ def hpc_save_path(trainer: Any) -> str:
     ``trainer._checkpoint_connector.hpc_save_path(default_root_dir)``, the next ``hpc_ckpt_<n>.ckpt``
     (checked on lightning 2.6.6)."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def compiled_by_user(module: Any) -> bool:
+    """Whether Lightning compiled ``module``'s steps from a ``fit(torch.compile(model))``: its ``_compiler_ctx``,
+    set by ``lightning.pytorch.utilities.compile.from_compiled`` (checked on lightning 2.6.6)."""
+    return getattr(module, "_compiler_ctx", None) is not None

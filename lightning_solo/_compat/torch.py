@@ -97,3 +97,20 @@ def default_store() -> Any:
     """``torch.distributed.distributed_c10d._get_default_store()``: the default process group's store, which the
     watchdog clones for its heartbeats (checked on torch 2.14.1)."""
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters``: Dynamo's per-process counters (``frames``: ``total``/``ok`` compiled
+    frames; ``unimplemented``: why a frame fell back to eager; ``aot_autograd``: ``total`` graphs handed to
+    AOTAutograd, one per DDPOptimizer split) (checked on torch 2.14.1)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def optimize_ddp() -> Any:
+    """``torch._dynamo.config.optimize_ddp``: ``True``/``"ddp_optimizer"`` splits a graph compiled inside DDP's
+    forward at DDP's bucket boundaries (checked on torch 2.14.1)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.optimize_ddp

@@ -13,8 +13,9 @@ Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body cal
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
 (:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
-the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`), the uneven-data agreement (:mod:`lightning_solo.ddp.uneven`)
-and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`). Every choice made for the user is a
+``compile=`` (:class:`~lightning_solo.ddp.compile.CompiledSteps`), the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`),
+the uneven-data agreement (:mod:`lightning_solo.ddp.uneven`) and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`).
+Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
 ``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``heartbeats()``, ``record()``, ``add_resume_state()``,
@@ -53,6 +54,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp import comm, syncbn
 from lightning_solo.ddp import precision as amp
 from lightning_solo.ddp.advice import ddp_advice
+from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
 from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
@@ -148,6 +150,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
             :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
             Under NCCL the flight recorder is switched on too (``TORCH_NCCL_TRACE_BUFFER_SIZE=2000``,
             ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, unless set).
+        compile: ``False`` (default, stock: eager unless ``fit(torch.compile(model))``), ``True``, a dict of
+            ``torch.compile`` options, or ``"auto"`` (compiled and eager steps timed once the unused-parameter
+            policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
+            the planned steps). The LightningModule's steps are compiled inside DDP's forward, so DDPOptimizer
+            keeps the overlap and re-wraps recompile nothing: :mod:`lightning_solo.ddp.compile`.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -185,6 +192,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         sigterm_checkpoint: bool = True,
         uneven_data: UnevenPolicy = "shortest",
         watchdog: bool | Mapping[str, Any] = True,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -231,6 +239,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._unused = unused
         self._comm = comm_hooks
         self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
+        self._compile = CompiledSteps(compile)
         self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
         self._uneven = UnevenData(uneven_data)
         # Settings, read when the fit reaches them.
@@ -276,6 +285,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 else "set by the user: a hang waits for the collective timeout",
             )
         )
+        self._decide(self._compile.decision)
 
     # ----------------------------------------------------------------------------------------- public seams
     @property
@@ -414,6 +424,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused = self._unused.fresh()
             self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
             self._decide(self._unused.decision)
+            # Compiled before DDP wraps it, inside DDP's forward at run time (lightning_solo.ddp.compile).
+            self._compile = self._compile.fresh()
+            self._decide(self._compile.setup(trainer.lightning_module))
         # SyncBN converted (fitting), then DDP: _setup_model, _register_ddp_hooks, _enable_model_averaging.
         super().setup(trainer)
         # Every run (fit, validate, test, predict), before its loaders are processed; every rank alike.
@@ -515,6 +528,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)
+        # compile="auto" times steady steps: once no re-wrap is pending; its choice is a collective.
+        settled = self._unused.phase is not Phase.WINDOW and self._comm.decided
+        if decision := self._compile.at_boundary(settled, self.root_device, lambda: self._planned_steps):
+            self._decide(decision)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -525,7 +542,11 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
         # non-reentrant (lightning_solo.ddp.unused.watch).
         searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
-        with searching or contextlib.nullcontext(), self._phase(hb.TRAINING_STEP):
+        with (
+            searching or contextlib.nullcontext(),
+            self._phase(hb.TRAINING_STEP),
+            self._compile.step_context(),
+        ):
             output = super().training_step(*args, **kwargs)
         self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
         return output
@@ -561,6 +582,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
             self.model.require_forward_param_sync = True
         self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
+        self._compile.after_step(self.root_device)  # and compile="auto"
         self._resume.after_optimizer_step(self._module.trainer)  # the point a checkpoint's record describes
         return output
 
@@ -672,6 +694,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._watchdog.stop()
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
+        self._decide(self._compile.finish())
+        if self._compile.fallback is not None:
+            self._decide(self._compile.fallback)
         if isinstance(self.model, DistributedDataParallel):
             self._advice = ddp_advice(self.model, self._unused)
             rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self._advice))
@@ -695,6 +720,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._sigterm = None
         self._uneven.uninstall()
         self._resume.reset()
+        self._compile.teardown()
         if not self._layer_sync_read:  # no fit's setup chose a SyncBN plugin: nothing to revert
             self._layer_sync_request, self._layer_sync = self._layer_sync, None
         super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
@@ -770,6 +796,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def _exact_allreduce(self) -> bool:
         """No comm hook, ours or the user's: DDP's own all-reduce can carry the policy's probe and sentinel."""
         return self._comm.name is None and self._ddp_comm_hook is None
+
+    @property
+    def _planned_steps(self) -> float | None:
+        """The fit's optimizer steps as Lightning estimates them (``inf``: unbounded); None without a trainer."""
+        trainer = self._attached_trainer
+        return None if trainer is None else float(trainer.estimated_stepping_batches)
 
     @property
     def _attached_trainer(self) -> pl.Trainer | None:

@@ -129,6 +129,11 @@ class CommHook:
             and state.iter >= state.start_localSGD_iter
         )
 
+    @property
+    def decided(self) -> bool:
+        """Whether the hook is chosen (a fixed hook always is; ``comm_hook="auto"`` once measured)."""
+        return True
+
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
 

@@ -1,0 +1,253 @@
+"""torch.compile under SoloDDP on 2 gloo processes: eager SoloDDP, ``SoloDDP(compile=True)`` and stock
+``DDPStrategy`` with ``fit(torch.compile(model))``, through Lightning, for an MLP and a small transformer stack.
+
+Each fit is one configuration (its own 2 forked ranks); the configurations run in rounds, their order rotated
+each round, and the figures are medians over rounds of rank 0's numbers: the steady step time (median of the
+steps after ``--warmup``), the compile time (the first step minus the steady step; round 1 compiles cold, later
+rounds hit inductor's on-disk cache: both are shown), DDP's exposed communication per step (the reducer's
+backward communication minus its overlap with compute, every step sampled), the backward compute left after
+the step's first bucket was launched (the overlap a split keeps: the first layer's weight gradient, the last
+backward computes, minus the launch, timed by a comm hook doing DDP's own all-reduce; about 0 when every
+gradient arrives at the end of one compiled backward), and the relative difference of the final weights from
+eager SoloDDP's (same seed and data). A last fit per model runs ``compile="auto"`` and
+prints what it kept and why.
+
+    python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores
+    python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
+    python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
+    python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+MODELS = {
+    # name: (builder kwargs, batch per rank)
+    "mlp": ({"kind": "mlp"}, 64),  # 256 -> 1024 -> 1024 -> 10, 1.3 M parameters
+    "transformer": ({"kind": "transformer"}, 4),  # 4 layers, d=256, 4 heads, seq 64, 3.2 M parameters
+}
+# solo_compile_no_split: SoloDDP(compile=True) with torch._dynamo.config.optimize_ddp=False (no DDPOptimizer).
+CONFIGS = ("eager", "solo_compile", "solo_compile_no_split", "stock_compile")
+SEQ, D, LAYERS = 64, 256, 4
+
+
+def _timed_allreduce(timer, bucket):
+    """DDP's all-reduce (``allreduce_hook``), noting when the step's first bucket was launched."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if timer.first_launch is None:
+        timer.first_launch = time.perf_counter()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _module(kind: str, batch: int, steps: int):
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Bench(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            if kind == "mlp":
+                self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                         nn.Linear(1024, 10))  # fmt: skip
+            else:
+                layer = nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.0, batch_first=True)
+                self.net = nn.Sequential(nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False),
+                                         nn.Flatten(), nn.Linear(SEQ * D, 10))  # fmt: skip
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            n = batch * 2 * steps
+            x = torch.randn(n, 256, generator=g) if kind == "mlp" else torch.randn(n, SEQ, D, generator=g)
+            return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), batch_size=batch)
+
+    return Bench()
+
+
+def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compile_setting=True,
+         planned: int | None = None, bucket_cap_mb: float | None = None) -> dict:  # fmt: skip
+    """One fit of ``steps`` steps; ``planned``: ``max_steps`` as the Trainer sees it (the fit stops at ``steps``)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_solo import SoloDDP
+    from lightning_solo._compat import torch as torch_compat
+
+    kwargs, batch = MODELS[model_name]
+    module = _module(kwargs["kind"], batch, steps)
+
+    class Timer(L.Callback):
+        def __init__(self):
+            self.times, self.wrapper, self.exposed, self.overlap = [], None, [], []
+            self.first_launch = self.last_grad = None
+            self.grad_hook = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.strategy.model is not self.wrapper:  # a new DDP wrapper (SoloDDP re-wraps): sample all
+                self.wrapper = trainer.strategy.model
+                torch_compat.set_ddp_runtime_logging_sample_rate(self.wrapper, 1)
+                self.wrapper.register_comm_hook(self, _timed_allreduce)  # DDP's own all-reduce, timed
+            if self.grad_hook is None:  # the first layer's weight: the last gradient backward computes
+                first = next(pl_module.parameters())
+                self.grad_hook = first.register_post_accumulate_grad_hook(
+                    lambda p: setattr(self, "last_grad", time.perf_counter())
+                )
+            self.first_launch = self.last_grad = None
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter() - self.started)
+            if trainer.global_step >= steps:  # a fit planned longer than it runs ("auto")
+                trainer.should_stop = True
+            if trainer.global_step > warmup:
+                data = torch_compat.ddp_logging_data(self.wrapper)
+                comm, overlap = (
+                    data.get("avg_backward_comm_time", 0),
+                    data.get("avg_backward_compute_comm_overlap_time", 0),
+                )
+                self.exposed.append((comm - overlap) / 1e6)  # fmt: skip
+                if self.first_launch is not None and self.last_grad is not None:
+                    self.overlap.append((self.last_grad - self.first_launch) * 1e3)
+
+        def on_fit_end(self, trainer, pl_module):
+            if trainer.global_rank != 0:
+                return
+            steady = statistics.median(self.times[warmup:])
+            vector = torch.nn.utils.parameters_to_vector(pl_module.parameters()).detach()
+            torch.save(vector, os.path.join(out, f"{model_name}-{config}.pt"))
+            decision = getattr(trainer.strategy, "decisions", {}).get("compile")
+            record = {
+                "steady_ms": steady * 1e3,
+                "compile_s": self.times[0] - steady,
+                "exposed_ms": statistics.median(self.exposed) if self.exposed else None,
+                "overlap_ms": statistics.median(self.overlap) if self.overlap else None,
+                "decision": str(decision) if decision else None,
+            }
+            with open(os.path.join(out, f"{model_name}-{config}.json"), "w") as f:
+                json.dump(record, f)
+
+    ddp = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    if config == "stock_compile":
+        strategy, fit_model = DDPStrategy(start_method="fork", **ddp), torch.compile(module)
+    else:
+        strategy = SoloDDP(
+            start_method="fork", compile=False if config == "eager" else compile_setting, **ddp
+        )
+        fit_model = module
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=planned or steps, callbacks=[Timer()],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(
+        optimize_ddp=config != "solo_compile_no_split"
+    ):  # the forked ranks inherit it
+        trainer.fit(fit_model)
+    with open(os.path.join(out, f"{model_name}-{config}.json")) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=6, help="untimed steps (unused window, re-wrap)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its 25)")
+    parser.add_argument("--no-auto", action="store_true", help="skip the compile='auto' fits")
+    parser.add_argument("--single", action="store_true", help="only: one process, no DDP, eager vs compiled")
+    parser.add_argument(
+        "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
+    )
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warnings.filterwarnings("ignore")
+    if args.single:
+        return _single(args.models)
+    out = tempfile.mkdtemp(prefix="bench_compile_")
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for model_name in args.models:
+        for r in range(args.rounds):
+            order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
+            for config in order:
+                started = time.perf_counter()
+                rec = _fit(model_name, config, args.steps, args.warmup, out, bucket_cap_mb=args.bucket_cap_mb)
+                rec["wall_s"] = time.perf_counter() - started
+                rows.setdefault((model_name, config), []).append(rec)
+                print(model_name, config, f"round {r + 1}", {k: v for k, v in rec.items() if k != "decision"},
+                      flush=True)  # fmt: skip
+    print("\n| model | configuration | steady ms/step | vs eager | compile s (cold / warm) | exposed comm ms/step | "
+          "backward after the first bucket ms | weights vs eager (rel) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for model_name in args.models:
+        eager = statistics.median(r["steady_ms"] for r in rows[(model_name, "eager")])
+        for config in CONFIGS:
+            recs = rows[(model_name, config)]
+            steady = statistics.median(r["steady_ms"] for r in recs)
+            exposed = [r["exposed_ms"] for r in recs if r["exposed_ms"] is not None]
+            after = [r["overlap_ms"] for r in recs if r["overlap_ms"] is not None]
+            after_ms = f"{statistics.median(after):.2f}" if after else "-"
+            compile_s = f"{recs[0]['compile_s']:.1f} / {statistics.median(r['compile_s'] for r in recs[1:]):.1f}" \
+                if config != "eager" and len(recs) > 1 else "-"  # fmt: skip
+            print(f"| {model_name} | {config} | {steady:.1f} | {eager / steady:.2f}x | {compile_s} | "
+                  f"{statistics.median(exposed):.2f} | {after_ms} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
+    # compile="auto" on a long planned run: the fit stops after the trial, "auto" weighs the plan.
+    for model_name in [] if args.no_auto else args.models:
+        rec = _fit(model_name, "auto", args.warmup + 12, args.warmup, out, "auto", planned=args.auto_steps)
+        print(f"\n{model_name} compile='auto' (planned {args.auto_steps} steps): {rec['decision']}")
+
+
+def _single(models: list[str], steps: int = 8) -> None:
+    """The model alone (one process, one thread, no DDP, no Lightning): eager and compiled steps interleaved."""
+    import torch
+
+    torch.set_num_threads(1)
+    for model_name in models:
+        kwargs, batch = MODELS[model_name]
+        module = _module(kwargs["kind"], batch, steps)
+        x, y = next(iter(module.train_dataloader()))
+        compiled = torch.compile(module.net)
+
+        def step(net, x=x, y=y):
+            started = time.perf_counter()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            return time.perf_counter() - started
+
+        first = step(compiled)
+        step(module.net)
+        times = {"eager": [], "compiled": []}
+        for _ in range(steps):
+            times["eager"].append(step(module.net))
+            times["compiled"].append(step(compiled))
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{model_name} alone: eager {ms['eager']:.1f} ms, compiled {ms['compiled']:.1f} ms per step; "
+              f"compile {first - ms['compiled'] / 1e3:.1f} s")  # fmt: skip
+
+
+def _rel_diff(out: str, model_name: str, config: str) -> float:
+    import torch
+
+    a, b = (torch.load(os.path.join(out, f"{model_name}-{c}.pt")) for c in ("eager", config))
+    return float((a - b).norm() / a.norm())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""``SoloDDP(compile=...)``: the LightningModule's steps compiled inside DDP's forward, re-wraps that cost no
+recompile, and ``"auto"``, which keeps compile only when the measured gain pays for it within the planned run.
+
+Where the compiled code sits. The LightningModule's ``training_step`` (and ``forward`` and the eval steps) is
+compiled, as Lightning's own ``fit(torch.compile(model))`` does (``from_compiled``), and not the DDP wrapper.
+Lightning calls every step through DDP's forward, so Dynamo compiles it while DDP is the active module and,
+with ``torch._dynamo.config.optimize_ddp`` (on by default), DDPOptimizer splits the graph at DDP's bucket
+boundaries: each bucket's gradients are ready, and its all-reduce starts, while backward continues (DDP's
+overlap kept; a graph compiled outside DDP would deliver every gradient at the end of one backward). The
+compiled code holds the LightningModule, not the wrapper, so SoloDDP's re-wraps (after the unused-parameter
+window, on a trainable-set change, between comm_hook="auto"'s trials) leave it valid; and the module object is
+not replaced, so its ``state_dict`` has no ``_orig_mod.`` keys and checkpoints are interchangeable with eager
+runs. A trainable-set change recompiles once (``requires_grad`` is guarded); back to an earlier set, Dynamo
+reuses that set's graph. ``"auto"`` compiles only when its trial starts (after the unused-parameter window and
+comm_hook="auto"'s trials), times compiled and eager steps interleaved, and keeps the faster if it pays
+(:func:`decide_compile`), the same choice on every rank.
+
+Example::
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(compile=True))  # "auto", {"mode": ...}
+    trainer.fit(model)                 # fit(torch.compile(model)) takes the same path
+    print(trainer.strategy.decisions["compile"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
+
+from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo.core.checks import check_choice, check_int
+from lightning_solo.core.decision import Decision
+
+CompileSetting = bool | Literal["auto"] | Mapping[str, Any]
+COMPILE_VALUES = (False, True, "auto")
+_COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters if p != "model")
+# Run eagerly inside a compiled step: traced, ``self.log`` guards on the number of metrics Lightning holds, so
+# each new metric key recompiles the step (22 recompiles per rank in the runner's model, then the limit).
+_EAGER_METHODS = ("log", "log_dict")
+
+_WAITING, _TRIAL, _SETTLED = "waiting", "trial", "settled"
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # during "auto"'s trial only
+    return time.perf_counter()
+
+
+def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planned_steps: float,
+                   timed: int) -> Decision:  # fmt: skip
+    """Keep compile when the steady gain per step, over the planned optimizer steps, pays back the compile
+    time: ``(eager - compiled) * planned_steps >= compile_s``. Pure: every rank passes the same numbers."""
+    gain_s = (eager_ms - compiled_ms) / 1e3
+    payback = compile_s / gain_s if gain_s > 0 else math.inf
+    keep = gain_s > 0 and payback <= planned_steps
+    planned = "an unbounded run" if math.isinf(planned_steps) else f"{planned_steps:.0f} planned steps"
+    pays = f"pays back after {payback:.0f} steps" if gain_s > 0 else "no steady gain"
+    return Decision(
+        "compile",
+        keep,
+        f"auto: compiled step {compiled_ms:.2f} ms vs eager {eager_ms:.2f} ms (medians of {timed} each, "
+        f"interleaved, slowest rank), compile {compile_s:.2f} s: {pays}, {planned} -> "
+        + ("compiled" if keep else "eager for the rest of the fit"),
+    )
+
+
+class CompiledSteps:
+    """The ``compile=`` component of :class:`~lightning_solo.SoloDDP` (see the module docstring).
+
+    Args:
+        setting: ``False`` (stock: eager, unless the user passed ``torch.compile(model)``), ``True``, ``"auto"``,
+            or a dict of ``torch.compile`` options (``True`` with them).
+        timed_steps: ``"auto"``: timed compiled and eager steps each, interleaved, after the compiling step.
+    """
+
+    def __init__(self, setting: CompileSetting = False, *, timed_steps: int = 3) -> None:
+        if isinstance(setting, Mapping):
+            options = dict(setting)
+            if unknown := sorted(set(options) - set(_COMPILE_OPTIONS)):
+                raise ValueError(
+                    f"compile={options!r}: not torch.compile options: {unknown} ({_COMPILE_OPTIONS})"
+                )
+            self.setting: bool | str = True
+            self.options = options
+        else:
+            hint = " (or a dict of torch.compile options)"
+            self.setting, self.options = check_choice("compile", setting, COMPILE_VALUES, hint), {}
+        self.timed_steps = check_int("timed_steps", timed_steps)
+        self.decision = (
+            Decision("compile", False, "stock: the steps run eagerly")
+            if self.setting is False
+            else Decision("compile", self.setting, "compiled at setup, inside DDP's forward")
+        )
+        self.fallback: Decision | None = None
+        self._module: Any = None  # the LightningModule whose steps are compiled (by us or by the user)
+        self._ours = False  # compiled here: uncompiled at teardown
+        self._state = _SETTLED
+        self._schedule: list[str] = []  # "auto": compiled/eager per optimizer step of the trial
+        self._times: list[float] = []
+        self._started: float | None = None
+        self._stepped = False
+        self._after_first = False  # the first compiled training step is done
+        self._recompiles = 0
+        self._steps = 0  # optimizer steps in this fit
+        self._failed_seen = 0
+
+    def fresh(self) -> CompiledSteps:
+        """The same settings, nothing measured: every fit decides again."""
+        return CompiledSteps(self.options or self.setting, timed_steps=self.timed_steps)  # type: ignore[arg-type]
+
+    @property
+    def compiled(self) -> bool:
+        """The training steps run compiled (from now on, or once "auto"'s trial starts)."""
+        return self._module is not None
+
+    @property
+    def recompiles(self) -> int:
+        """Frames Dynamo compiled inside training steps after the first compiled one: recompiles of the step
+        (guards that failed) and first compiles of code the first step did not reach."""
+        return self._recompiles
+
+    # -------------------------------------------------------------------------------------------- the fit
+    def setup(self, module: Any) -> Decision:
+        """At a fit's setup, on every rank, before DDP wraps ``module``."""
+        self._failed_seen = _frames_failed()
+        users = lightning_compat.compiled_by_user(module)
+        if self.setting is False and not users:
+            self.decision = Decision("compile", False, "stock: the steps run eagerly")
+            return self.decision
+        if users:
+            how = "fit(torch.compile(model)): Lightning compiled the steps with the user's options"
+            how += f" (compile={self.options!r} unused)" if self.options else ""
+        else:
+            # "auto" compiles when its trial starts: eager until then, the validations in between too.
+            if self.setting is True:
+                self._compile(module)
+            how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+        self._module = module
+        if self.setting is not False:  # compile=False leaves the user's compile as Lightning applied it
+            for name in _EAGER_METHODS:  # instance attributes, removed at teardown
+                setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+        log = "self.log traced, as stock" if self.setting is False else "self.log eager"
+        where = (
+            f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; {log}); "
+            f"{_ddp_note()}"
+        )
+        if self.setting == "auto":
+            self._state = _WAITING
+            self.decision = Decision(
+                "compile",
+                "auto",
+                f"measuring once the unused-parameter policy and the comm hook settle; {where}",
+            )
+        else:
+            self._state = _SETTLED
+            self.decision = Decision("compile", True, f"{where}; re-wraps reuse the compiled code")
+        return self.decision
+
+    def at_boundary(
+        self, settled: bool, device: torch.device, planned_steps: Callable[[], Any]
+    ) -> Decision | None:
+        """At every batch start, on every rank alike. ``settled``: no re-wrap is pending from the unused-parameter
+        policy or comm_hook="auto" (the trial then times steady steps). Returns a new decision, if any."""
+        new = self._check_fallback()
+        if self._state == _WAITING and settled:
+            self._state = _TRIAL
+            self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
+            left = _planned(planned_steps) - self._steps
+            if left >= len(self._schedule) and not lightning_compat.compiled_by_user(self._module):
+                self._compile(self._module)
+            if left < len(self._schedule):  # every rank alike: the same steps done and planned
+                self._state = _SETTLED
+                self.decision = Decision(
+                    "compile", False, f"auto: {left:.0f} steps left, fewer than the {len(self._schedule)} of the "
+                    "trial: too short to measure or pay back a compile -> eager",
+                )  # fmt: skip
+                self._restore(uncompile=True)
+                return self.decision
+        if self._state != _TRIAL:
+            return new
+        if self._stepped:  # a new optimizer step (accumulation cycle) starts here
+            self._stepped = False
+            if len(self._times) == len(self._schedule):
+                return self._decide(device, planned_steps)
+        if self._started is None:
+            self._started = _now(device)
+        return new
+
+    @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Around each training step: "auto" runs eagerly before and between its compiled trial steps; the
+        frames Dynamo compiles inside a step after the first compiled one are counted (``recompiles``)."""
+        if not self.compiled:  # stock: nothing read, nothing counted
+            yield
+            return
+        eager = self._state == _WAITING or (
+            self._state == _TRIAL and self._schedule[len(self._times)] == "eager"
+        )
+        before = _frames_ok()
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+            yield
+        if self._after_first:
+            self._recompiles += _frames_ok() - before
+
+    def after_step(self, device: torch.device) -> None:
+        """At the end of every optimizer step."""
+        first = self._state == _SETTLED or (
+            self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
+        )
+        self._steps += 1
+        if not self._after_first and self.compiled and first:
+            self._after_first = True
+        if self._state != _TRIAL or self._started is None:
+            return
+        self._times.append(_now(device) - self._started)
+        self._started, self._stepped = None, True
+
+    def finish(self) -> Decision:
+        """At the end of training: the decision with the recompiles counted."""
+        self._check_fallback()
+        if self.compiled and self._after_first:
+            self.decision = Decision(
+                "compile",
+                self.decision.value,
+                f"{self.decision.reason}; {self.recompiles} recompiles in training steps after the first compiled one",
+            )
+        return self.decision
+
+    def teardown(self) -> None:
+        """Give the module back its own steps (when they were compiled here) and its own ``log``."""
+        if self._module is not None:
+            self._restore(uncompile=self._ours)
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def _decide(self, device: torch.device, planned_steps: Callable[[], Any]) -> Decision:
+        first = self._times[0]
+        compiled = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "compiled")
+        eager = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "eager")
+        numbers = torch.tensor([first, compiled, eager], dtype=torch.float64, device=device)
+        if (
+            dist.is_available() and dist.is_initialized()
+        ):  # the same numbers, hence the same choice, everywhere
+            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+        first, compiled, eager = numbers.tolist()
+        self.decision = decide_compile(
+            compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), _planned(planned_steps), self.timed_steps
+        )
+        self._state = _SETTLED
+        if not self.decision.value and self._module is not None:
+            self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)
+        return self.decision
+
+    def _compile(self, module: Any) -> None:
+        from_compiled(torch.compile(module, **self.options))  # type: ignore[arg-type]  # an OptimizedModule
+        self._ours = True
+
+    def _restore(self, uncompile: bool) -> None:
+        if self.setting is not False:
+            for name in _EAGER_METHODS:
+                self._module.__dict__.pop(name, None)
+        if uncompile and lightning_compat.compiled_by_user(self._module):
+            to_uncompiled(self._module)
+        self._module, self._ours = None, False
+
+    def _check_fallback(self) -> Decision | None:
+        """A frame Dynamo gave up on runs eagerly (e.g. ``recompile_limit`` hit): said once, with the reason."""
+        if not self.compiled or self.fallback is not None or _frames_failed() <= self._failed_seen:
+            return None
+        reasons = [key.split("\n")[0] for key in torch_compat.dynamo_counters()["unimplemented"]]
+        limit = [r for r in reasons if "recompile limit" in r.lower()]
+        self.fallback = Decision(
+            "compile_fallback",
+            "eager",
+            f"{_frames_failed() - self._failed_seen} frames ran eagerly (Dynamo could not compile them): "
+            + "; ".join(limit or reasons[-3:] or ["Dynamo gave no reason"]),
+        )
+        return self.fallback
+
+
+def _planned(planned_steps: Callable[[], Any]) -> float:
+    """The fit's planned optimizer steps (``inf``: unbounded or unknown), read only when "auto" needs them."""
+    steps = planned_steps()
+    return float(steps) if steps is not None else math.inf
+
+
+def _frames_ok() -> int:
+    return int(torch_compat.dynamo_counters()["frames"]["ok"])
+
+
+def _frames_failed() -> int:
+    frames = torch_compat.dynamo_counters()["frames"]
+    return int(frames["total"] - frames["ok"])
+
+
+def _ddp_note() -> str:
+    mode = torch_compat.optimize_ddp()
+    if mode is True or mode == "ddp_optimizer":
+        return (
+            "torch._dynamo.config.optimize_ddp: DDPOptimizer splits the graph at DDP's bucket boundaries, so each "
+            "bucket's all-reduce overlaps the rest of backward"
+        )
+    return f"torch._dynamo.config.optimize_ddp={mode!r} (set by the user): not DDPOptimizer's split"
