@@ -37,7 +37,8 @@ one module per group: ``ddp``, ``syncbn``, ``memory``, ``perf``; the harness: ``
   NVIDIA's A100 AMP figure of ~2,470 images/s; AMP peak memory ≤ 0.7× fp32).
 
 How to read the table: ``benchmarks/RESULTS.md``, "gpu_check's table". The whole run keeps within ``--budget``
-seconds (default 540): a check gets its own limit or what is left, and is skipped when under 15 s is left.
+seconds (default 540): a check gets its own limit (twice it on CPU) or what is left, and is skipped when under
+15 s is left.
 
 Usage::
 
