@@ -29,7 +29,8 @@ from lightning_solo.testing import free_port
 
 
 def check_nccl1(device: str) -> tuple[bool, str]:
-
+    """``SoloDDP()`` on one GPU: an nccl group of world size 1, its monitored barrier (a gloo side group) and a
+    CUDA all-reduce inside the fit."""
     seen: dict = {}
 
     class Probe(L.LightningModule):
@@ -71,7 +72,8 @@ def check_nccl1(device: str) -> tuple[bool, str]:
 
 
 def check_scaler(device: str) -> tuple[bool, str]:
-
+    """``16-mixed`` on the device: a step whose loss is made inf overflows; the GradScaler skips it (weights
+    unchanged), halves the scale and counts it."""
     overflow_at = 3
     trace: list[tuple[torch.Tensor, float]] = []
 
@@ -115,6 +117,7 @@ def check_scaler(device: str) -> tuple[bool, str]:
 
 
 def check_rng(device: str) -> tuple[bool, str]:
+    """``resume.rng_state()`` / ``set_rng_state()`` bring the current device's CUDA generator back."""
     from lightning_solo.ddp.resume import record as resume
 
     if device == "cuda":
@@ -200,7 +203,8 @@ class _Branchy(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.trunk, self.branch, self.head = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
-        self.memory: dict[int, int] = {}
+        self.memory: dict[int, int] = {}  # allocated at each step's start
+        self.peak_before = 0  # steps 0-3, before the first re-wrap
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -212,7 +216,8 @@ class _Branchy(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         if self.device.type == "cuda":
             self.memory[batch_idx] = torch.cuda.memory_allocated()
-            if batch_idx == 3:  # the peak from here on spans both re-wraps
+            if batch_idx == 4:  # the peak from here on spans both re-wraps
+                self.peak_before = torch.cuda.max_memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
 
     def on_before_optimizer_step(self, optimizer):
@@ -239,9 +244,10 @@ def rewrap_rank(device: str, rank: str, port: str, out: str) -> None:
     memory = {}
     if device == "cuda":
         memory = {
-            "before": model.memory[3],
+            "before": model.memory[4],
             "after": model.memory[steps - 1],
-            "peak": torch.cuda.max_memory_allocated(),
+            "peak_before": model.peak_before,
+            "peak_after": torch.cuda.max_memory_allocated(),
         }
     saved = {"params": flat, "find_unused": decision.value, "reason": decision.reason, "memory": memory}
     torch.save(saved, f"{out}/rank{rank}.pt")
@@ -275,13 +281,16 @@ def check_rewrap(device: str) -> tuple[bool, str]:
         f"{identical} (max diff {(r0['params'] - r1['params']).abs().max().item():.3g})"
     )
     kept = True
-    if r0["memory"]:  # a leaked wrapper would keep at least its gradient buckets: the parameters' bytes
-        grown = max(r["memory"]["after"] - r["memory"]["before"] for r in (r0, r1))
-        kept = grown < r0["params"].numel() * 4
+    if r0["memory"]:  # a wrapper kept alive keeps at least its gradient buckets: the parameters' bytes
+        buckets = r0["params"].numel() * 4
+        grown = max(m["after"] - m["before"] for m in (r0["memory"], r1["memory"]))
+        peak_grown = max(m["peak_after"] - m["peak_before"] for m in (r0["memory"], r1["memory"]))
+        kept = grown < buckets and peak_grown < buckets
+        m = r0["memory"]
         detail += (
-            f"; allocated before/after the re-wraps {r0['memory']['before']}/{r0['memory']['after']} B "
-            f"(rank 1: {r1['memory']['before']}/{r1['memory']['after']}), peak {r0['memory']['peak']} B, "
-            f"{_SLEEP_CYCLES:.0e} sleep cycles before each step"
+            f"; rank 0 allocated {m['before']} -> {m['after']} B, max_memory_allocated {m['peak_before']} -> "
+            f"{m['peak_after']} B across the re-wraps (most grown on a rank: {grown} / {peak_grown} B, bound "
+            f"{buckets} B); {_SLEEP_CYCLES:.0e} sleep cycles before each optimizer step"
         )
     return identical and rewrapped and kept, detail
 
@@ -291,6 +300,10 @@ def _comm_net(device: str) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(
         device
     )
+
+
+def _flat_grad(net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 
 def check_comm(device: str) -> tuple[bool, str]:
@@ -328,7 +341,7 @@ def check_comm(device: str) -> tuple[bool, str]:
             ref = _comm_net(device)
             ddp(batch(0)).pow(2).sum().backward()
             ref(batch(0)).pow(2).sum().backward()
-            errors[name] = rel_err(flat_grad(net), flat_grad(ref))
+            errors[name] = rel_err(_flat_grad(net), _flat_grad(ref))
         net, ddp, hook, opt = start("powersgd")
         train(ddp, opt, range(6))
         straight = flat(net)
@@ -346,10 +359,6 @@ def check_comm(device: str) -> tuple[bool, str]:
         f"one-rank {backend}: gradient rel. err fp16 {errors['fp16']:.2g}, bf16 {errors['bf16']:.2g}; PowerSGD "
         f"3 + resume + 3 vs 6 straight: rel. diff {diff:.2g}, iter {resumed_iter}"
     )
-
-
-def flat_grad(net: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 
 class _Indexed(Dataset):

@@ -18,6 +18,8 @@ from lightning_solo.testing import HostSyncRecorder, run_ranks
 
 
 def check_syncbn_cuda(device: str) -> tuple[bool, str]:
+    """``SoloDDP(sync_batchnorm=True)`` on the device converts BatchNorm to SoloSyncBatchNorm for the fit and
+    reverts it to the original class after."""
     from torch import nn
 
     during: dict = {}
@@ -102,7 +104,8 @@ def _syncbn_rank(rank: int, world_size: int, device: str) -> dict:
 
 
 def check_syncbn(device: str) -> tuple[bool, str]:
-
+    """2 processes on the GPU, rank 0's batch empty, bf16 autocast: output, input gradient and running statistics
+    against BatchNorm over the joined batch; no host sync on the full rank; identical collectives."""
     empty, full = run_ranks(_syncbn_rank, 2, device)
     ok = (
         full["syncs"] == []
