@@ -3,6 +3,7 @@ its harness kills a check's whole process group at its limit, its table states t
 a CPU form runs its logic on CPU at tiny sizes."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -67,6 +68,43 @@ def test_a_check_past_its_limit_is_killed_with_its_whole_process_group():
     grandchild = int(out.split()[0])
     time.sleep(0.5)
     assert not _running(grandchild)  # no orphan left (holding the GPU, on a GPU machine)
+
+
+def test_terminating_the_run_kills_the_running_checks_group():
+    # An outer timeout sends SIGTERM to gpu_check; the check runs in a session of its own, so without the handler it
+    # (and the GPU it holds) would outlive the run.
+    hang = "import subprocess, time; p = subprocess.Popen(['sleep', '120']); print(p.pid, flush=True); time.sleep(120)"
+    parent = (
+        "import sys; from benchmarks.gpu_checks.harness import _terminate_as_exit, run_group; _terminate_as_exit(); "
+        f"run_group([sys.executable, '-c', {hang!r}], limit=120)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", parent], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 30
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    check = int(children.read_text().split()[0])
+    while (
+        not Path(f"/proc/{check}/task/{check}/children").read_text().split() and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    grandchild = int(Path(f"/proc/{check}/task/{check}/children").read_text().split()[0])
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    time.sleep(0.5)
+    assert not _running(check) and not _running(grandchild)
+
+
+def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
+    from benchmarks.gpu_checks import HELPERS, ddp
+    from benchmarks.gpu_checks.harness import Check, main
+
+    out = tmp_path / "t.md"
+    too_short = [Check("rng", ddp.check_rng, budget_s=0.5)]  # no interpreter starts in 1 s (twice it on CPU)
+    assert main(too_short, HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
+    assert "| rng | TIMEOUT |" in out.read_text() and "killed after 1 s (process group)" in out.read_text()
 
 
 def _running(pid: int) -> bool:

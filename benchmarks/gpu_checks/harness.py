@@ -71,11 +71,19 @@ def run_group(
         code = None
         if not new_session:
             proc.kill()
-    if new_session:
-        _kill_group(proc.pid)
+    finally:  # also when this process is interrupted or terminated (see _terminate_as_exit): no orphan
+        if new_session:
+            _kill_group(proc.pid)
     if code is None:
         out, _ = proc.communicate()
     return code, out or ""
+
+
+def _terminate_as_exit() -> None:
+    """SIGTERM/SIGHUP (an outer timeout, a closed terminal) raise SystemExit here, so that run_group's ``finally``
+    kills the running check's group: it is in a session of its own and would outlive this process otherwise."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _kill_group(pgid: int) -> None:
@@ -151,6 +159,7 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
             "GPU is, or pass --device cpu to exercise the logic on CPU."
         )
         return 0
+    _terminate_as_exit()
     rows: list[dict] = []
     started = time.monotonic()
     for check in ordered([c for c in checks if c.name in wanted]):
