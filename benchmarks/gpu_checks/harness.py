@@ -6,7 +6,7 @@ to check here), ``detail`` one line, or a markdown table of its own (several lin
 The parent never imports CUDA state: it starts ``python benchmarks/gpu_check.py --check NAME`` with
 ``start_new_session=True``, and when the limit passes it kills the whole group (``os.killpg``: the check's
 ranks, launcher children and loader workers too), so no process is left holding the GPU. It kills the group
-after a normal exit as well, for any straggler.
+after a normal exit as well, for any straggler, and when the run itself gets SIGTERM or SIGHUP.
 """
 
 from __future__ import annotations
