@@ -42,7 +42,7 @@ seconds (default 540): a check gets its own limit (twice it on CPU) or what is l
 
 Usage::
 
-    python benchmarks/gpu_check.py --out benchmarks/gpu_check.md          # one GPU, ≤ 9 minutes
+    python benchmarks/gpu_check.py                                        # one GPU, ≤ 9 minutes: benchmarks/gpu_check.md
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_check.md   # every check with a CPU form
 
 Without CUDA (and no ``--device cpu``) it prints why and exits 0, having checked nothing. On CPU the checks run

@@ -132,7 +132,11 @@ def ordered(checks: Sequence[Check]) -> list[Check]:
 def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: str, argv=None) -> int:
     names = [c.name for c in checks]
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help="write the markdown table here, after every check")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the markdown table, rewritten after every check (default on cuda: benchmarks/gpu_check.md)",
+    )
     p.add_argument("--only", default=",".join(names), help=f"comma list of {names}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the logic without a GPU")
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default: 9 minutes)")
@@ -160,6 +164,9 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
         )
         return 0
     _terminate_as_exit()
+    out = args.out or (ROOT / "benchmarks" / "gpu_check.md" if args.device == "cuda" else None)
+    if out:
+        print(f"gpu_check: the table is {out}, rewritten after every check", flush=True)
     rows: list[dict] = []
     started = time.monotonic()
     for check in ordered([c for c in checks if c.name in wanted]):
@@ -175,8 +182,8 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
             row = run_check(check, args.device, min(limit, left))
         rows.append(row)
         print(f"{check.name}: {row['status']} ({row['seconds']} s)", flush=True)
-        if args.out:  # after every check: a run killed later still reports what it found
-            args.out.write_text(render(rows, args.device))
+        if out:  # after every check: a run killed later still reports what it found
+            out.write_text(render(rows, args.device))
     print("\n" + render(rows, args.device))
     unverified = [r for r in rows if r["status"] in ("FAIL", "TIMEOUT") or "budget is spent" in r["detail"]]
     return 1 if unverified else 0
