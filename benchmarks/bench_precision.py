@@ -13,7 +13,8 @@ Memory:
 * CPU: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the fresh process, which is why each measurement
   gets its own process (tracemalloc does not see torch's allocator). ``peak`` is the whole process;
   ``train`` is the peak minus the high-water mark just before ``fit`` (model, data and libraries loaded).
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` right before ``fit``.
+* CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps: ``reset_peak_memory_stats`` after the warm-up,
+  so cuDNN's autotuning workspaces (``cudnn.benchmark`` tries every algorithm on the first steps) do not count.
 
 Usage::
 
@@ -76,6 +77,8 @@ def worker(args: argparse.Namespace) -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == args.warmup:
                 self.start = self._now()
+                if args.device == "cuda":  # the steady state's peak, not the autotuner's
+                    torch.cuda.reset_peak_memory_stats()
 
         def on_train_end(self, trainer, pl_module):
             self.end = self._now()
@@ -113,8 +116,6 @@ def worker(args: argparse.Namespace) -> dict:
         enable_model_summary=False,
     )
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, loader)
     out = {
         "precision": args.precision,

@@ -460,6 +460,8 @@ def test_per_device_batch_size_sources():
 
     assert batch_size.per_device_batch_size(trainer(loaded=loader, datamodule=dm)) == 5
     assert batch_size.per_device_batch_size(trainer(source=loader)) == 5
+    pre_batched = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=None)
+    assert batch_size.per_device_batch_size(trainer(loaded=pre_batched, source=pre_batched), 6) == 6
     assert batch_size.per_device_batch_size(trainer(source=dm, datamodule=dm)) == 7
     module = L.LightningModule()
     module.save_hyperparameters({"batch_size": 3})

@@ -55,9 +55,9 @@ def per_device_batch_size(trainer: pl.Trainer, given: int | None = None) -> int 
         return loaded
     source = lightning_compat.fit_data_source(trainer)
     if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
-        given = loader_batch_size(source)
-        if given is not None:
-            return given
+        from_loader = loader_batch_size(source)  # None for a pre-batched loader: the user's word then
+        if from_loader is not None:
+            return from_loader
     if given is not None:
         return given
     datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
