@@ -32,3 +32,14 @@ def test_matplotlib_is_an_optional_extra(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'lightning_solo\[plot\]'"):
         cb.plot_schedule(tmp_path / "lr.png", global_batch=512, total_steps=10)
     assert not (tmp_path / "lr.png").exists()
+
+
+def test_the_wheel_lists_every_package():
+    # setuptools' explicit list: a subpackage left out installs without its modules (seen with ddp/watchdog).
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    root = REPO / "lightning_solo"
+    found = {
+        ".".join(("lightning_solo", *init.parent.relative_to(root).parts))
+        for init in root.rglob("__init__.py")
+    }
+    assert found - listed == set()

@@ -370,9 +370,18 @@ def _restore_optimizers(
         *zip(trainer.optimizers, optimizers),
         *zip((c.scheduler for c in trainer.lr_scheduler_configs), schedulers),
     ]
-    for owner, blob in pairs:
-        if (state := unpack(blob, f"{type(owner).__name__}.state_dict()")) is not LEFT_BEHIND:
-            owner.load_state_dict(state)
+    try:
+        for owner, blob in pairs:
+            if (state := unpack(blob, f"{type(owner).__name__}.state_dict()")) is not LEFT_BEHIND:
+                owner.load_state_dict(state)
+    except Exception as err:  # noqa: BLE001 - e.g. param groups a callback added during the fit (BackboneFinetuning)
+        rank_zero_warn(
+            f"the optimizers' state stays in the worker processes: it does not load here ({err!r})"
+        )
+        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = (
+            [],
+            [],
+        )  # none, rather than fresh ones
 
 
 def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix: str = "") -> None:
