@@ -44,15 +44,19 @@ class CompiledKeys:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = check_bool("strip_compiled_prefix", enabled)
 
-    def decision(self, module: torch.nn.Module) -> Decision | None:
-        """What applies to ``module``; ``None`` when it holds no compiled submodule (nothing differs from stock)."""
-        compiled = [name for name, m in module.named_modules() if name and torch_compat.is_compiled_module(m)]
+    def decision(self, module: torch.nn.Module | None) -> Decision | None:
+        """What applies to ``module`` (``None``: before there is one); ``None`` when on and ``module`` holds no
+        compiled submodule (nothing differs from stock). Off, always the user's setting."""
+        compiled = [] if module is None else [
+            name for name, m in module.named_modules() if name and torch_compat.is_compiled_module(m)
+        ]  # fmt: skip
+        if not self.enabled:
+            which = f"{compiled} save" if compiled else "compiled submodules save"
+            return Decision(
+                "strip_compiled_prefix", False, f"set by the user: {which} '{_CHILD}.' keys, as stock"
+            )
         if not compiled:
             return None
-        if not self.enabled:
-            return Decision(
-                "strip_compiled_prefix", False, f"set by the user: {compiled} save '{_CHILD}.' keys, as stock"
-            )
         return Decision(
             "strip_compiled_prefix",
             True,

@@ -294,6 +294,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         )
         self._decide(self._compile.decision)
+        if (keys := self._compiled_keys.decision(None)) is not None:  # off: the user's setting
+            self._decide(keys)
 
     # ----------------------------------------------------------------------------------------- public seams
     @property
