@@ -12,7 +12,7 @@ gradient arrives at the end of one compiled backward), and the relative differen
 eager SoloDDP's (same seed and data). A last fit per model runs ``compile="auto"`` and
 prints what it kept and why.
 
-    python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores
+    python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores at --seq 64
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
     python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
     python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
@@ -31,11 +31,12 @@ import warnings
 MODELS = {
     # name: (builder kwargs, batch per rank)
     "mlp": ({"kind": "mlp"}, 64),  # 256 -> 1024 -> 1024 -> 10, 1.3 M parameters
-    "transformer": ({"kind": "transformer"}, 4),  # 4 layers, d=256, 4 heads, seq 64, 3.2 M parameters
+    # 4 layers, d=256, 4 heads, seq 128 (--seq), 3.5 M parameters
+    "transformer": ({"kind": "transformer"}, 4),
 }
 # solo_compile_no_split: SoloDDP(compile=True) with torch._dynamo.config.optimize_ddp=False (no DDPOptimizer).
 CONFIGS = ("eager", "solo_compile", "solo_compile_no_split", "stock_compile")
-SEQ, D, LAYERS = 64, 256, 4
+SEQ, D, LAYERS = 128, 256, 4  # issue 30: 4 layers, d=256, seq 128
 
 
 def _timed_allreduce(timer, bucket):
@@ -178,7 +179,9 @@ def main() -> None:
     parser.add_argument(
         "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
     )
+    parser.add_argument("--seq", type=int, default=SEQ, help="the transformer's sequence length")
     args = parser.parse_args()
+    globals()["SEQ"] = args.seq  # read by _module in the forked ranks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore")
     if args.single:

@@ -175,3 +175,14 @@ def test_compile_names_exist():
     assert {"total", "ok"} >= set(counters["frames"]) and isinstance(counters["unimplemented"], dict)
     assert torch_compat.optimize_ddp() in (True, False, "ddp_optimizer", "python_reducer",
                                            "python_reducer_without_compiled_forward", "no_optimization")  # fmt: skip
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    assert torch_compat.is_compiled_module(compiled) and not torch_compat.is_compiled_module(
+        torch.nn.Linear(2, 2)
+    )
+    assert getattr(compiled, torch_compat.COMPILED_CHILD) is compiled._orig_mod
+    holder = torch.nn.Module()
+    holder.net = compiled
+    assert list(holder.state_dict()) == [
+        f"net.{torch_compat.COMPILED_CHILD}.weight",
+        f"net.{torch_compat.COMPILED_CHILD}.bias",
+    ]

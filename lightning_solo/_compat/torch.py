@@ -114,3 +114,16 @@ def optimize_ddp() -> Any:
     import torch._dynamo
 
     return torch._dynamo.config.optimize_ddp
+
+
+# ``torch.compile(module)`` returns ``torch._dynamo.eval_frame.OptimizedModule``, which holds the module as its child
+# ``_orig_mod``: a compiled submodule's state-dict keys read ``net._orig_mod.weight`` (checked on torch 2.14.1).
+COMPILED_CHILD = "_orig_mod"
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``;
+    checked on torch 2.14.1)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)

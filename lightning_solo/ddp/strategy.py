@@ -13,7 +13,8 @@ Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body cal
 run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
 communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
 (:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
-``compile=`` (:class:`~lightning_solo.ddp.compile.CompiledSteps`), the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`),
+``compile=`` (:class:`~lightning_solo.ddp.compile.CompiledSteps`), compiled submodules' checkpoint keys
+(:class:`~lightning_solo.ddp.compiled_keys.CompiledKeys`), the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`),
 the uneven-data agreement (:mod:`lightning_solo.ddp.uneven`) and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`).
 Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
@@ -55,6 +56,7 @@ from lightning_solo.ddp import comm, syncbn
 from lightning_solo.ddp import precision as amp
 from lightning_solo.ddp.advice import ddp_advice
 from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
+from lightning_solo.ddp.compiled_keys import CompiledKeys
 from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
@@ -155,6 +157,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
             policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
             the planned steps). The LightningModule's steps are compiled inside DDP's forward, so DDPOptimizer
             keeps the overlap and re-wraps recompile nothing: :mod:`lightning_solo.ddp.compile`.
+        strip_compiled_prefix: a compiled submodule (``self.net = torch.compile(Net())``) saves its weights under
+            the eager module's keys (``net.weight``, not ``net._orig_mod.weight``) and a checkpoint loads with either
+            form, so checkpoints move between compiled and eager runs; ``False``: stock keys:
+            :mod:`lightning_solo.ddp.compiled_keys`.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
     """
@@ -193,6 +199,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         uneven_data: UnevenPolicy = "shortest",
         watchdog: bool | Mapping[str, Any] = True,
         compile: CompileSetting = False,
+        strip_compiled_prefix: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -240,6 +247,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._comm = comm_hooks
         self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
         self._compile = CompiledSteps(compile)
+        self._compiled_keys = CompiledKeys(strip_compiled_prefix)
         self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
         self._uneven = UnevenData(uneven_data)
         # Settings, read when the fit reaches them.
@@ -286,6 +294,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         )
         self._decide(self._compile.decision)
+        if (keys := self._compiled_keys.decision(None)) is not None:  # off: the user's setting
+            self._decide(keys)
 
     # ----------------------------------------------------------------------------------------- public seams
     @property
@@ -427,6 +437,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
             # Compiled before DDP wraps it, inside DDP's forward at run time (lightning_solo.ddp.compile).
             self._compile = self._compile.fresh()
             self._decide(self._compile.setup(trainer.lightning_module))
+        if (keys := self._compiled_keys.decision(trainer.lightning_module)) is not None:  # every run
+            self._decide(keys)
         # SyncBN converted (fitting), then DDP: _setup_model, _register_ddp_hooks, _enable_model_averaging.
         super().setup(trainer)
         # Every run (fit, validate, test, predict), before its loaders are processed; every rank alike.
@@ -658,6 +670,19 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
             if hook_state := self._comm.state_dict(filepath, replica):  # each rank writes its shard beside it
                 checkpoint[comm.CHECKPOINT_KEY] = hook_state
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The weights of every checkpoint Lightning writes: compiled submodules under their eager keys.
+        return self._compiled_keys.save(super().lightning_module_state_dict(), self._module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Before setup on fit(ckpt_path=...): either spelling of a compiled submodule's keys, in the module's own.
+        if (keys := self._compiled_keys.decision(self._module)) is not None:
+            self._decide(keys)
+        state_dict = self._compiled_keys.load(checkpoint["state_dict"], self._module)
+        super().load_model_state_dict({**checkpoint, "state_dict": state_dict}, strict=strict)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

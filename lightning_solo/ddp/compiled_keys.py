@@ -1,0 +1,120 @@
+"""``SoloDDP(strip_compiled_prefix=True)``: a compiled submodule (``self.net = torch.compile(Net())``) saves its
+weights under the eager module's keys (``net.weight``, not ``net._orig_mod.weight``), and a checkpoint loads with
+either form, so checkpoints move between compiled and eager runs in both directions.
+
+Stock Lightning saves ``lightning_module.state_dict()`` as it is (``_orig_mod.`` inside; only
+``ModelParallelStrategy`` maps such keys, for optimizer states), so a compiled run's checkpoint does not load into
+the eager module, nor an eager one into the compiled module. Compiling the whole LightningModule
+(``fit(torch.compile(model))``, ``SoloDDP(compile=True)``) keeps the module object and adds no prefix: nothing to do
+there, and nothing is stripped twice.
+
+Where: the strategy's ``lightning_module_state_dict`` and ``load_model_state_dict``, not state-dict hooks on the
+module. Lightning takes the weights of every checkpoint it writes from the first (``trainer.save_checkpoint``,
+ModelCheckpoint, SoloCheckpoint, the SIGTERM and requeue saves all reach ``dump_checkpoint``) and restores through
+the second, and ``fit(ckpt_path=...)`` restores before the strategy's setup, where hooks would not be registered
+yet. The module's own ``state_dict()`` stays torch's, so the notebook launcher's weights (``state_dict()`` in
+the rank, ``load_state_dict`` in the parent, the same structure on both sides) and user code see what torch
+gives; nothing is left on the module to remove at teardown.
+
+Example::
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # strip_compiled_prefix=False: stock
+    trainer.fit(model)              # model.net = torch.compile(Net()): the checkpoint holds "net.weight"
+    eager_trainer.fit(eager_model, ckpt_path="last.ckpt")                   # and loads into the eager module
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo.core.checks import check_bool
+from lightning_solo.core.decision import Decision
+
+_CHILD = torch_compat.COMPILED_CHILD
+
+
+class CompiledKeys:
+    """The ``strip_compiled_prefix=`` component of :class:`~lightning_solo.SoloDDP` (see the module docstring)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = check_bool("strip_compiled_prefix", enabled)
+
+    def decision(self, module: torch.nn.Module | None) -> Decision | None:
+        """What applies to ``module`` (``None``: before there is one); ``None`` when on and ``module`` holds no
+        compiled submodule (nothing differs from stock). Off, always the user's setting."""
+        compiled = [] if module is None else [
+            name for name, m in module.named_modules() if name and torch_compat.is_compiled_module(m)
+        ]  # fmt: skip
+        if not self.enabled:
+            which = f"{compiled} save" if compiled else "compiled submodules save"
+            return Decision(
+                "strip_compiled_prefix", False, f"set by the user: {which} '{_CHILD}.' keys, as stock"
+            )
+        if not compiled:
+            return None
+        return Decision(
+            "strip_compiled_prefix",
+            True,
+            f"compiled submodules {compiled}: checkpoints hold the eager module's keys (no '{_CHILD}.') and load "
+            "either form, so they move between compiled and eager runs",
+        )
+
+    def save(self, state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+        """``state_dict`` (of ``module``) with the ``_orig_mod`` level of each compiled submodule removed."""
+        inner = _compiled_children(module)
+        if not self.enabled or not inner:
+            return state_dict
+        return _renamed(state_dict, lambda key: _without(key, inner))
+
+    def load(self, state_dict: Mapping[str, Any], module: torch.nn.Module) -> Mapping[str, Any]:
+        """``state_dict`` with each key ``module`` spells differently, compiled or not, in ``module``'s spelling."""
+        if not self.enabled:
+            return state_dict
+        inner = _compiled_children(module)
+        # Keys, and module paths for the version metadata; the inner module's path comes after its wrapper's.
+        names = [*module.state_dict(), *(name for name, _ in module.named_modules())]
+        own = {_without(name, inner): name for name in names}
+        if all(key in own.values() for key in state_dict):
+            return state_dict  # already this module's spelling (or keys strict loading will name)
+
+        def spelled(key: str) -> str:
+            plain = ".".join(part for part in key.split(".") if part != _CHILD)  # whatever compiled it
+            return own.get(plain, key) if plain != key or key not in own.values() else key
+
+        return _renamed(state_dict, spelled)
+
+
+def _compiled_children(module: torch.nn.Module) -> set[str]:
+    """The paths of the ``_orig_mod`` children of the compiled submodules: ``{"net._orig_mod"}``."""
+    return {
+        f"{name}.{_CHILD}" if name else _CHILD
+        for name, m in module.named_modules()
+        if torch_compat.is_compiled_module(m)
+    }
+
+
+def _without(key: str, inner: set[str]) -> str:
+    """``key`` without the path components that are a compiled submodule's ``_orig_mod``."""
+    if not inner:
+        return key
+    parts, path = [], ""
+    for part in key.split("."):
+        path = f"{path}.{part}" if path else part
+        if path not in inner:
+            parts.append(part)
+    return ".".join(parts)
+
+
+def _renamed(state_dict: Mapping[str, Any], rename: Any) -> dict[str, Any]:
+    """A new state dict with keys (and the version metadata's module paths) renamed; the tensors are the same."""
+    out: OrderedDict[str, Any] = OrderedDict((rename(key), value) for key, value in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # module versions (BatchNorm's, say), keyed by module path
+        # The inner module's entry comes after its wrapper's and wins: its version is the one that loads eagerly.
+        out._metadata = OrderedDict((rename(path), meta) for path, meta in metadata.items())  # type: ignore[attr-defined]
+    return out
