@@ -56,7 +56,7 @@ def _fit(out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, *
     recorder = RankRecorder(
         out,
         on_train_start={"frames0": _frames, "aot0": _aot_graphs},
-        on_train_batch_end={"frames": _frames, "ddp": lambda t, m: id(t.strategy.model)},
+        on_train_batch_end={"frames": _frames, "ddp": "wrapper"},
         on_train_end={"params": "named_params", "aot": _aot_graphs},
         on_fit_end=("decisions",),  # after the strategy's on_train_end
         suffix=".pt",

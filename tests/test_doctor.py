@@ -27,9 +27,11 @@ from lightning_solo.app.run_summary import RunSummary
 from lightning_solo.callbacks import TrainingDoctor
 from lightning_solo.ddp import syncbn
 from lightning_solo.ddp.syncbn.wait import SYNCBN_WAIT
+from lightning_solo.ddp.unused.policy import UnusedParameters
 from lightning_solo.diagnostics.doctor.report import rank_times
 from lightning_solo.diagnostics.doctor.timing import StepTimer
 from lightning_solo.testing import run_ranks
+from tests.helpers import equivalence as eq
 from tests.helpers.records import read_rank_records, write_rank_record
 
 PHASE = 8  # optimizer steps per phase, = the doctor's every_n_steps
@@ -221,3 +223,50 @@ def test_cuda_syncbn_waits_are_read_back_with_the_timers_own_events(monkeypatch)
     timer.comm.release()
     assert times.comm_ms >= 9.0 and times.compute_ms < times.comm_ms, times
     assert SYNCBN_WAIT.start(cuda) is None  # nobody listens after release: nothing is timed
+
+
+class _Iterations(L.Callback):
+    """Per rank: the DDP iterations the doctor's exposed-communication sums counted, and DDP's own count of the
+    iterations it timed, summed over the fit's wrappers: each read as SoloDDP drops it (the same public seam as
+    the doctor's), the last at the end of training."""
+
+    def __init__(self, path, doctor):
+        self.path, self.doctor = path, doctor
+
+    def on_train_start(self, trainer, pl_module):
+        self.dropped = 0
+        trainer.strategy.add_rewrap_listener(self.read)
+
+    def read(self, ddp):
+        self.dropped += ddp._get_ddp_logging_data().get(
+            "iteration", 0
+        )  # every one timed (sample rate 1 on CPU)
+
+    def on_train_end(self, trainer, pl_module):  # after the doctor's final report (it comes first)
+        self.read(trainer.strategy.model)
+        record = {"doctor": self.doctor._timer.comm.iterations, "ddp": self.dropped}
+        write_rank_record(self.path, trainer.global_rank, record)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_exposed_communication_counts_carry_across_a_rewrap(tmp_path):
+    """find_unused_parameters="auto" re-wraps DDP at the start of step 5 (its window: 4 steps), and SoloDDP drops
+    the old wrapper before it builds the next: the doctor reads it out first, so it counts every iteration
+    either wrapper timed. DDP times an iteration at the next one's forward, which a dropped wrapper never has:
+    one fewer than the same fit without a re-wrap (False). 128 steps: the doctor reads DDP's timings once per
+    chart bin of 2 steps, from the end of its 3 warm-up steps, so the old wrapper holds an unread iteration."""
+    steps, counts = 128, {}
+    assert UnusedParameters().window == 4
+    for setting in ("auto", False):
+        out = tmp_path / str(setting)
+        (out / "iterations").mkdir(parents=True)
+        doctor = TrainingDoctor(chart=None)
+        strategy = SoloDDP(start_method="fork", find_unused_parameters=setting)
+        records = eq.fit(out, eq.Net("used", eq.make_data(steps)), strategy, steps=steps,
+                         callbacks=[doctor, _Iterations(out / "iterations", doctor)])  # fmt: skip
+        assert records[0]["wrappers"] == (2 if setting == "auto" else 1)
+        counts[setting] = read_rank_records(out / "iterations")
+        for rank in counts[setting]:
+            assert rank["doctor"] == rank["ddp"], (setting, rank)
+    assert [r["doctor"] for r in counts["auto"]] == [r["doctor"] - 1 for r in counts[False]]

@@ -7,6 +7,11 @@ with the single-process run, so "trains" means "trains the same as one process w
 
 from __future__ import annotations
 
+import gc
+import pickle
+import weakref
+
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -16,11 +21,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_solo import SoloDDP
+from lightning_solo.callbacks import TrainingDoctor
 from lightning_solo.ddp.advice import ddp_advice
 from lightning_solo.ddp.unused.policy import UnusedParameters
 from tests.distributed import run_ranks
 from tests.helpers import equivalence as eq
 from tests.helpers.equivalence import Net, assert_ranks_identical, fit, make_data, max_rel_err, reference
+from tests.helpers.records import read_rank_records, write_rank_record
 
 # ------------------------------------------------------------------------------------ validation
 
@@ -316,3 +323,63 @@ def test_manual_optimization_is_covered_too(tmp_path):
     assert_ranks_identical(records)
     assert max_rel_err(records[0], reference(net, steps=STEPS_LATE)) <= TOL
     assert "switched" in records[0]["decisions"]["find_unused_parameters"]["reason"]
+
+
+# --------------------------------------------------------- a re-wrap holds one set of DDP buckets at a time
+
+
+_EARLIER: list[weakref.ref] = []  # per rank process: every wrapper built
+_ALIVE: list[int] = []  # per rank process: earlier wrappers alive as each was built
+
+
+class _OneAtATime(DDP):
+    """DDP that notes, as each wrapper is built, how many earlier ones are still alive (after a collection): each
+    one's reducer owns gradient buckets as big as all the gradients. Patched in before the fit: the fork launcher's
+    ranks inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        gc.collect()
+        _ALIVE.append(sum(ref() is not None for ref in _EARLIER))
+        super().__init__(*args, **kwargs)
+        _EARLIER.append(weakref.ref(self))
+
+
+class _Alive(L.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_fit_end(self, trainer, pl_module):
+        write_rank_record(self.path, trainer.global_rank, {"alive": _ALIVE})
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("comm_hook", [None, "auto"])
+def test_a_rewrap_frees_the_old_wrapper_before_building_the_next(tmp_path, monkeypatch, comm_hook):
+    # "auto"'s window ends after step 4 (the fast path: a re-wrap); comm_hook="auto" re-wraps after each
+    # candidate's 7 steps too. TrainingDoctor follows the wrappers' timings across the re-wraps.
+    for where in ("lightning_solo.ddp.strategy", "lightning.pytorch.strategies.ddp"):
+        monkeypatch.setattr(f"{where}.DistributedDataParallel", _OneAtATime)
+    steps = 9 if comm_hook else 6
+    (tmp_path / "alive").mkdir()
+    doctor = TrainingDoctor(chart=None)
+    strategy = SoloDDP(start_method="fork", comm_hook=comm_hook)
+    records = fit(tmp_path, Net("used", make_data(steps)), strategy, steps=steps,
+                  callbacks=[doctor, _Alive(tmp_path / "alive")])  # fmt: skip
+    assert records[0]["wrappers"] == (3 if comm_hook else 2)
+    for record in read_rank_records(tmp_path / "alive"):
+        assert record["alive"] == [0] * records[0]["wrappers"], record
+
+
+class _Reader:
+    def read(self, ddp):
+        pass
+
+
+def test_rewrap_listeners_are_held_weakly_and_never_pickled():
+    strategy, reader = SoloDDP(), _Reader()
+    strategy.add_rewrap_listener(reader.read)
+    assert pickle.loads(pickle.dumps(strategy))._rewrap_listeners == []  # spawn pickles the strategy
+    assert strategy._rewrap_listeners[0]() == reader.read
+    del reader
+    assert strategy._rewrap_listeners[0]() is None  # the listener never keeps its owner alive

@@ -20,18 +20,21 @@ Every choice made for the user is a
 :class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
 diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
 ``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``heartbeats()``, ``record()``, ``add_resume_state()``,
-``state_dict()``.
+``add_rewrap_listener()``, ``state_dict()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import inspect
 import os
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -271,6 +274,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._side_group_made = False
         self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
         self._advice: list[str] = []
+        self._rewrap_listeners: list[
+            Callable[[], Callable[[DistributedDataParallel], Any] | None]
+        ] = []  # weak
         self._decide(
             Decision(
                 "exact_eval",
@@ -324,6 +330,16 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def advice(self) -> list[str]:
         """The end-of-fit advice from DDP's logging data (:mod:`lightning_solo.ddp.advice`)."""
         return self._advice
+
+    def add_rewrap_listener(self, listener: Callable[[DistributedDataParallel], Any]) -> None:
+        """Call ``listener(old)`` whenever this fit is about to drop its DDP wrapper ``old`` to build the next one
+        (the unused-parameter policy's decisions, a change of the trainable set, ``comm_hook="auto"``'s trials):
+        read what is needed from ``old`` then, and keep no reference to it. Its reducer owns gradient buckets as
+        big as all the gradients, which the next wrapper's must not meet. Held weakly (a bound method as long as
+        its object lives: a lambda would be gone at once), so it never travels when the strategy is pickled;
+        forgotten at the end of the fit. Stock DDPStrategy never re-wraps."""
+        held = weakref.WeakMethod(listener) if inspect.ismethod(listener) else weakref.ref(listener)
+        self._rewrap_listeners.append(held)
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         """Each rank's latest heartbeat (step, phase, seconds in it, the collective it waits in) as this rank's
@@ -717,6 +733,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._sigterm.close()  # the agreement in flight
         if self._watchdog is not None:  # "done" at once: no peer takes this rank's exit for a death
             self._watchdog.stop()
+        self._rewrap_listeners = []
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
         self._decide(self._compile.finish())
@@ -737,6 +754,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._rewrap_listeners = []  # also after an exception
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -773,11 +791,21 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # no broadcast at all.
         kwargs = {**self._ddp_kwargs, "init_sync": False}
         device_ids = self.determine_ddp_device_ids()
-        self.model = self._unused.rewrap(
-            self.model,  # type: ignore[arg-type]  # DDP since setup
+        # The old wrapper's reducer owns gradient buckets as big as all the gradients: it is read out, unwrapped
+        # and dropped before the next one is built, or a device near full memory runs out right here.
+        old = cast(DistributedDataParallel, self.model)  # DDP since setup
+        for ref in self._rewrap_listeners:
+            if (listener := ref()) is not None:
+                listener(old)
+        self.model = module = self._unused.unwrap(old, keep_grads=not self._module.automatic_optimization)
+        gone = weakref.ref(old)
+        del old
+        if gone() is not None:  # a reference cycle would keep it (and its buckets) until the next collection
+            gc.collect()
+        self.model = self._unused.rebuild(
+            module,
             lambda module: DistributedDataParallel(module, device_ids=device_ids, **kwargs),
             self._side_channel(),
-            keep_grads=not self._module.automatic_optimization,
             exact_allreduce=self._exact_allreduce,
         )
         self._register_ddp_hooks()
@@ -816,6 +844,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def _note_reentrant(self) -> None:
         if "reentrant_checkpoint" not in self.decisions:
             self._decide(REENTRANT_CHECKPOINT)
+
+    def __getstate__(self) -> dict:
+        # Weak references do not pickle; the listeners belong to the process that registered them.
+        return {**super().__getstate__(), "_rewrap_listeners": []}
 
     @property
     def _exact_allreduce(self) -> bool:

@@ -99,7 +99,7 @@ class Record(RankRecorder):
     def __init__(self, path: Path):
         super().__init__(
             path,
-            on_train_batch_start={"wrappers": lambda trainer, module: id(trainer.strategy.model)},
+            on_train_batch_start={"wrappers": "wrapper"},
             on_train_end={"ddp": _ddp_settings},
             on_fit_end={
                 "params": "named_params", "decisions": "decisions",

@@ -16,7 +16,9 @@ small, as SoloDDP's fork launcher blocks on a carried state over ~64 KiB).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,19 @@ def _decisions(trainer: L.Trainer, module: L.LightningModule) -> dict[str, dict]
     return json.loads(json.dumps({k: d.as_dict() for k, d in decisions.items()}, default=str))
 
 
+_SERIALS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_NEXT = itertools.count()
+
+
+def _wrapper(trainer: L.Trainer, module: L.LightningModule) -> int:
+    """The strategy's model as a serial number, one per object. Not ``id()``: a re-wrap frees the old DDP
+    wrapper before it builds the next, which may then take the same address."""
+    model = trainer.strategy.model
+    if model not in _SERIALS:
+        _SERIALS[model] = next(_NEXT)
+    return _SERIALS[model]
+
+
 READERS: dict[str, Reader] = {
     "params": lambda trainer, module: parameters_to_vector(module.parameters()).detach().clone(),
     "named_params": lambda trainer, module: {
@@ -40,6 +55,7 @@ READERS: dict[str, Reader] = {
     },
     "state": lambda trainer, module: {k: v.detach().clone() for k, v in module.state_dict().items()},
     "decisions": _decisions,  # the strategy's, as dicts (setting, value, reason)
+    "wrapper": _wrapper,  # the DDP wrapper (or module) training runs through, as a serial number
     "global_step": lambda trainer, module: trainer.global_step,
     "lr": lambda trainer, module: trainer.optimizers[0].param_groups[0]["lr"],
     "optimizer": lambda trainer, module: copy.deepcopy(trainer.optimizers[0].state_dict()),

@@ -56,6 +56,7 @@ class FastPathStep:
 
     def remove(self) -> None:
         self.arrivals.remove()
+        self.arrivals.on_last = None  # it may hold the DDP wrapper, which a re-wrap is about to drop
 
     def complete(self, ddp: DistributedDataParallel, step: int) -> list[str]:
         """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the names of

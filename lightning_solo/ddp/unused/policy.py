@@ -14,7 +14,9 @@ Example::
     for step, batch in enumerate(loader):
         if policy.at_boundary(ddp):                      # re-wrap decided (same on every rank)
             build = lambda m: DistributedDataParallel(m, find_unused_parameters=policy.find_unused, init_sync=False)
-            ddp = policy.rewrap(ddp, build, group)
+            module = policy.unwrap(ddp)
+            del ddp                                      # its reducer's buckets go before the next ones come
+            ddp = policy.rebuild(module, build, group)   # (policy.rewrap: the two in one call)
         policy.before_backward(ddp)
         ddp(batch).sum().backward()
         policy.after_backward(ddp)                       # before optimizer.step()
@@ -130,8 +132,8 @@ class UnusedParameters:
     # ----------------------------------------------------------------------------------------- hooks
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
              reducer_parameters: list[Parameter] | None = None) -> DistributedDataParallel:  # fmt: skip
-        """Call on every new DDP wrapper (:meth:`rewrap` does). ``group``: a gloo group apart from DDP's
-        (``None``: there is none, so "auto" stays on ``True``)."""
+        """Call on every new DDP wrapper (:meth:`wrap` and :meth:`rebuild` do). ``group``: a gloo group apart from
+        DDP's (``None``: there is none, so "auto" stays on ``True``)."""
         self._remove_hooks()
         self._group = group
         self._named = trainable(ddp.module)
@@ -162,13 +164,20 @@ class UnusedParameters:
 
     def rewrap(self, ddp: DistributedDataParallel, build: Callable[[Module], DistributedDataParallel],
                group: Any = None, *, keep_grads: bool = False, exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """Unwrap ``ddp``, ``build`` the new wrapper (``find_unused_parameters=self.find_unused``) and bind it.
+        """:meth:`unwrap` ``ddp``, then :meth:`rebuild`. The caller's reference keeps ``ddp``, and its reducer's
+        gradient buckets, alive while the next wrapper is built: where memory is tight, call the two apart and
+        drop every reference in between, as SoloDDP does."""
+        return self.rebuild(self.unwrap(ddp, keep_grads), build, group, exact_allreduce=exact_allreduce)
+
+    def rebuild(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
+                exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
+        """``build`` the next wrapper of ``module`` (as :meth:`unwrap` left it) with
+        ``find_unused_parameters=self.find_unused``, and bind it.
 
         ``exact_allreduce`` (no comm hook): on the fast path a one-element sentinel parameter rides in DDP's
         last bucket. Every rank feeds it 1 if it had an event, 0 if not, so the averaged value tells every
         rank, with no collective of its own, whether the step needs the usage map. A comm hook may compress
         or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
-        module = self.unwrap(ddp, keep_grads)
         if self.phase is Phase.WINDOW:
             return self.wrap(module, build, group, probe=exact_allreduce)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
@@ -219,7 +228,7 @@ class UnusedParameters:
 
     def at_boundary(self, ddp: Module) -> bool:
         """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
-        :meth:`unwrap` and ``find_unused_parameters=self.find_unused``, then :meth:`bind`."""
+        :meth:`unwrap`, then :meth:`rebuild`."""
         if not isinstance(ddp, DistributedDataParallel):
             return False
         if any(p.requires_grad is not was for p, was in self._trainable_flags):

@@ -8,7 +8,9 @@ could not hide, summed per optimizer step into a few hundred bins (the chart) an
   communication (first bucket ready → every bucket reduced) and overlap (communication start → end of backward
   compute); exposed = communication − overlap. It keeps a running mean, so reading it once per bin gives the
   sum over the bin. The reducer samples iterations 1-10 and then every ``sample_rate``-th (DDP's default: 100);
-  :class:`ExposedComm` sets the rate on every DDP wrapper it meets, before its 10th iteration. Nothing is
+  :class:`ExposedComm` sets the rate on every DDP wrapper it meets, before its 10th iteration. A wrapper that
+  SoloDDP re-wraps is read out (:meth:`ExposedComm.read_out`, its ``add_rewrap_listener`` seam) before it is
+  dropped, so that no reference here keeps its gradient buckets beside the next wrapper's. Nothing is
   recorded under ``no_sync`` (gradient accumulation) nor in eval: one value per optimizer step, from the
   micro-batch that synchronises. Work a comm hook does synchronously in the backward thread counts as backward
   compute there, not communication.
@@ -71,25 +73,36 @@ class ExposedComm:
         self.sample_rate = sample_rate
         self._ddp: DistributedDataParallel | None = None
         self._base = (0, 0.0)  # (iterations recorded, their exposed nanoseconds) at the last read
-        self._carry = (0, 0.0)  # what a replaced wrapper recorded since the last read
+        self._carry = (0, 0.0)  # what replaced wrappers recorded since the last read
         self._mean_s = 0.0
+        self._measured = False
+        self.iterations = 0  # DDP iterations read so far, over every wrapper followed
 
     @property
     def measured(self) -> bool:
-        return self._ddp is not None
+        """Whether a DDP wrapper has been followed (its timings are the exposed communication)."""
+        return self._measured
 
     def watch(self, model: Any) -> None:
         """Follow ``model`` (cheap: an identity check per batch). A new DDP wrapper (SoloDDP re-wraps when the
-        unused-parameter policy or the comm hook changes) gets the sample rate; the old one is read out.
-        Also starts timing SyncBN's collectives."""
+        unused-parameter policy or the comm hook changes) gets the sample rate; one replaced without
+        :meth:`read_out` is read out now. Also starts timing SyncBN's collectives."""
         SYNCBN_WAIT.listen(self)
         if model is self._ddp or not isinstance(model, DistributedDataParallel):
             return
         if self._ddp is not None:
-            n, ns = self._recorded(self._ddp)
-            self._carry = (self._carry[0] + n - self._base[0], self._carry[1] + ns - self._base[1])
-        self._ddp, self._base = model, (0, 0.0)
+            self.read_out(self._ddp)
+        self._ddp, self._base, self._measured = model, (0, 0.0), True
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
+
+    def read_out(self, ddp: DistributedDataParallel) -> None:
+        """Keep what ``ddp`` recorded since the last read for the next one, and stop following it: SoloDDP calls
+        this (``add_rewrap_listener``) right before it drops the wrapper to build the next."""
+        if ddp is not self._ddp:
+            return
+        n, ns = self._recorded(ddp)
+        self._carry = (self._carry[0] + n - self._base[0], self._carry[1] + ns - self._base[1])
+        self._ddp, self._base = None, (0, 0.0)
 
     def release(self) -> None:
         """Stop following the DDP wrapper and timing SyncBN (at the end of fit)."""
@@ -103,11 +116,12 @@ class ExposedComm:
     def mean_since_last_read(self) -> float:
         """Seconds of exposed communication per synchronised iteration since the last call (the previous
         value when DDP recorded none since)."""
-        if self._ddp is None:
+        if not self._measured:
             return 0.0
-        n, ns = self._recorded(self._ddp)
+        n, ns = self._recorded(self._ddp) if self._ddp is not None else self._base  # between wrappers: (0, 0)
         count, total = n - self._base[0] + self._carry[0], ns - self._base[1] + self._carry[1]
         self._base, self._carry = (n, ns), (0, 0.0)
+        self.iterations += count
         if count > 0:
             self._mean_s = max(0.0, total / count / 1e9)  # overlap can outlast communication by a hair
         return self._mean_s
