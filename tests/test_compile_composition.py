@@ -119,7 +119,7 @@ def _assert_sane_split(report: dict) -> None:
     shares = report["verdict"]["shares"]
     assert set(shares) == {"data", "communication", "compute", "straggler"}, shares
     assert all(0.0 <= s <= 1.0 for s in shares.values()), shares
-    assert sum(shares[k] for k in ("data", "communication", "compute")) <= 1.0 + 1e-6, shares
+    # No sum bound: communication is the slowest rank's share, data and compute the other ranks' mean.
 
 
 @pytest.mark.multiproc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch.distributed
 
 from lightning_solo.ddp.watchdog import (
     Heartbeat,
@@ -16,6 +17,7 @@ from lightning_solo.ddp.watchdog import (
     judge,
 )
 from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.ddp.watchdog.watchdog import peer_failure
 
 
 def beat(rank, phase, step=6, collective=None, seq=0, allowance=30.0):
@@ -263,3 +265,24 @@ def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tm
         assert lines[0] in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
     # "done" published at stop: a peer reads it, and no longer counts the rank
     assert {r: b.phase for r, b in dogs[0].heartbeats().items()} == {0: hb.DONE, 1: hb.DONE}
+
+
+@pytest.mark.parametrize(
+    ("exception", "expected"),
+    [
+        (
+            RuntimeError("[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:27055"),
+            True,
+        ),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, remote process exited"), True),
+        (torch.distributed.DistBackendError("watchdog caught collective operation timeout"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"), False),
+        (ValueError("Connection closed by peer"), False),  # not a collective's error type
+        (KeyboardInterrupt(), False),
+        (None, False),
+    ],
+)
+def test_a_collectives_failure_waits_for_the_peer_to_show_as_ended(exception, expected):
+    # Only these wait (up to PEER_EXIT_WAIT_S) for a killed peer's process to show as ended: a user's own error
+    # ends the run at once.
+    assert peer_failure(exception) is expected

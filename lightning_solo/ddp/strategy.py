@@ -747,7 +747,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
         if self._watchdog is not None:  # names a peer whose process ended (the collective's error names none)
-            self._watchdog.on_exception()
+            self._watchdog.on_exception(exception)
         if self._unused.phase is not Phase.USER:
             self._unused.stop()
         explain_exception(exception, self._unused)

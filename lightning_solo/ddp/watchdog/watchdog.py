@@ -41,11 +41,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
+
 from lightning_solo.core.checks import check_number
 from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, Heartbeat, HeartbeatWriter
 from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
+PEER_EXIT_WAIT_S = 3.0  # a SIGKILLed peer's sockets close a moment before /proc shows its process ended
 _VERDICT = "verdict"
 _fits = itertools.count(1)
 
@@ -107,6 +110,17 @@ def _gone(beat: Heartbeat | None, host: str) -> bool:
     return state in ("Z", "X")
 
 
+def peer_failure(exception: BaseException | None) -> bool:
+    """Whether ``exception`` is a collective's failure that a peer's end may explain (torch's ``DistError``, or
+    gloo's and NCCL's plain ``RuntimeError``)."""
+    if isinstance(exception, torch.distributed.DistError):
+        return True
+    text = str(exception) if isinstance(exception, RuntimeError) else ""
+    return any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
+    )
+
+
 class Watchdog:
     """One fit's watchdog on one rank (see the module docstring). ``store``: a ``torch.distributed.Store`` of its
     own (a prefix store over a clone of the process group's); ``writer``: the phases SoloDDP's hooks set."""
@@ -166,15 +180,23 @@ class Watchdog:
                 ):
                     time.sleep(0.05)
 
-    def on_exception(self) -> Verdict | None:
+    def on_exception(self, exception: BaseException | None = None) -> Verdict | None:
         """The fit failed on this rank: if a peer's process ended (a collective then fails here at once, naming
-        no rank), say which, with this rank's stacks; then stop. Returns the verdict, if any."""
+        no rank), say which, with this rank's stacks; then stop. Returns the verdict, if any.
+
+        A killed peer's sockets close before its process shows as ended, so after a communication error
+        (:func:`peer_failure`) the peers are looked at for up to ``PEER_EXIT_WAIT_S``."""
         verdict = None
         if self.verdict is None:
-            try:
-                views = self._views()
-            except Exception:  # noqa: BLE001 - the store is gone with its host
-                views = []
+            deadline = time.monotonic() + (PEER_EXIT_WAIT_S if peer_failure(exception) else 0.0)
+            while True:
+                try:
+                    views = self._views()
+                except Exception:  # noqa: BLE001 - the store is gone with its host
+                    views = []
+                if not views or any(v.gone for v in views) or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
             if any(v.gone for v in views):
                 verdict = judge(views, self.settings.silent_s)
                 if verdict is not None:
