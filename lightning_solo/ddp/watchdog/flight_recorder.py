@@ -1,43 +1,170 @@
-"""NCCL's flight recorder, on by default for NCCL runs: the last collectives of every rank, dumped on a timeout.
+"""torch's flight recorder, on by default with the watchdog (gloo and NCCL): each rank's last collectives, read into
+the verdict's line when a run stalls.
 
 Example::
 
-    decision, env = decide_flight_recorder("nccl", os.environ)
-    os.environ.update(env)            # before the process group is created
+    decision, env = decide_flight_recorder("gloo", os.environ)
+    os.environ.update(env)                    # before the process group is created
+    ...
+    mine = summarize(dump_json)               # this rank's last collective per process group, at the verdict
+    clause({0: mine, 1: theirs}, lead=(1,))   # "flight recorder: rank 1 issued gloo:all_gather #1 on extra, ..."
 
-torch records nothing unless ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set before the NCCL process group is made; with
-``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` each rank writes its record (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, default
-``/tmp/nccl_trace_rank_<rank>``) when a collective times out. A user's own setting of either is kept.
-Unverified here: no GPU has run it in this project's tests (the decision and the environment are tested).
+torch records nothing unless the buffer size is set before the process group is made: ``TORCH_FR_BUFFER_SIZE``
+(gloo; torch 2.14 reads it for NCCL too, with ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as its older name), and for NCCL
+``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` writes each rank's record (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective
+times out. A user's own setting of any of them is kept; a size of 0 turns recording off.
+
+Why the clause compares what each rank has *in flight*, not the sequence numbers alone: the numbers count per
+rank, and on gloo a monitored barrier's point-to-point messages (unrecorded) advance them on every rank but 0
+(torch 2.14.1), so equal progress need not show equal numbers. A collective one rank issued and another never
+entered is in flight (not retired, not completed) on the first and absent from the second.
+The NCCL path (its dump, its states) is unverified here: no GPU has run it in this project's tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_solo.core.decision import Decision
 
-TRACE_BUFFER_SIZE = 2000  # collectives remembered per rank (torch's docs use 2000)
-_BUFFER, _DUMP = "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
+TRACE_BUFFER_SIZE = (
+    2000  # collectives remembered per rank (torch's docs use 2000); cost: benchmarks/RESULTS.md
+)
+_FR, _NCCL, _DUMP = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+# A rank's summary: process group name -> its collective in flight (the oldest), else its last one.
+PgLast = Mapping[str, Any]  # {"desc", "seq", "op", "state", "pending"}
+Summary = Mapping[str, PgLast]
 
 
 def decide_flight_recorder(
     backend: str | None, environ: Mapping[str, str]
 ) -> tuple[Decision | None, dict[str, str]]:
-    """What to add to the environment (nothing the user set) and the decision; ``None`` without NCCL."""
-    if backend is None or "nccl" not in backend:
+    """What to add to the environment (nothing the user set) and the decision; ``None`` without a backend."""
+    if backend is None:
         return None, {}
-    if _BUFFER in environ:
-        return Decision("nccl_flight_recorder", f"{_BUFFER}={environ[_BUFFER]}", "set by the user"), {}
-    env = {_BUFFER: str(TRACE_BUFFER_SIZE)}
-    if _DUMP not in environ:
+    nccl = "nccl" in backend
+    if user := [k for k in (_FR, _NCCL) if k in environ]:
+        return Decision(
+            "flight_recorder", ", ".join(f"{k}={environ[k]}" for k in user), "set by the user"
+        ), {}
+    env = {_NCCL if nccl else _FR: str(TRACE_BUFFER_SIZE)}
+    if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
     return (
         Decision(
-            "nccl_flight_recorder",
+            "flight_recorder",
             ", ".join(f"{k}={v}" for k, v in env.items()),
-            "each rank keeps its last collectives and dumps them on a collective timeout; set "
-            f"{_BUFFER}=0 to turn it off",
+            "each rank keeps its last collectives: at a hang the watchdog writes them to hang/rank<r>.fr.json and "
+            f"says in its line which rank issued one the others never entered; set {_FR}=0 to turn it off",
         ),
         env,
     )
+
+
+def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
+    """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, the oldest collective
+    still in flight, else the last one recorded."""
+    entries = json.loads(dump).get("entries", [])
+    by_pg: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        by_pg.setdefault(str(entry["process_group"][0]), []).append(entry)
+    summary = {}
+    for pg, pg_entries in by_pg.items():
+        pending = [e for e in pg_entries if not e.get("retired") and e.get("state") != "completed"]
+        e = min(pending, key=_order) if pending else max(pg_entries, key=_order)
+        summary[pg] = {
+            "desc": e["process_group"][1], "seq": e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"],
+            "op": e["profiling_name"], "state": e.get("state", ""), "pending": bool(pending),
+        }  # fmt: skip
+    return summary
+
+
+def _order(entry: Mapping[str, Any]) -> int:
+    return int(entry.get("record_id", 0))
+
+
+def _label(pg: str, last: PgLast | None) -> str:
+    desc = last.get("desc") if last else None
+    return desc if desc and desc != "undefined" else f"process group {pg}"
+
+
+def _op(last: PgLast) -> str:
+    # gloo's entries stay "scheduled"; NCCL's say whether the kernel started: worth a word there only.
+    state = last.get("state")
+    return f"{last['op']} #{last['seq']}" + (f" ({state})" if state and state != "scheduled" else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tuple[int, ...]]:
+    """The words for one process group, and the ranks it shows waiting; ``None`` when nothing is in flight."""
+    label = _label(pg, next((v for v in lasts.values() if v), None))
+    waits = {r: last for r, last in lasts.items() if last is not None and last["pending"]}
+    if not waits:
+        return None, ()
+    waiting = list(waits)
+    idle = [r for r in lasts if r not in waits]
+    ops = {r: _op(last) for r, last in waits.items()}
+    if idle:
+        issued = (
+            f"{_ranks(waiting)} issued {ops[waiting[0]]}"
+            if len(set(ops.values())) == 1
+            else ", ".join(f"rank {r} issued {ops[r]}" for r in waiting)
+        )
+        theirs = "; ".join(
+            f"rank {r}'s last there: {_op(last)}"
+            if (last := lasts[r])
+            else f"rank {r} has none recorded there"
+            for r in idle
+        )
+        return f"{issued} on {label}, which {_ranks(idle)} never entered ({theirs})", tuple(waiting)
+    if len({last["op"] for last in waits.values()}) == 1:
+        seqs = {last["seq"] for last in waits.values()}
+        at = (
+            f"#{seqs.pop()}"
+            if len(seqs) == 1
+            else ", ".join(f"rank {r} #{v['seq']}" for r, v in waits.items())
+        )
+        return f"every rank waits in {waits[waiting[0]]['op']} on {label} ({at})", tuple(waiting)
+    each = ", ".join(f"rank {r} {ops[r]}" for r in waiting)
+    return f"the ranks wait in different collectives on {label}: {each}", tuple(waiting)
+
+
+def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) -> str | None:
+    """The flight recorder's words for the verdict's line, from every rank's summary (``None``: no record from
+    that rank: gone, silent, or its dump failed); ``None`` when no rank recorded anything. ``lead``: the ranks the
+    verdict names, whose process groups come first."""
+    have = {r: s for r, s in sorted(summaries.items()) if s is not None}
+    missing = sorted(r for r, s in summaries.items() if s is None)
+    pgs = sorted({pg for s in have.values() for pg in s}, key=lambda pg: (len(pg), pg))
+    if not pgs:
+        return None
+    parts: list[tuple[bool, str]] = []
+    quiet = []
+    for pg in pgs:
+        lasts = {r: s.get(pg) for r, s in have.items()}
+        words, waiting = _pg_part(pg, lasts)
+        if words is None:
+            quiet.append((pg, lasts))
+        else:
+            parts.append((not set(waiting) & set(lead), words))
+    text = [words for _, words in sorted(parts, key=lambda p: p[0])]
+    if not text:  # nothing in flight anywhere: where each rank's record ends
+        for pg, lasts in quiet:
+            label = _label(pg, next((v for v in lasts.values() if v), None))
+            done = {r: last for r, last in lasts.items() if last is not None}
+            if len({(v["seq"], v["op"]) for v in done.values()}) == 1 and len(done) == len(lasts):
+                last = next(iter(done.values()))
+                text.append(f"every rank at {_op(last)} on {label}")
+            else:
+                each = ", ".join(f"rank {r} #{v['seq']} {v['op']}" for r, v in done.items())
+                text.append(f"last on {label}: {each}")
+        text[0] = "nothing in flight; " + text[0]
+    if missing:
+        text.append(f"no record from {_ranks(missing)}")
+    return "flight recorder: " + "; ".join(text)
