@@ -14,10 +14,10 @@ torch records nothing unless the buffer size is set before the process group is 
 ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` writes each rank's record (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective
 times out. A user's own setting of any of them is kept; a size of 0 turns recording off.
 
-Why the clause compares what each rank has *in flight*, not the sequence numbers alone: the numbers count per
-rank, and on gloo a monitored barrier's point-to-point messages (unrecorded) advance them on every rank but 0
-(torch 2.14.1), so equal progress need not show equal numbers. A collective one rank issued and another never
-entered is in flight (not retired, not completed) on the first and absent from the second.
+Why the clause compares what each rank has *in flight*, not the sequence numbers alone: a number says how far a
+rank got, not whether it waits there, and point-to-point messages the recorder does not show (a monitored
+barrier's, on gloo) advance the numbers too. A collective one rank issued and another never entered is in flight
+(not retired, not completed) on the first and absent from the second.
 The NCCL path (its dump, its states) is unverified here: no GPU has run it in this project's tests.
 """
 
@@ -34,7 +34,7 @@ TRACE_BUFFER_SIZE = (
 )
 _FR, _NCCL, _DUMP = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
-# A rank's summary: process group name -> its collective in flight (the oldest), else its last one.
+# A rank's summary: process group name -> its last collective there, and whether it is in flight.
 PgLast = Mapping[str, Any]  # {"desc", "seq", "op", "state", "pending"}
 Summary = Mapping[str, PgLast]
 
@@ -65,19 +65,20 @@ def decide_flight_recorder(
 
 
 def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
-    """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, the oldest collective
-    still in flight, else the last one recorded."""
+    """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, its last collective and
+    whether it is still in flight."""
     entries = json.loads(dump).get("entries", [])
     by_pg: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
         by_pg.setdefault(str(entry["process_group"][0]), []).append(entry)
     summary = {}
     for pg, pg_entries in by_pg.items():
-        pending = [e for e in pg_entries if not e.get("retired") and e.get("state") != "completed"]
-        e = min(pending, key=_order) if pending else max(pg_entries, key=_order)
+        # A group's collectives complete in order: its last one tells whether the rank waits there.
+        e = max(pg_entries, key=_order)
+        pending = not e.get("retired") and e.get("state") != "completed"
         summary[pg] = {
             "desc": e["process_group"][1], "seq": e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"],
-            "op": e["profiling_name"], "state": e.get("state", ""), "pending": bool(pending),
+            "op": e["profiling_name"], "state": e.get("state", ""), "pending": pending,
         }  # fmt: skip
     return summary
 
@@ -123,6 +124,8 @@ def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tupl
             for r in idle
         )
         return f"{issued} on {label}, which {_ranks(idle)} never entered ({theirs})", tuple(waiting)
+    if len(waits) == 1:  # the only rank with a record
+        return f"rank {waiting[0]} waits in {ops[waiting[0]]} on {label}", tuple(waiting)
     if len({last["op"] for last in waits.values()}) == 1:
         seqs = {last["seq"] for last in waits.values()}
         at = (
@@ -160,7 +163,8 @@ def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) ->
             done = {r: last for r, last in lasts.items() if last is not None}
             if len({(v["seq"], v["op"]) for v in done.values()}) == 1 and len(done) == len(lasts):
                 last = next(iter(done.values()))
-                text.append(f"every rank at {_op(last)} on {label}")
+                who = "every rank" if len(done) > 1 else f"rank {next(iter(done))}"
+                text.append(f"{who} at {_op(last)} on {label}")
             else:
                 each = ", ".join(f"rank {r} #{v['seq']} {v['op']}" for r, v in done.items())
                 text.append(f"last on {label}: {each}")
