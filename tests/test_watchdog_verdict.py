@@ -220,14 +220,14 @@ def test_settings():
     [
         ("gloo", {}, {"TORCH_FR_BUFFER_SIZE": "2000"}, "TORCH_FR_BUFFER_SIZE=2000"),
         (None, {}, {}, None),
-        ("nccl", {}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
-         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
-        ("cpu:gloo,cuda:nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
-         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000"),
+        ("nccl", {}, {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
+         "TORCH_FR_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
+        ("cpu:gloo,cuda:nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_FR_BUFFER_SIZE": "2000"},
+         "TORCH_FR_BUFFER_SIZE=2000"),
         ("nccl", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=0"),
-        ("nccl", {"TORCH_FR_BUFFER_SIZE": "100"}, {}, "TORCH_FR_BUFFER_SIZE=100"),  # torch reads it for NCCL too
+        ("nccl", {"TORCH_FR_BUFFER_SIZE": "100"}, {}, "TORCH_FR_BUFFER_SIZE=100"),
         ("gloo", {"TORCH_FR_BUFFER_SIZE": "0"}, {}, "TORCH_FR_BUFFER_SIZE=0"),  # the user's off
-        ("gloo", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "16"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=16"),  # its older name
+        ("gloo", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "16"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=16"),  # the older name
     ],
 )  # fmt: skip
 def test_the_flight_recorder_is_set_unless_the_user_set_it(backend, environ, env, value):

@@ -154,9 +154,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             86, within ``factor`` × the median step + ``margin_s`` (2 × median + 55 s by default) instead of the
             collective timeout: :mod:`lightning_solo.ddp.watchdog`. A mapping sets
             :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
-            torch's flight recorder is switched on too (gloo: ``TORCH_FR_BUFFER_SIZE=2000``; NCCL:
-            ``TORCH_NCCL_TRACE_BUFFER_SIZE=2000``, ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; unless set), and the line says
-            which rank issued a collective the others never entered.
+            torch's flight recorder is switched on too (``TORCH_FR_BUFFER_SIZE=2000``, and under NCCL
+            ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; unless set), and the line says which rank issued a collective the
+            others never entered.
         compile: ``False`` (default, stock: eager unless ``fit(torch.compile(model))``), ``True``, a dict of
             ``torch.compile`` options, or ``"auto"`` (compiled and eager steps timed once the unused-parameter
             policy and the comm hook settle; compile kept if its steady gain pays back the compile time within

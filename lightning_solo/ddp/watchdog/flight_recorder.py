@@ -9,10 +9,12 @@ Example::
     mine = summarize(dump_json)               # this rank's last collective per process group, at the verdict
     clause({0: mine, 1: theirs}, lead=(1,))   # "flight recorder: rank 1 issued gloo:all_gather #1 on extra, ..."
 
-torch records nothing unless the buffer size is set before the process group is made: ``TORCH_FR_BUFFER_SIZE``
-(gloo; torch 2.14 reads it for NCCL too, with ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as its older name), and for NCCL
-``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` writes each rank's record (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective
-times out. A user's own setting of any of them is kept; a size of 0 turns recording off.
+The buffer size is read once per process, when the recorder is first used (before the process group is made):
+``TORCH_FR_BUFFER_SIZE``, whose older name ``TORCH_NCCL_TRACE_BUFFER_SIZE`` torch 2.14.1 still reads (with a
+warning that it is deprecated). torch 2.14.1 records 2000 gloo collectives when neither is set; SoloDDP sets it anyway, so that the evidence
+does not hang on a torch version's default. For NCCL ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` also writes each rank's record
+(``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective times out. A user's own setting of any of them is kept; a
+size of 0 turns recording off.
 
 Why the clause compares what each rank has *in flight*, not the sequence numbers alone: a number says how far a
 rank got, not whether it waits there, and point-to-point messages the recorder does not show (a monitored
@@ -29,9 +31,8 @@ from typing import Any
 
 from lightning_solo.core.decision import Decision
 
-TRACE_BUFFER_SIZE = (
-    2000  # collectives remembered per rank (torch's docs use 2000); cost: benchmarks/RESULTS.md
-)
+# Collectives remembered per rank (torch's docs and torch 2.14.1's gloo default); cost: benchmarks/RESULTS.md.
+TRACE_BUFFER_SIZE = 2000
 _FR, _NCCL, _DUMP = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 # A rank's summary: process group name -> its last collective there, and whether it is in flight.
@@ -50,15 +51,16 @@ def decide_flight_recorder(
         return Decision(
             "flight_recorder", ", ".join(f"{k}={environ[k]}" for k in user), "set by the user"
         ), {}
-    env = {_NCCL if nccl else _FR: str(TRACE_BUFFER_SIZE)}
+    env = {_FR: str(TRACE_BUFFER_SIZE)}  # the older name, read too, warns that it is deprecated
     if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
     return (
         Decision(
             "flight_recorder",
             ", ".join(f"{k}={v}" for k, v in env.items()),
-            "each rank keeps its last collectives: at a hang the watchdog writes them to hang/rank<r>.fr.json and "
-            f"says in its line which rank issued one the others never entered; set {_FR}=0 to turn it off",
+            "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog "
+            "writes them to hang/rank<r>.fr.json and says in its line which rank issued one the others never "
+            f"entered; set {_FR}=0 to turn it off",
         ),
         env,
     )
