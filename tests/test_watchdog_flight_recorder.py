@@ -18,14 +18,20 @@ MOMENTS = ("agree", "extra", "two_groups")
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    """Every rank's summary at each moment of fr_dumps.py."""
+def dumps(tmp_path_factory):
+    """Every rank's dump (torch's JSON) at each moment of fr_dumps.py."""
     out = tmp_path_factory.mktemp("fr")
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "64", "PYTHONPATH": str(REPO)}
     script = REPO / "tests" / "scripts" / "fr_dumps.py"
     done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
-    return {m: {r: summarize((out / f"rank{r}.{m}.json").read_bytes()) for r in (0, 1)} for m in MOMENTS}
+    return {m: {r: (out / f"rank{r}.{m}.json").read_bytes() for r in (0, 1)} for m in MOMENTS}
+
+
+@pytest.fixture(scope="module")
+def real(dumps):
+    """Every rank's summary at each moment of fr_dumps.py."""
+    return {m: {r: summarize(d) for r, d in by_rank.items()} for m, by_rank in dumps.items()}
 
 
 def _with(summary, pg, **changes):
@@ -92,3 +98,42 @@ def test_a_summary_keeps_each_groups_last_collective_and_whether_it_is_in_flight
         "desc": "default_pg", "seq": 3, "op": "gloo:all_reduce", "state": "scheduled", "pending": True,
     }  # fmt: skip
     assert real["extra"][0][DEFAULT]["pending"] is False
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_path, capfd):
+    # Two ranks' watchdogs in one process on a real store (report only), each reading its rank's real dump at
+    # the "extra" moment: rank 1 stays in training_step past its allowance while rank 0 waits in backward.
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_solo.ddp.watchdog import Watchdog, WatchdogSettings
+    from lightning_solo.ddp.watchdog import heartbeat as hb
+
+    store = dist.HashStore()
+    settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False)
+    dogs = [
+        Watchdog(
+            settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang", lambda r=r: dumps["extra"][r]
+        )
+        for r in range(2)
+    ]
+    dogs[1].writer.enter(hb.TRAINING_STEP)
+    dogs[0].writer.enter(hb.BACKWARD)
+    for dog in dogs:
+        dog.start()
+    deadline = time.monotonic() + 10
+    # verdict.txt comes last: after the printing judge had the other's summary
+    while time.monotonic() < deadline and not (tmp_path / "hang" / "verdict.txt").exists():
+        time.sleep(0.05)
+    for dog in reversed(dogs):
+        dog.stop()
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if x.startswith("SoloDDP watchdog:")]
+    words = clause({r: summarize(dumps["extra"][r]) for r in (0, 1)}, lead=(1,))
+    assert words is not None and f"; {words}. Python stacks: " in line, line
+    assert line.endswith("flight recorder: " + str(tmp_path / "hang") + "/rank*.fr.json."), line
+    assert (tmp_path / "hang" / "verdict.txt").read_text().strip() == line
+    for rank in (0, 1):
+        assert (tmp_path / "hang" / f"rank{rank}.fr.json").read_bytes() == dumps["extra"][rank]
