@@ -186,3 +186,36 @@ def test_compile_names_exist():
         f"net.{torch_compat.COMPILED_CHILD}.weight",
         f"net.{torch_compat.COMPILED_CHILD}.bias",
     ]
+
+
+_FR_SCRIPT = """
+import json, torch, torch.distributed as dist
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo.testing import free_port
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(2))
+print(json.dumps({"gloo": json.loads(torch_compat.flight_recorder_json(False)),
+                  "nccl": json.loads(torch_compat.flight_recorder_json(True)) if dist.is_nccl_available() else None}))
+"""
+
+
+def test_flight_recorder_dumps_have_the_fields_the_watchdog_reads():
+    # A fresh process: torch reads TORCH_FR_BUFFER_SIZE once, at its recorder's first use.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "8", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", _FR_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    dumps = json.loads(out.stdout.strip().splitlines()[-1])
+    (entry,) = dumps["gloo"]["entries"]  # _dump_fr_trace_json
+    assert entry["profiling_name"] == "gloo:all_reduce" and entry["process_group"] == ["0", "default_pg"]
+    assert {"collective_seq_id", "p2p_seq_id", "is_p2p", "state", "retired", "record_id"} <= set(entry)
+    if dumps["nccl"] is not None:  # _dump_nccl_trace_json: no NCCL group here, so no entries
+        assert "version" in dumps["nccl"] and not dumps["nccl"].get("entries")

@@ -81,6 +81,9 @@ def assert_hang(out, mode: str, expected: str, frame: str, stuck: int = 1) -> st
 def test_a_rank_asleep_in_training_step(tmp_path):
     line = assert_hang(tmp_path, "sleep", "has been in training_step for", "in training_step")
     assert "at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
+    assert (
+        "; flight recorder: rank 0 issued gloo:all_reduce #" in line and "which rank 1 never entered" in line
+    )
 
 
 @pytest.mark.multiproc
@@ -93,10 +96,16 @@ def test_a_loader_worker_blocked_in_getitem(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_a_rank_issuing_one_extra_collective(tmp_path):
-    line = assert_hang(
-        tmp_path, "extra", "has been waiting in barrier 'extra' (collective #", "monitored_barrier"
-    )
+    line = assert_hang(tmp_path, "extra", "has been waiting in all_gather (collective #", "all_gather")
     assert "in training_step) for" in line and "rank 0 waits in backward (DDP's gradient all-reduce)" in line
+    # The flight recorder's evidence, first for the rank named: its extra collective, which rank 0 never entered.
+    assert (
+        "; flight recorder: rank 1 issued gloo:all_gather #1 on extra, which rank 0 never entered (" in line
+    )
+    assert "rank 0 issued gloo:all_reduce #" in line  # DDP's, which rank 1 never reached
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "hang" / f"rank{rank}.fr.json").read_text())
+        assert record["entries"] and "hang/rank*.fr.json" in line
 
 
 @pytest.mark.multiproc

@@ -1,5 +1,5 @@
 """The watchdog's pure parts: the verdict from every rank's heartbeat (a table), the heartbeat writer's phases and
-allowance, the settings, and the NCCL flight recorder's environment."""
+allowance, the settings and their promised bound, and the flight recorder's environment."""
 
 from __future__ import annotations
 
@@ -220,19 +220,26 @@ def test_settings():
 @pytest.mark.parametrize(
     ("backend", "environ", "env", "value"),
     [
-        ("gloo", {}, {}, None),
+        ("gloo", {}, {"TORCH_FR_BUFFER_SIZE": "2000"}, "TORCH_FR_BUFFER_SIZE=2000"),
         (None, {}, {}, None),
-        ("nccl", {}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
-         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
-        ("cpu:gloo,cuda:nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
-         "TORCH_NCCL_TRACE_BUFFER_SIZE=2000"),
+        ("nccl", {}, {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
+         "TORCH_FR_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1"),
+        ("cpu:gloo,cuda:nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_FR_BUFFER_SIZE": "2000"},
+         "TORCH_FR_BUFFER_SIZE=2000"),
         ("nccl", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=0"),
+        ("nccl", {"TORCH_FR_BUFFER_SIZE": "100"}, {}, "TORCH_FR_BUFFER_SIZE=100"),
+        ("gloo", {"TORCH_FR_BUFFER_SIZE": "0"}, {}, "TORCH_FR_BUFFER_SIZE=0"),  # the user's off
+        ("gloo", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "16"}, {}, "TORCH_NCCL_TRACE_BUFFER_SIZE=16"),  # the older name
     ],
 )  # fmt: skip
-def test_the_flight_recorder_is_set_for_nccl_unless_the_user_set_it(backend, environ, env, value):
+def test_the_flight_recorder_is_set_unless_the_user_set_it(backend, environ, env, value):
     decision, added = decide_flight_recorder(backend, environ)
     assert added == env
     assert (decision.value if decision is not None else None) == value
+    if decision is not None:
+        assert decision.setting == "flight_recorder"
+        assert ("=0 to turn it off" if not environ.keys() & {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+                else "set by the user") in decision.reason  # fmt: skip
 
 
 def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tmp_path, capfd):
@@ -286,3 +293,51 @@ def test_a_collectives_failure_waits_for_the_peer_to_show_as_ended(exception, ex
     # Only these wait (up to PEER_EXIT_WAIT_S) for a killed peer's process to show as ended: a user's own error
     # ends the run at once.
     assert peer_failure(exception) is expected
+
+
+def _first_verdict_after_stall(median_s: float, steps: int, settings: WatchdogSettings) -> float:
+    """Two ranks' writers on a clock, ``steps`` batches of ``median_s`` each, then rank 1 stays in training_step
+    while rank 0 waits in backward: the seconds after the stall at which a judge, looking every ``interval_s`` as
+    the watchdog thread does, first gets a verdict."""
+    clock = Clock()
+    writers = [HeartbeatWriter(clock), HeartbeatWriter(clock)]
+    for step in range(steps):
+        for w in writers:
+            w.batch(step)
+        clock.t += median_s
+    for w in writers:
+        w.batch(steps)
+    writers[0].enter(hb.BACKWARD)
+    writers[1].enter(hb.TRAINING_STEP)
+    stall = clock.t
+    s = settings
+    while True:
+        clock.t += s.interval_s
+        views = [
+            RankView(r, beat, age_s=beat.age_s)
+            for r, w in enumerate(writers)
+            for beat in [
+                w.snapshot(r, r, "h", 0, lambda p, w=w: w.allowance(p, s.factor, s.margin_s, s.first_s))
+            ]
+        ]
+        if judge(views, s.silent_s) is not None:
+            return clock.t - stall
+
+
+@pytest.mark.parametrize("median_s", [0.01, 1.0, 10.0])
+def test_the_default_settings_end_a_stall_within_two_medians_and_a_minute(median_s):
+    # The issue's bound: 2 x the median step + 60 s after the stall, the flight recorder's wait included.
+    from lightning_solo.ddp.watchdog.watchdog import FLIGHT_RECORD_WAIT_S
+
+    settings = WatchdogSettings()
+    after = _first_verdict_after_stall(median_s, steps=10, settings=settings)
+    assert after > settings.factor * median_s + settings.margin_s  # not before the allowance
+    assert after + FLIGHT_RECORD_WAIT_S <= 2 * median_s + 60, after
+
+
+def test_before_the_median_is_known_the_first_step_allowance_holds():
+    # The bound's one exception, stated in WatchdogSettings: the first steps (no median yet: the first one is the
+    # warm-up, then three samples) get first_s.
+    settings = WatchdogSettings()
+    after = _first_verdict_after_stall(1.0, steps=3, settings=settings)
+    assert settings.first_s < after <= settings.first_s + settings.interval_s

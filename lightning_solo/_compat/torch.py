@@ -127,3 +127,13 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule)
+
+
+def flight_recorder_json(nccl: bool) -> bytes:
+    """This process's flight-recorder record as torch's JSON: ``torch._C._distributed_c10d._dump_nccl_trace_json``
+    (NCCL's process groups) or ``_dump_fr_trace_json`` (gloo's), every entry, completed ones too (checked on torch
+    2.14.1; the NCCL one only where torch was built with NCCL)."""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = c10d._dump_nccl_trace_json if nccl else c10d._dump_fr_trace_json  # type: ignore[attr-defined]
+    return dump(includeCollectives=True, onlyActive=False)

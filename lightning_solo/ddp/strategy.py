@@ -26,6 +26,7 @@ diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import os
@@ -153,8 +154,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             86, within ``factor`` × the median step + ``margin_s`` (2 × median + 55 s by default) instead of the
             collective timeout: :mod:`lightning_solo.ddp.watchdog`. A mapping sets
             :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
-            Under NCCL the flight recorder is switched on too (``TORCH_NCCL_TRACE_BUFFER_SIZE=2000``,
-            ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, unless set).
+            torch's flight recorder is switched on too (``TORCH_FR_BUFFER_SIZE=2000``, and under NCCL
+            ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; unless set), and the line says which rank issued a collective the
+            others never entered.
         compile: ``False`` (default, stock: eager unless ``fit(torch.compile(model))``), ``True``, a dict of
             ``torch.compile`` options, or ``"auto"`` (compiled and eager steps timed once the unused-parameter
             policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
@@ -389,7 +391,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._watchdog_settings is not None:  # NCCL reads these when the process group is created
+        if self._watchdog_settings is not None:  # torch reads these when the process group is created
             backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
             recorder, env = decide_flight_recorder(backend, os.environ)
             os.environ.update(env)
@@ -778,7 +780,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if not self._side_group_made:
             self._side_group_made = True
             if self._barrier_group is torch.distributed.group.WORLD:  # the world runs gloo (on CPU tensors)
-                self._side_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+                self._side_group = torch.distributed.new_group(
+                    backend="gloo", timeout=self._timeout, group_desc="solo_side"
+                )  # the name the watchdog's flight-recorder words use
             else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
                 self._side_group = self._barrier_group
         return self._side_group
@@ -818,7 +822,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
             return
         store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
         dump_dir = Path(trainer.default_root_dir) / "hang"
-        self._watchdog = Watchdog(settings, store, self.global_rank, self.world_size, dump_dir)
+        # The record of DDP's own collectives: NCCL's under NCCL (its gloo side groups are in gloo's), else gloo's.
+        nccl = "nccl" in str(torch.distributed.get_backend())
+        record = functools.partial(torch_compat.flight_recorder_json, nccl)
+        self._watchdog = Watchdog(settings, store, self.global_rank, self.world_size, dump_dir, record)
         self._validation_outer = None
         self._watchdog.start()
 

@@ -5,7 +5,9 @@ at step STEP, as MODE says:
 
 * ``sleep``: rank 1 sleeps forever in ``training_step``;
 * ``loader``: rank 1's loader worker (``num_workers=1``) sleeps forever in ``__getitem__``;
-* ``extra``: rank 1 issues one collective the other does not (``strategy.barrier("extra")`` in ``training_step``);
+* ``extra``: rank 1 issues one collective the other does not (``strategy.all_gather`` on a gloo group named
+  "extra", made by both at setup, in ``training_step``): the flight recorder sees it (a monitored barrier's
+  point-to-point messages it does not record);
 * ``checkpoint``: rank 0's checkpoint write stalls halfway (pickling an object that never returns);
 * ``kill``: rank 1 sends itself SIGKILL in ``training_step``;
 * ``none``: nothing stalls (the watchdog must stay quiet);
@@ -75,6 +77,10 @@ class Stalling(Tiny):
         super().__init__()
         self.mode, self.out, self.data = mode, out, data
 
+    def setup(self, stage: str) -> None:
+        if self.mode == "extra":  # every rank makes it; only rank 1 will use it
+            self.extra = torch.distributed.new_group(backend="gloo", group_desc="extra")
+
     def train_dataloader(self):
         self.data.rank = self.global_rank  # the worker is forked with it
         return DataLoader(self.data, batch_size=4, num_workers=1 if self.mode == "loader" else 0)
@@ -87,7 +93,7 @@ class Stalling(Tiny):
                 time.sleep(45 if self.mode == "stock" else 3600)
             elif self.mode == "extra" and batch_idx == STEP:
                 stall_marker(self.out, 1)
-                self.trainer.strategy.barrier("extra")
+                self.trainer.strategy.all_gather(torch.ones(1), group=self.extra)
             elif self.mode == "kill":
                 stall_marker(self.out, 1)
                 os.kill(os.getpid(), signal.SIGKILL)

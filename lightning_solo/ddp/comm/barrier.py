@@ -51,7 +51,7 @@ def backend_for(backend: str, device_type: str) -> str | None:
 
 
 def _new_gloo_group(timeout: timedelta):
-    return dist.new_group(backend="gloo", timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout, group_desc="solo_gloo")  # named in flight records
 
 
 def barrier_group(

@@ -1,43 +1,176 @@
-"""NCCL's flight recorder, on by default for NCCL runs: the last collectives of every rank, dumped on a timeout.
+"""torch's flight recorder, on by default with the watchdog (gloo and NCCL): each rank's last collectives, read into
+the verdict's line when a run stalls.
 
 Example::
 
-    decision, env = decide_flight_recorder("nccl", os.environ)
-    os.environ.update(env)            # before the process group is created
+    decision, env = decide_flight_recorder("gloo", os.environ)
+    os.environ.update(env)                    # before the process group is created
+    ...
+    mine = summarize(dump_json)               # this rank's last collective per process group, at the verdict
+    clause({0: mine, 1: theirs}, lead=(1,))   # "flight recorder: rank 1 issued gloo:all_gather #1 on extra, ..."
 
-torch records nothing unless ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set before the NCCL process group is made; with
-``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` each rank writes its record (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, default
-``/tmp/nccl_trace_rank_<rank>``) when a collective times out. A user's own setting of either is kept.
-Unverified here: no GPU has run it in this project's tests (the decision and the environment are tested).
+The buffer size is read once per process, when the recorder is first used (before the process group is made):
+``TORCH_FR_BUFFER_SIZE``, whose older name ``TORCH_NCCL_TRACE_BUFFER_SIZE`` torch 2.14.1 still reads (with a
+warning that it is deprecated). torch 2.14.1 records 2000 gloo collectives when neither is set; SoloDDP sets it anyway, so that the evidence
+does not hang on a torch version's default. For NCCL ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` also writes each rank's record
+(``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective times out. A user's own setting of any of them is kept; a
+size of 0 turns recording off.
+
+Why the clause compares what each rank has *in flight*, not the sequence numbers alone: a number says how far a
+rank got, not whether it waits there, and point-to-point messages the recorder does not show (a monitored
+barrier's, on gloo) advance the numbers too. A collective one rank issued and another never entered is in flight
+(not retired, not completed) on the first and absent from the second.
+The NCCL path (its dump, its states) is unverified here: no GPU has run it in this project's tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_solo.core.decision import Decision
 
-TRACE_BUFFER_SIZE = 2000  # collectives remembered per rank (torch's docs use 2000)
-_BUFFER, _DUMP = "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
+# Collectives remembered per rank (torch's docs and torch 2.14.1's gloo default); cost: benchmarks/RESULTS.md.
+TRACE_BUFFER_SIZE = 2000
+_FR, _NCCL, _DUMP = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+# A rank's summary: process group name -> its last collective there, and whether it is in flight.
+PgLast = Mapping[str, Any]  # {"desc", "seq", "op", "state", "pending"}
+Summary = Mapping[str, PgLast]
 
 
 def decide_flight_recorder(
     backend: str | None, environ: Mapping[str, str]
 ) -> tuple[Decision | None, dict[str, str]]:
-    """What to add to the environment (nothing the user set) and the decision; ``None`` without NCCL."""
-    if backend is None or "nccl" not in backend:
+    """What to add to the environment (nothing the user set) and the decision; ``None`` without a backend."""
+    if backend is None:
         return None, {}
-    if _BUFFER in environ:
-        return Decision("nccl_flight_recorder", f"{_BUFFER}={environ[_BUFFER]}", "set by the user"), {}
-    env = {_BUFFER: str(TRACE_BUFFER_SIZE)}
-    if _DUMP not in environ:
+    nccl = "nccl" in backend
+    if user := [k for k in (_FR, _NCCL) if k in environ]:
+        return Decision(
+            "flight_recorder", ", ".join(f"{k}={environ[k]}" for k in user), "set by the user"
+        ), {}
+    env = {_FR: str(TRACE_BUFFER_SIZE)}  # the older name, read too, warns that it is deprecated
+    if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
     return (
         Decision(
-            "nccl_flight_recorder",
+            "flight_recorder",
             ", ".join(f"{k}={v}" for k, v in env.items()),
-            "each rank keeps its last collectives and dumps them on a collective timeout; set "
-            f"{_BUFFER}=0 to turn it off",
+            "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog "
+            "writes them to hang/rank<r>.fr.json and says in its line which rank issued one the others never "
+            f"entered; set {_FR}=0 to turn it off",
         ),
         env,
     )
+
+
+def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
+    """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, its last collective and
+    whether it is still in flight."""
+    entries = json.loads(dump).get("entries", [])
+    by_pg: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        by_pg.setdefault(str(entry["process_group"][0]), []).append(entry)
+    summary = {}
+    for pg, pg_entries in by_pg.items():
+        # A group's collectives complete in order: its last one tells whether the rank waits there.
+        e = max(pg_entries, key=_order)
+        pending = not e.get("retired") and e.get("state") != "completed"
+        summary[pg] = {
+            "desc": e["process_group"][1], "seq": e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"],
+            "op": e["profiling_name"], "state": e.get("state", ""), "pending": pending,
+        }  # fmt: skip
+    return summary
+
+
+def _order(entry: Mapping[str, Any]) -> int:
+    return int(entry.get("record_id", 0))
+
+
+def _label(pg: str, last: PgLast | None) -> str:
+    desc = last.get("desc") if last else None
+    return desc if desc and desc != "undefined" else f"process group {pg}"
+
+
+def _op(last: PgLast) -> str:
+    # gloo's entries stay "scheduled"; NCCL's say whether the kernel started: worth a word there only.
+    state = last.get("state")
+    return f"{last['op']} #{last['seq']}" + (f" ({state})" if state and state != "scheduled" else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tuple[int, ...]]:
+    """The words for one process group, and the ranks it shows waiting; ``None`` when nothing is in flight."""
+    label = _label(pg, next((v for v in lasts.values() if v), None))
+    waits = {r: last for r, last in lasts.items() if last is not None and last["pending"]}
+    if not waits:
+        return None, ()
+    waiting = list(waits)
+    idle = [r for r in lasts if r not in waits]
+    ops = {r: _op(last) for r, last in waits.items()}
+    if idle:
+        issued = (
+            f"{_ranks(waiting)} issued {ops[waiting[0]]}"
+            if len(set(ops.values())) == 1
+            else ", ".join(f"rank {r} issued {ops[r]}" for r in waiting)
+        )
+        theirs = "; ".join(
+            f"rank {r}'s last there: {_op(last)}"
+            if (last := lasts[r])
+            else f"rank {r} has none recorded there"
+            for r in idle
+        )
+        return f"{issued} on {label}, which {_ranks(idle)} never entered ({theirs})", tuple(waiting)
+    if len(waits) == 1:  # the only rank with a record
+        return f"rank {waiting[0]} waits in {ops[waiting[0]]} on {label}", tuple(waiting)
+    if len({last["op"] for last in waits.values()}) == 1:
+        seqs = {last["seq"] for last in waits.values()}
+        at = (
+            f"#{seqs.pop()}"
+            if len(seqs) == 1
+            else ", ".join(f"rank {r} #{v['seq']}" for r, v in waits.items())
+        )
+        return f"every rank waits in {waits[waiting[0]]['op']} on {label} ({at})", tuple(waiting)
+    each = ", ".join(f"rank {r} {ops[r]}" for r in waiting)
+    return f"the ranks wait in different collectives on {label}: {each}", tuple(waiting)
+
+
+def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) -> str | None:
+    """The flight recorder's words for the verdict's line, from every rank's summary (``None``: no record from
+    that rank: gone, silent, or its dump failed); ``None`` when no rank recorded anything. ``lead``: the ranks the
+    verdict names, whose process groups come first."""
+    have = {r: s for r, s in sorted(summaries.items()) if s is not None}
+    missing = sorted(r for r, s in summaries.items() if s is None)
+    pgs = sorted({pg for s in have.values() for pg in s}, key=lambda pg: (len(pg), pg))
+    if not pgs:
+        return None
+    parts: list[tuple[bool, str]] = []
+    quiet = []
+    for pg in pgs:
+        lasts = {r: s.get(pg) for r, s in have.items()}
+        words, waiting = _pg_part(pg, lasts)
+        if words is None:
+            quiet.append((pg, lasts))
+        else:
+            parts.append((not set(waiting) & set(lead), words))
+    text = [words for _, words in sorted(parts, key=lambda p: p[0])]
+    if not text:  # nothing in flight anywhere: where each rank's record ends
+        for pg, lasts in quiet:
+            label = _label(pg, next((v for v in lasts.values() if v), None))
+            done = {r: last for r, last in lasts.items() if last is not None}
+            if len({(v["seq"], v["op"]) for v in done.values()}) == 1 and len(done) == len(lasts):
+                last = next(iter(done.values()))
+                who = "every rank" if len(done) > 1 else f"rank {next(iter(done))}"
+                text.append(f"{who} at {_op(last)} on {label}")
+            else:
+                each = ", ".join(f"rank {r} #{v['seq']} {v['op']}" for r, v in done.items())
+                text.append(f"last on {label}: {each}")
+        text[0] = "nothing in flight; " + text[0]
+    if missing:
+        text.append(f"no record from {_ranks(missing)}")
+    return "flight recorder: " + "; ".join(text)

@@ -12,9 +12,12 @@ group's store every ``interval_s``, off the training stream. Ranks 0 and ``W - 1
 judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`): two judges, so one stuck in native code holding
 the interpreter lock does not silence the watchdog. The first verdict is written to the store once
 (``compare_set``); every live rank then writes its Python stacks (all threads, ``faulthandler``) to
-``<dump_dir>/rank<r>.stacks.txt``, the judge that wrote it prints ONE line on stderr (and ``verdict.txt``), each
-waits up to ``grace_s`` for the others' dumps, ends its own child processes (loader workers, one of which may be the
-stuck one) and exits with status :data:`HANG_EXIT_CODE`.
+``<dump_dir>/rank<r>.stacks.txt`` and its flight-recorder record to ``rank<r>.fr.json``, and publishes that record's
+summary in the store (no shared file system assumed); the judge that wrote the verdict waits up to
+:data:`FLIGHT_RECORD_WAIT_S` for the live ranks' summaries, adds the flight recorder's words
+(:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and prints ONE line on stderr (and ``verdict.txt``);
+each waits, up to ``grace_s`` from its verdict, for the others' dumps, ends its own child processes (loader workers,
+one of which may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -36,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -44,12 +47,16 @@ from typing import Any
 import torch.distributed
 
 from lightning_solo.core.checks import check_number
+from lightning_solo.ddp.watchdog import flight_recorder
 from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, Heartbeat, HeartbeatWriter
 from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
 PEER_EXIT_WAIT_S = 3.0  # a SIGKILLed peer's sockets close a moment before /proc shows its process ended
-_VERDICT = "verdict"
+_VERDICT, _FINAL = "verdict", "verdict/final"
+# How long the printing judge waits for the live ranks' flight-recorder summaries: with the default margin (55 s)
+# and heartbeat (1 s) the line still comes within 2 x the median step + 60 s of the stall.
+FLIGHT_RECORD_WAIT_S = 3.0
 _fits = itertools.count(1)
 
 
@@ -132,8 +139,11 @@ class Watchdog:
         rank: int,
         world_size: int,
         dump_dir: str | os.PathLike,
+        flight_record: Callable[[], bytes | str] | None = None,
     ) -> None:
+        """``flight_record``: this process's flight-recorder dump (torch's JSON), read at a verdict."""
         self.settings = settings
+        self._flight_record = flight_record
         self.writer = HeartbeatWriter()
         self.rank, self.world_size = rank, world_size
         self.dump_dir = Path(dump_dir)
@@ -261,12 +271,64 @@ class Watchdog:
             )
         return views
 
+    def _line(self, verdict_line: str, words: str | None = None) -> str:
+        fr = f", flight recorder: {self.dump_dir}/rank*.fr.json" if words else ""
+        return (
+            f"SoloDDP watchdog: {verdict_line}{'; ' + words if words else ''}. "
+            f"Python stacks: {self.dump_dir}/rank*.stacks.txt{fr}."
+        )
+
+    def _record_flight(self) -> dict[str, Any] | None:
+        """Write this rank's flight-recorder dump and publish its summary (``None``: no recorder, or it failed)."""
+        summary = None
+        if self._flight_record is not None:
+            try:
+                dump = self._flight_record()
+                summary = flight_recorder.summarize(dump)
+                if summary:
+                    self.dump_dir.mkdir(parents=True, exist_ok=True)
+                    (self.dump_dir / f"rank{self.rank}.fr.json").write_bytes(
+                        dump if isinstance(dump, bytes) else dump.encode()
+                    )
+            except Exception:  # noqa: BLE001 - evidence only: it must not keep the run from ending
+                summary = None
+        with contextlib.suppress(Exception):  # the store's host ended first
+            self._store.set(f"fr/{self.rank}", json.dumps(summary))
+        return summary
+
+    def _flight_words(self, verdict: Verdict, mine: dict[str, Any] | None, started: float) -> str | None:
+        """The flight recorder's clause from every live rank's summary, waited for up to FLIGHT_RECORD_WAIT_S
+        (a rank gone or silent is not waited for: it has no record to give)."""
+        if self._flight_record is None:
+            return None
+        summaries: dict[int, Any] = {self.rank: mine}
+        try:
+            views = self._views()
+            live = [
+                v.rank
+                for v in views
+                if v.rank != self.rank and not v.gone and v.silent_s <= self.settings.silent_s
+                and (v.beat is None or v.beat.phase not in (DONE, FAILED))
+            ]  # fmt: skip
+            summaries.update({v.rank: None for v in views if v.gone or v.silent_s > self.settings.silent_s})
+            deadline = started + min(FLIGHT_RECORD_WAIT_S, self.settings.grace_s)
+            keys = [f"fr/{r}" for r in live]
+            while time.monotonic() < deadline and not self._store.check(keys):
+                time.sleep(0.05)
+            for rank in live:
+                key = f"fr/{rank}"
+                summaries[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store's host ended: this rank's own record only
+            pass
+        return flight_recorder.clause(summaries, lead=verdict.stuck)
+
     def _act(self, verdict: Verdict, print_it: bool = True, abort: bool | None = None) -> None:
         if not self._acted.acquire(blocking=False):
             return
+        started = time.monotonic()
         line = verdict.line  # another rank's, as it printed it
         if print_it:
-            line = f"SoloDDP watchdog: {verdict.line}. Python stacks: {self.dump_dir}/rank*.stacks.txt."  # the first verdict only: one line for the whole run
+            line = self._line(verdict.line)  # the first verdict only: one line for the whole run
             mine = f"{self.rank}|{line}"  # two judges may word the same line: the rank tells whose it is
             try:
                 won = self._store.compare_set(_VERDICT, "", mine).decode() == mine
@@ -276,6 +338,7 @@ class Watchdog:
                 line, print_it = self._store.get(_VERDICT).decode().split("|", 1)[1], False
         self.verdict = Verdict(verdict.stuck, line)
         abort = self.settings.abort if abort is None else abort
+        problem = ""
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
@@ -283,18 +346,23 @@ class Watchdog:
                 f.write(f"rank {self.rank} (pid {self._pid}, {self._host}): {beat}\n{line}\n\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
-            if print_it:
-                (self.dump_dir / "verdict.txt").write_text(line + "\n")
         except OSError as err:  # an unwritable run directory must not keep the run from ending
-            line += f" (no stack dump: {err})"
+            problem = f" (no stack dump: {err})"
+        summary = self._record_flight()
         if print_it:
+            line = self._line(verdict.line, self._flight_words(verdict, summary, started)) + problem
+            self.verdict = Verdict(verdict.stuck, line)
+            with contextlib.suppress(Exception):  # the others read the whole line after their dumps
+                self._store.set(_FINAL, line)
+            with contextlib.suppress(OSError):
+                (self.dump_dir / "verdict.txt").write_text(line + "\n")
             end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
             sys.stderr.write(line + end + "\n")
             sys.stderr.flush()
         try:
             self._store.set(f"dumped/{self.rank}", "1")
             if abort:  # the store's host must outlive the others' dumps
-                deadline = time.monotonic() + self.settings.grace_s
+                deadline = started + self.settings.grace_s
                 live = [
                     v.rank
                     for v in self._views()
@@ -302,6 +370,8 @@ class Watchdog:
                 ]
                 while time.monotonic() < deadline and not self._store.check([f"dumped/{r}" for r in live]):
                     time.sleep(0.1)
+                if not print_it and self._store.check([_FINAL]):
+                    self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
         if abort:
