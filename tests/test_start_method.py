@@ -7,17 +7,23 @@ its notebook rule (only an interactive-compatible launcher is allowed) to the st
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_solo import SoloDDP
+from lightning_solo.core import openmp
 from lightning_solo.ddp.launcher import decide_start_method
+from tests.helpers import REPO
 
 
 @pytest.fixture
@@ -81,3 +87,24 @@ def test_notebook_fork_after_cuda_init_fails_before_forking(notebook, monkeypatc
     )
     with pytest.raises(RuntimeError, match="Restart the kernel"):
         trainer.fit(BoringModel())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_forked_ranks_run_parallel_ops_after_the_parent_did(tmp_path):
+    # A notebook's kernel ran a large CPU op, then fits twice with the fork launcher, 2 threads per rank: each
+    # rank's first parallel op would wait forever in OpenMP's inherited pool (stock DDPStrategy(start_method=
+    # "fork") does: benchmarks/RESULTS.md). Fresh process: OMP_NUM_THREADS=2 must be read when torch loads.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    script = REPO / "tests" / "scripts" / "fork_after_openmp.py"
+    proc = subprocess.run([sys.executable, str(script), "solo", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((tmp_path / "done.json").read_text()) == {"fits": 2, "steps": 3}
+
+
+def test_releasing_the_thread_pool_leaves_this_process_parallel():
+    # torch's CPU build runs on OpenMP here: the runtime pauses, and the next op opens a new pool.
+    assert openmp.release_thread_pool()
+    x = torch.randn(2_000_000)
+    assert torch.equal(x + x, 2 * x)

@@ -65,6 +65,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.core import openmp
 from lightning_solo.core.checks import check_choice
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.carry import LEFT_BEHIND, pack, unpack
@@ -120,6 +121,8 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
                 " trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that"
                 " allocate); the ranks move the model to their GPUs themselves."
             )
+        if self._start_method == "fork":  # a forked rank would hang at its first parallel op (core/openmp.py)
+            openmp.release_thread_pool()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override

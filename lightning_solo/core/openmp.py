@@ -1,0 +1,49 @@
+"""A fork that does not inherit OpenMP's thread pool: without this, a forked rank can hang at its first parallel op.
+
+torch's CPU ops run in an OpenMP thread pool (GNU libgomp in the pip wheels). The pool belongs to the thread that
+opened it; ``fork`` copies that bookkeeping into the child but not the pool's threads, so the child's first
+parallel region with more than one thread waits forever for threads that do not exist (no error, no timeout;
+the main thread sits in ``gomp_team_barrier_wait_end``). A notebook hits it whenever the kernel has run a large
+enough CPU op before ``trainer.fit`` and the ranks run with several threads each: Lightning gives each rank
+``cpu_count // ranks`` threads, or the user's ``OMP_NUM_THREADS``.
+
+OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)``, called in the parent right before the fork, ends the
+pool's threads; the parent's next parallel op opens a new pool, and the children start with none. Checked with
+torch 2.14.1's libgomp on CPU (tests/test_start_method.py).
+
+Example::
+
+    release_thread_pool()     # then fork
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+_PAUSE_HARD = 2  # omp_pause_hard: the runtime frees its threads and state
+
+
+def _runtime() -> ctypes.CDLL | None:
+    """torch's OpenMP runtime as loaded in this process (``None``: another parallel backend, or none found)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    shipped = sorted(Path(torch.__file__).parent.joinpath("lib").glob("lib*omp*.so*"))
+    try:
+        # The library torch loaded (a second dlopen of the same file returns the same handle), else the process's.
+        return ctypes.CDLL(str(shipped[0])) if shipped else ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def release_thread_pool() -> bool:
+    """End OpenMP's idle threads in this process, so that a ``fork`` now gives children a usable runtime.
+    Returns whether the runtime did (False: not OpenMP, or a runtime without OpenMP 5.0's pause)."""
+    runtime = _runtime()
+    pause = getattr(runtime, "omp_pause_resource_all", None)
+    if pause is None:
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(_PAUSE_HARD) == 0
