@@ -7,6 +7,11 @@ phase transitions SoloDDP's hooks make: one batch start, three phases entered an
     python benchmarks/bench_watchdog.py                    # ~2-3 minutes on 2 idle cores
     python benchmarks/bench_watchdog.py --rounds 8 --steps 200 --hidden 384
     python benchmarks/bench_watchdog.py --costs-only       # seconds: the two costs, no fits
+    python benchmarks/bench_watchdog.py --same-processes --rounds 12   # every fit in one long-lived pair of ranks
+
+``--same-processes``: the fits run in turn in one pair of gloo processes started once (Lightning joins their process
+group, as under torchrun), so that the fresh processes' own variance (placement, allocator, loopback sockets) is
+not part of the comparison.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_solo import SoloDDP
 from lightning_solo.ddp.watchdog import HeartbeatWriter, Watchdog, WatchdogSettings, judge
 from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.testing import run_ranks
 
 
 class MLP(L.LightningModule):
@@ -57,19 +63,34 @@ class StepTimer(L.Callback):
             self.out.write_text(json.dumps([b - a for a, b in zip(self.starts, self.starts[1:])]))
 
 
-def fit(watchdog: bool, steps: int, hidden: int, batch: int) -> float:
+def fit(watchdog: bool, steps: int, hidden: int, batch: int, start_method: str | None = "fork") -> float:
+    """Rank 0's median step (s) of one fit; ``start_method=None``: the ranks are already running (this process
+    is one of them, in an initialised process group)."""
     out = Path(tempfile.mkdtemp()) / "times.json"
     data = TensorDataset(
         torch.randn(2 * batch * (steps + 1), 256), torch.randint(0, 10, (2 * batch * (steps + 1),))
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork", watchdog=watchdog), max_steps=steps,
+        accelerator="cpu", devices=2, max_steps=steps,
+        strategy=SoloDDP(watchdog=watchdog) if start_method is None else SoloDDP(start_method=start_method, watchdog=watchdog),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         callbacks=[StepTimer(out)], default_root_dir=out.parent,
     )  # fmt: skip
     trainer.fit(MLP(hidden), DataLoader(data, batch_size=batch))
+    if not trainer.is_global_zero:
+        return float("nan")
     times = json.loads(out.read_text())[10:]  # the first steps warm up
     return statistics.median(times)
+
+
+def _same_processes(rank: int, world_size: int, rounds: int, steps: int, hidden: int, batch: int) -> dict:
+    """One rank of the long-lived pair: every round's two fits, in the same order on both ranks."""
+    os.environ["LOCAL_RANK"] = str(rank)  # the ranks are running already (as under torchrun)
+    medians: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for watchdog in (True, False) if r % 2 == 0 else (False, True):
+            medians[watchdog].append(fit(watchdog, steps, hidden, batch, start_method=None))
+    return medians
 
 
 def hook_cost_us() -> float:
@@ -112,6 +133,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--costs-only", action="store_true", help="only the per-step and per-beat costs")
+    parser.add_argument(
+        "--same-processes", action="store_true", help="every fit in one long-lived pair of ranks"
+    )
     args = parser.parse_args()
     cost, beat = hook_cost_us(), beat_cost_ms()
     print(f"training-thread work per step: {cost:.2f} us = {cost / 1e4:.3%} of a 10 ms step")
@@ -122,17 +146,28 @@ def main() -> None:
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     medians: dict[bool, list[float]] = {True: [], False: []}
-    ratios = []
-    for r in range(args.rounds):
-        for watchdog in (True, False) if r % 2 == 0 else (False, True):
-            medians[watchdog].append(fit(watchdog, args.steps, args.hidden, args.batch))
-        ratios.append(medians[True][-1] / medians[False][-1])
-        print(f"round {r}: on {1000 * medians[True][-1]:.2f} ms, off {1000 * medians[False][-1]:.2f} ms, "
-              f"ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+    if args.same_processes:
+        medians = run_ranks(
+            _same_processes,
+            2,
+            args.rounds,
+            args.steps,
+            args.hidden,
+            args.batch,
+            timeout=60 * args.rounds + 120,
+        )[0]
+    else:
+        for r in range(args.rounds):
+            for watchdog in (True, False) if r % 2 == 0 else (False, True):
+                medians[watchdog].append(fit(watchdog, args.steps, args.hidden, args.batch))
+    ratios = [on / off for on, off in zip(medians[True], medians[False])]
+    for r, ratio in enumerate(ratios):
+        print(f"round {r}: on {1000 * medians[True][r]:.2f} ms, off {1000 * medians[False][r]:.2f} ms, "
+              f"ratio {ratio:.3f}", flush=True)  # fmt: skip
     off = statistics.median(medians[False])
-    print(
-        f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds x {args.steps} steps; hidden {args.hidden}"
-    )
+    where = "one long-lived pair of processes" if args.same_processes else "fresh fork-launched ranks per fit"
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds x {args.steps} steps; hidden {args.hidden}; "
+          f"{where}")  # fmt: skip
     print(f"median step: on {1000 * statistics.median(medians[True]):.2f} ms, off {1000 * off:.2f} ms")
     print(
         f"ratio on/off (median over rounds): {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
