@@ -103,9 +103,16 @@ def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
     from benchmarks.gpu_checks.harness import Check, main
 
     out = tmp_path / "t.md"
-    too_short = [Check("rng", ddp.check_rng, budget_s=0.5)]  # no interpreter starts in 1 s (twice it on CPU)
-    assert main(too_short, HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
-    assert "| rng | TIMEOUT |" in out.read_text() and "killed after 1 s (process group)" in out.read_text()
+    checks = [
+        Check("rng", ddp.check_rng, budget_s=20),
+        Check("asleep", lambda device: (time.sleep(60), (True, ""))[1], budget_s=0.5),  # 1 s on CPU (twice)
+        Check("rng_fresh", ddp.check_rng, budget_s=0.5, fresh=True),  # no interpreter starts in 1 s
+    ]
+    assert main(checks, HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
+    table = out.read_text()
+    assert "| rng | PASS |" in table, table
+    for name in ("asleep", "rng_fresh"):
+        assert f"| {name} | TIMEOUT |" in table and "killed after 1 s (process group)" in table, table
 
 
 def _running(pid: int) -> bool:

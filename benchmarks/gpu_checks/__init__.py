@@ -13,7 +13,7 @@ CHECKS = (
     Check("syncbn_cuda", syncbn.check_syncbn_cuda, 45),
     Check("syncbn", syncbn.check_syncbn, 60),
     Check("fork", ddp.check_fork, 60, cpu=False),
-    Check("notebook", ddp.check_notebook, 90),
+    Check("notebook", ddp.check_notebook, 90, fresh=True),  # its parent process must be a clean interpreter
     Check("rewrap", ddp.check_rewrap, 90),
     Check("comm", ddp.check_comm, 45),
     Check("resume", ddp.check_resume, 60),
