@@ -21,7 +21,7 @@ from lightning_solo import SoloDDP
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.ddp.compile import CompiledSteps, decide_compile
 from tests.helpers.modules import TinyModule
-from tests.helpers.records import RankRecorder, read_rank_records
+from tests.helpers.records import LastGrads, RankRecorder, read_rank_records
 
 CHEAP = {"backend": "aot_eager"}
 TOL = 1e-5
@@ -84,17 +84,6 @@ def _assert_close(got: dict, want: dict) -> None:
         assert rel <= TOL, f"{name}: relative difference {rel:.2e}"
 
 
-class _Grads(L.Callback):
-    """Each rank's gradients at its last optimizer step (after DDP's all-reduce)."""
-
-    def __init__(self, out):
-        self.out = out
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-        torch.save(grads, os.path.join(self.out, f"grads{trainer.global_rank}.pt"))
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow  # three fits: ~20 s idle, 36 s at load 8
 @pytest.mark.timeout(120)
@@ -110,7 +99,7 @@ def test_compiled_training_equals_eager_on_the_fast_path(tmp_path):
         out = tmp_path / name
         model = _model(head=True)
         fit_model = torch.compile(model, **CHEAP) if user else None
-        runs[name] = _fit(out, model, 10, callbacks=[_Grads(out)], fit_model=fit_model, **strategy)
+        runs[name] = _fit(out, model, 10, callbacks=[LastGrads(out)], fit_model=fit_model, **strategy)
         runs[name + "_grads"] = torch.load(out / "grads0.pt", weights_only=True)
     for name in ("compiled", "user"):
         for rank in (0, 1):

@@ -21,7 +21,7 @@ from lightning_solo.app.export import export_checkpoint
 from lightning_solo.callbacks import SoloCheckpoint, TrainingDoctor
 from lightning_solo.ddp.compiled_keys import CompiledKeys
 from tests.helpers.modules import TinyModule
-from tests.helpers.records import RankRecorder, read_rank_records
+from tests.helpers.records import LastGrads, RankRecorder, read_rank_records
 
 CHEAP = {"backend": "aot_eager"}
 TOL = 1e-5
@@ -88,17 +88,6 @@ def _assert_close(got: dict, want: dict, tol: float = TOL) -> list[float]:
     return diffs
 
 
-class _Grads(L.Callback):
-    """Each rank's gradients at its last optimizer step (after DDP's all-reduce)."""
-
-    def __init__(self, out):
-        self.out = out
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-        torch.save(grads, os.path.join(self.out, f"grads{trainer.global_rank}.pt"))
-
-
 class _DoctorReport(L.Callback):
     def __init__(self, out, doctor):
         self.out, self.doctor = out, doctor
@@ -139,7 +128,7 @@ def test_syncbn_auto_the_doctor_and_export_hold_under_compile(tmp_path):
             out,
             _model(batchnorm=True),
             steps,
-            callbacks=[_Grads(out), doctor, _DoctorReport(out, doctor), save],
+            callbacks=[LastGrads(out), doctor, _DoctorReport(out, doctor), save],
             compile=compile_,
         )
         grads[name] = torch.load(out / "grads0.pt", weights_only=True)
@@ -196,7 +185,7 @@ def test_bf16_autocast_inside_the_compiled_step_matches_eager(tmp_path):
         out = tmp_path / name
         model = _model(_Bf16Logits, samples=64)
         runs[name] = _fit(
-            out, model, 6, callbacks=[_Grads(out), _Dtypes()], precision="bf16-mixed", compile=compile_
+            out, model, 6, callbacks=[LastGrads(out), _Dtypes()], precision="bf16-mixed", compile=compile_
         )
         grads[name] = torch.load(out / "grads0.pt", weights_only=True)
     for rank in (0, 1):

@@ -141,3 +141,14 @@ def read_rank_records(out: Path, world: int = 2, suffix: str = ".json") -> list[
 def _plain(value: Any) -> Any:
     """JSON for what ``json`` cannot write itself: a tensor as its (nested) list of numbers, else ``str``."""
     return value.tolist() if isinstance(value, torch.Tensor) else str(value)
+
+
+class LastGrads(L.Callback):
+    """Each rank's gradients at its last optimizer step (after DDP's all-reduce), in ``out/grads{rank}.pt``."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+        torch.save(grads, self.out / f"grads{trainer.global_rank}.pt")
