@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -126,6 +127,13 @@ def beat_cost_ms(world_size: int = 2) -> float:
     return 1e3 * min(timeit.repeat(beat, number=200, repeat=5)) / 200
 
 
+def median_interval(values: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5 and 97.5 percentiles of the median of ``values`` resampled with replacement (a bootstrap)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -172,6 +180,8 @@ def main() -> None:
     print(
         f"ratio on/off (median over rounds): {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
     )
+    low, high = median_interval(ratios)
+    print(f"95 % bootstrap interval of that median: {low:.3f}-{high:.3f}")
     print(f"training-thread work per step = {cost / (1e6 * off):.3%} of the off step")
 
 
