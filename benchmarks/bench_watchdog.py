@@ -73,7 +73,7 @@ def fit(watchdog: bool, steps: int, hidden: int, batch: int, start_method: str |
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=steps,
-        strategy=SoloDDP(watchdog=watchdog) if start_method is None else SoloDDP(start_method=start_method, watchdog=watchdog),
+        strategy=SoloDDP(start_method=start_method or "auto", watchdog=watchdog),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         callbacks=[StepTimer(out)], default_root_dir=out.parent,
     )  # fmt: skip

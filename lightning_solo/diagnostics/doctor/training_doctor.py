@@ -125,6 +125,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
         bin_steps = max(1, min(16, int(expected) // 64)) if math.isfinite(expected) else 16
         self._timer = StepTimer(pl_module.device, ExposedComm(rate), bin_steps=bin_steps)
+        self._timer.comm.watch(trainer.strategy.model)  # then at every batch end
         if isinstance(trainer.strategy, SoloDDP):  # a re-wrap: the old wrapper read out before it is dropped
             trainer.strategy.add_rewrap_listener(self._timer.comm.read_out)
         self._warmup = min(
@@ -141,7 +142,6 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        self._timer.comm.watch(trainer.strategy.model)
         self._timer.batch_start()
 
     @override
@@ -159,7 +159,8 @@ class TrainingDoctor(DecisionLog, L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         loss = loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
-        self._timer.comm.watch(trainer.strategy.model)  # a wrapper SoloDDP built at this batch's start
+        # SoloDDP re-wraps in its on_train_batch_start, after the callbacks': the new wrapper is seen here.
+        self._timer.comm.watch(trainer.strategy.model)
         if not self._timer.batch_end(_samples(batch), loss):
             return
         self._steps += 1
