@@ -13,6 +13,7 @@ import pytest
 
 from lightning_solo.ddp.watchdog.flight_recorder import clause, summarize
 from tests.helpers import REPO
+from tests.helpers.records import watchdog_lines
 
 MOMENTS = ("agree", "extra", "two_groups")
 
@@ -130,7 +131,9 @@ def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_pa
         time.sleep(0.05)
     for dog in reversed(dogs):
         dog.stop()
-    (line,) = [x for x in capfd.readouterr().err.splitlines() if x.startswith("SoloDDP watchdog:")]
+    lines = watchdog_lines(capfd.readouterr().err)
+    assert sorted(lines) == [0, 1], lines  # each rank printed the whole line, flight recorder included
+    line = lines[0]
     words = clause({r: summarize(dumps["extra"][r]) for r in (0, 1)}, lead=(1,))
     assert words is not None and f"; {words}. Python stacks: " in line, line
     assert line.endswith("flight recorder: " + str(tmp_path / "hang") + "/rank*.fr.json."), line

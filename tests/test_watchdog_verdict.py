@@ -18,6 +18,7 @@ from lightning_solo.ddp.watchdog import (
 )
 from lightning_solo.ddp.watchdog import heartbeat as hb
 from lightning_solo.ddp.watchdog.watchdog import peer_failure
+from tests.helpers.records import watchdog_lines
 
 
 def beat(rank, phase, step=6, collective=None, seq=0, allowance=30.0):
@@ -263,13 +264,14 @@ def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tm
         time.sleep(0.05)
     for dog in reversed(dogs):  # rank 0 last: it waits for the others' "done" (its process holds the store)
         dog.stop()
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("SoloDDP watchdog:")]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
-    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6." in lines[0]
-    assert all(d.verdict is not None and d.verdict.line == lines[0] for d in dogs)
+    lines = watchdog_lines(capfd.readouterr().err)  # one line, printed by each rank
+    assert sorted(lines) == [0, 1], lines
+    line = lines[0]
+    assert line.startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
+    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6." in line
+    assert all(d.verdict is not None and d.verdict.line == line for d in dogs)
     for rank in (0, 1):
-        assert lines[0] in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
+        assert line in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
     # "done" published at stop: a peer reads it, and no longer counts the rank
     assert {r: b.phase for r, b in dogs[0].heartbeats().items()} == {0: hb.DONE, 1: hb.DONE}
 

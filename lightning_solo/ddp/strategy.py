@@ -26,7 +26,6 @@ diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import inspect
 import os
@@ -34,7 +33,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -50,7 +48,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
-from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster, cpu_malloc
 from lightning_solo.core.checks import check_bool, check_number
@@ -71,13 +68,7 @@ from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
 from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
 from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
 from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
-from lightning_solo.ddp.watchdog import (
-    Heartbeat,
-    Watchdog,
-    WatchdogSettings,
-    decide_flight_recorder,
-    next_store_prefix,
-)
+from lightning_solo.ddp.watchdog import Heartbeat, WatchdogSession
 from lightning_solo.ddp.watchdog import heartbeat as hb
 
 
@@ -162,9 +153,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
             policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
             the planned steps). The LightningModule's steps are compiled inside DDP's forward, so DDPOptimizer
             keeps the overlap and re-wraps recompile nothing: :mod:`lightning_solo.ddp.compile`.
-        strip_compiled_prefix: a compiled submodule (``self.net = torch.compile(Net())``) saves its weights under
-            the eager module's keys (``net.weight``, not ``net._orig_mod.weight``) and a checkpoint loads with either
-            form, so checkpoints move between compiled and eager runs; ``False``: stock keys:
+        strip_compiled_prefix: ``False`` (default, stock): a compiled submodule (``self.net = torch.compile(Net())``)
+            saves torch's keys (``net._orig_mod.weight``), which ``Model.load_from_checkpoint`` of that class needs;
+            ``True``: the eager module's keys (``net.weight``). Either way a checkpoint loads through the Trainer with
+            either spelling into either module, so it moves between compiled and eager runs:
             :mod:`lightning_solo.ddp.compiled_keys`.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
             ``static_graph``, ``broadcast_buffers``, ...).
@@ -204,7 +196,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         uneven_data: UnevenPolicy = "shortest",
         watchdog: bool | Mapping[str, Any] = True,
         compile: CompileSetting = False,
-        strip_compiled_prefix: bool = True,
+        strip_compiled_prefix: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
@@ -266,9 +258,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
-        self._watchdog_settings = WatchdogSettings.from_option(watchdog)
-        self._watchdog: Watchdog | None = None  # started by each fit's setup
-        self._validation_outer: tuple[str, float] | None = None
+        self._watchdog = WatchdogSession(watchdog)
         # Made once per process: the monitored barrier's group (None: the world) and the side channel.
         self._barrier_group: Any = None
         self._barrier_made = False
@@ -290,19 +280,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             )
         )
         self._decide(unused.decision)
-        settings = self._watchdog_settings
-        self._decide(
-            Decision(
-                "watchdog",
-                settings is not None,
-                f"a stall past {settings.factor:g} x the median step + {settings.margin_s:g} s ({settings.first_s:g} s "
-                "before the median is known) ends the run with one line naming the stuck rank and every rank's stacks"
-                if settings is not None
-                else "set by the user: a hang waits for the collective timeout",
-            )
-        )
+        self._decide(self._watchdog.decision)
         self._decide(self._compile.decision)
-        if (keys := self._compiled_keys.decision(None)) is not None:  # off: the user's setting
+        if (keys := self._compiled_keys.decision(None)) is not None:  # stripping: the user's setting
             self._decide(keys)
 
     # ----------------------------------------------------------------------------------------- public seams
@@ -347,7 +327,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         """Each rank's latest heartbeat (step, phase, seconds in it, the collective it waits in) as this rank's
         watchdog last read it (ranks 0 and W-1 read every rank's; the others their own); empty without a watchdog
         (``watchdog=False``, one process, outside a fit)."""
-        return self._watchdog.heartbeats() if self._watchdog is not None else {}
+        return self._watchdog.heartbeats()
 
     def state_dict(self) -> dict[str, Any]:
         """What the last fit left to report (``decisions``, ``advice``), for a notebook parent to take back."""
@@ -391,12 +371,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._watchdog_settings is not None:  # torch reads these when the process group is created
-            backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-            recorder, env = decide_flight_recorder(backend, os.environ)
-            os.environ.update(env)
-            if recorder is not None:
-                self._decide(recorder)
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if (recorder := self._watchdog.prepare_environment(backend)) is not None:
+            self._decide(recorder)
         super().setup_environment()  # the device, then the process group
         # torchrun / SLURM started the processes, not the start method chosen above.
         if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
@@ -471,7 +448,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 checkpoint=self._sigterm_checkpoint,
                 decide=self._decide,
             )
-            self._start_watchdog(trainer)
+            self._watchdog.start(trainer.default_root_dir, self.global_rank, self.world_size)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -532,8 +509,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # The resume plan settles before the epoch loop reads the batch counters it rewinds.
         self._resume.close_loaders(self._module.trainer)
         super().on_train_start()
-        if self._watchdog is not None:
-            self._watchdog.writer.enter(hb.DATA_WAIT, step=self._module.trainer.global_step)
+        self._watchdog.data_wait(self._module.trainer.global_step)
         # Made after setup, while restoring a checkpoint (e.g. the GradScaler kept across a resume).
         for decision in getattr(self.precision_plugin, "decisions", {}).values():
             self._decide(decision)
@@ -543,8 +519,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         trainer = self._attached_trainer
         if trainer is not None and trainer.training and not trainer.sanity_checking:
             self._resume.before_batch(trainer)  # the first resumed batch starts from the checkpoint's RNG
-            if self._watchdog is not None:
-                self._watchdog.writer.batch(trainer.global_step)
+            self._watchdog.batch(trainer.global_step)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # ------------------------------------------------------------------------------------------------ steps
@@ -574,7 +549,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
         with (
             searching or contextlib.nullcontext(),
-            self._phase(hb.TRAINING_STEP),
+            self._watchdog.phase(hb.TRAINING_STEP),
             self._compile.step_context(),
         ):
             output = super().training_step(*args, **kwargs)
@@ -594,7 +569,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             if self._unused.phase is Phase.WINDOW
             else None
         )
-        with watch or contextlib.nullcontext(), self._phase(hb.BACKWARD):
+        with watch or contextlib.nullcontext(), self._watchdog.phase(hb.BACKWARD):
             self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         self._unused.after_backward(self._wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
@@ -603,7 +578,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with self._resume.stepping(), self._phase(hb.OPTIMIZER_STEP):  # the closure runs training_step
+        with (
+            self._resume.stepping(),
+            self._watchdog.phase(hb.OPTIMIZER_STEP),
+        ):  # the closure runs training_step
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._comm.averager is not None:  # post-local-SGD's averager (see _enable_model_averaging)
             self._comm.average_after_step(optimizer)
@@ -626,41 +604,37 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
             if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
                 return all_gather_grad_on(tensor, group, self._side_channel())
-        with self._collective("all_gather"):
+        with self._watchdog.collective("all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
-        with self._collective("reduce"):
+        with self._watchdog.collective("reduce"):
             return super().reduce(
                 mean_operand(tensor, reduce_op) if self._exact_eval else tensor, group, reduce_op
             )
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._collective("broadcast"):
+        with self._watchdog.collective("broadcast"):
             return super().broadcast(obj, src)
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self._watchdog is not None:
-            sanity = self._module.trainer.sanity_checking  # before training: the first-step allowance
-            self._validation_outer = self._watchdog.writer.enter(hb.SANITY_CHECK if sanity else hb.VALIDATION)
+        self._watchdog.validation_start(sanity=self._module.trainer.sanity_checking)
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
         self._resume.after_validation(self._module.trainer)  # the training RNG as the last batch left it
-        if self._watchdog is not None and self._validation_outer is not None:
-            self._watchdog.writer.leave(self._validation_outer)
-        self._validation_outer = None
+        self._watchdog.validation_end()
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
-        with self._collective(f"barrier {name!r}" if name else "barrier"):
+        with self._watchdog.collective(f"barrier {name!r}" if name else "barrier"):
             if self._barrier_group is None or not torch.distributed.is_initialized():
                 return super().barrier(name, *args, **kwargs)
             comm.monitored_barrier(name, self._collective_timeout, self._barrier_group)
@@ -670,7 +644,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
     ) -> None:
-        with self._phase(hb.CHECKPOINT_SAVE):
+        with self._watchdog.phase(hb.CHECKPOINT_SAVE):
             self.add_resume_state(checkpoint, filepath=filepath)
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -733,8 +707,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._comm.average_parameters(self._module)
         if self._sigterm is not None:
             self._sigterm.close()  # the agreement in flight
-        if self._watchdog is not None:  # "done" at once: no peer takes this rank's exit for a death
-            self._watchdog.stop()
+        self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
         self._rewrap_listeners = []
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
@@ -748,8 +721,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
-        if self._watchdog is not None:  # names a peer whose process ended (the collective's error names none)
-            self._watchdog.on_exception(exception)
+        self._watchdog.on_exception(exception)  # names a peer whose process ended (the error names none)
         if self._unused.phase is not Phase.USER:
             self._unused.stop()
         explain_exception(exception, self._unused)
@@ -757,9 +729,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._rewrap_listeners = []  # also after an exception
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        self._watchdog.teardown()
         if self._sigterm is not None:
             self._sigterm.uninstall()
             self._sigterm = None
@@ -813,40 +783,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
             exact_allreduce=self._exact_allreduce,
         )
         self._register_ddp_hooks()
-
-    def _start_watchdog(self, trainer: pl.Trainer) -> None:
-        """Each fit's watchdog, on every rank alike, with its own connection to the process group's store."""
-        prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
-        settings = self._watchdog_settings
-        if settings is None or self.world_size < 2 or not torch.distributed.is_initialized():
-            return
-        store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
-        dump_dir = Path(trainer.default_root_dir) / "hang"
-        # The record of DDP's own collectives: NCCL's under NCCL (its gloo side groups are in gloo's), else gloo's.
-        nccl = "nccl" in str(torch.distributed.get_backend())
-        record = functools.partial(torch_compat.flight_recorder_json, nccl)
-        self._watchdog = Watchdog(settings, store, self.global_rank, self.world_size, dump_dir, record)
-        self._validation_outer = None
-        self._watchdog.start()
-
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Any:
-        """The watchdog's phase for the block (nothing without a watchdog)."""
-        if self._watchdog is None:
-            yield
-            return
-        outer = self._watchdog.writer.enter(name)
-        yield
-        self._watchdog.writer.leave(outer, stepped=name == hb.OPTIMIZER_STEP)
-
-    @contextlib.contextmanager
-    def _collective(self, name: str) -> Any:
-        if self._watchdog is None:
-            yield
-            return
-        self._watchdog.writer.collective(name)
-        yield
-        self._watchdog.writer.collective(None)
 
     def _note_reentrant(self) -> None:
         if "reentrant_checkpoint" not in self.decisions:

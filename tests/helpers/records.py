@@ -152,3 +152,20 @@ class LastGrads(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
         torch.save(grads, self.out / f"grads{trainer.global_rank}.pt")
+
+
+def watchdog_lines(output: str) -> dict[int, str]:
+    """The watchdog's verdict as each rank printed it (``[rank: r] SoloDDP watchdog: ...``), by rank. Every rank
+    prints the same line: a rank printing another's, or twice, fails here."""
+    lines: dict[int, str] = {}
+    for text in output.splitlines():
+        head, sep, line = text.partition("] SoloDDP watchdog: ")
+        if sep and head.startswith("[rank: "):
+            rank = int(head.removeprefix("[rank: "))
+            assert rank not in lines, f"rank {rank} printed twice:\n{lines[rank]}\n{text}"
+            lines[rank] = "SoloDDP watchdog: " + line
+    assert len(set(lines.values())) <= 1, lines
+    assert "SoloDDP watchdog:" not in "\n".join(
+        t for t in output.splitlines() if not t.startswith("[rank: ")
+    ), output[-4000:]  # no line without its rank
+    return lines

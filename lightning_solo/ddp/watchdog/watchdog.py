@@ -15,9 +15,10 @@ the interpreter lock does not silence the watchdog. The first verdict is written
 ``<dump_dir>/rank<r>.stacks.txt`` and its flight-recorder record to ``rank<r>.fr.json``, and publishes that record's
 summary in the store (no shared file system assumed); the judge that wrote the verdict waits up to
 :data:`FLIGHT_RECORD_WAIT_S` for the live ranks' summaries, adds the flight recorder's words
-(:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and prints ONE line on stderr (and ``verdict.txt``);
-each waits, up to ``grace_s`` from its verdict, for the others' dumps, ends its own child processes (loader workers,
-one of which may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`.
+(:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and writes that one line to the store and to
+``verdict.txt``. Each rank waits, up to ``grace_s`` from its verdict, for the others' dumps, prints the line on its
+own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster keeps a log per node or per rank), ends its own child
+processes (loader workers, one of which may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -197,6 +198,11 @@ class Watchdog:
         A killed peer's sockets close before its process shows as ended, so after a communication error
         (:func:`peer_failure`) the peers are looked at for up to ``PEER_EXIT_WAIT_S``."""
         verdict = None
+        thread = self._thread
+        if self._acted.locked() and thread is not None and thread is not threading.current_thread():
+            # The thread acts on a verdict and ends the process (abort): this exception is the stall's consequence
+            # (a peer ended first), and the thread's line and exit status are the run's.
+            thread.join(timeout=self.settings.grace_s + FLIGHT_RECORD_WAIT_S + 5)
         if self.verdict is None:
             deadline = time.monotonic() + (PEER_EXIT_WAIT_S if peer_failure(exception) else 0.0)
             while True:
@@ -356,9 +362,14 @@ class Watchdog:
                 self._store.set(_FINAL, line)
             with contextlib.suppress(OSError):
                 (self.dump_dir / "verdict.txt").write_text(line + "\n")
-            end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
-            sys.stderr.write(line + end + "\n")
-            sys.stderr.flush()
+        else:  # the whole line, flight recorder included, read before this rank says "dumped": the ranks wait
+            # for each other's "dumped" before they exit, and rank 0's exit takes the store with it
+            with contextlib.suppress(Exception):
+                deadline = started + self.settings.grace_s
+                while time.monotonic() < deadline and not self._store.check([_FINAL]):
+                    time.sleep(0.05)
+                if self._store.check([_FINAL]):
+                    self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
         try:
             self._store.set(f"dumped/{self.rank}", "1")
             if abort:  # the store's host must outlive the others' dumps
@@ -370,10 +381,14 @@ class Watchdog:
                 ]
                 while time.monotonic() < deadline and not self._store.check([f"dumped/{r}" for r in live]):
                     time.sleep(0.1)
-                if not print_it and self._store.check([_FINAL]):
-                    self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
+        # Every rank's stderr carries the line (one log per node or per rank on a cluster), rank-prefixed as
+        # Lightning prefixes its per-rank messages.
+        end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"[rank: {self.rank}] {self.verdict.line}{end}\n")
+            sys.stderr.flush()
         if abort:
             # This rank's own child processes (loader workers; one may be the stuck one) would outlive it.
             for child in multiprocessing.active_children():

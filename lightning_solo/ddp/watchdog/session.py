@@ -1,0 +1,136 @@
+"""SoloDDP's watchdog across its fits: the setting and its Decision, the flight recorder's environment, each fit's
+:class:`~lightning_solo.ddp.watchdog.watchdog.Watchdog`, and the phases the strategy's hooks mark. Every method
+does nothing while no watchdog runs (``watchdog=False``, one process, no process group, outside a fit), so the
+hooks call it unconditionally.
+
+Example::
+
+    session = WatchdogSession(True)                         # SoloDDP(watchdog=True)
+    session.prepare_environment("gloo")                     # before the process group exists: the flight recorder
+    session.start(trainer.default_root_dir, rank, world)    # each fit's setup
+    with session.phase(hb.BACKWARD):
+        ...
+    session.stop()                                          # the fit ended: "done" at once
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed
+
+from lightning_solo._compat import torch as torch_compat
+from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.ddp.watchdog.flight_recorder import decide_flight_recorder
+from lightning_solo.ddp.watchdog.heartbeat import Heartbeat
+from lightning_solo.ddp.watchdog.watchdog import Watchdog, WatchdogSettings, next_store_prefix
+
+
+class WatchdogSession:
+    """``option``: ``SoloDDP(watchdog=...)``, as :meth:`WatchdogSettings.from_option` reads it."""
+
+    def __init__(self, option: bool | Mapping[str, Any]) -> None:
+        self.settings = WatchdogSettings.from_option(option)
+        self._dog: Watchdog | None = None  # each fit's, on every rank alike
+        self._validation_outer: tuple[str, float] | None = None
+
+    @property
+    def decision(self) -> Decision:
+        s = self.settings
+        return Decision(
+            "watchdog",
+            s is not None,
+            f"a stall past {s.factor:g} x the median step + {s.margin_s:g} s ({s.first_s:g} s before the median "
+            "is known) ends the run with one line naming the stuck rank and every rank's stacks"
+            if s is not None
+            else "set by the user: a hang waits for the collective timeout",
+        )
+
+    def prepare_environment(self, backend: str) -> Decision | None:
+        """Switch torch's flight recorder on for ``backend`` unless the user set it: torch reads it when the
+        process group is created. Returns its Decision (None: the watchdog is off)."""
+        if self.settings is None:
+            return None
+        recorder, env = decide_flight_recorder(backend, os.environ)
+        os.environ.update(env)
+        return recorder
+
+    def start(self, root_dir: str | os.PathLike, rank: int, world_size: int) -> None:
+        """This fit's watchdog, with its own connection to the process group's store; dumps go to
+        ``<root_dir>/hang/``."""
+        prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
+        self._validation_outer = None
+        if self.settings is None or world_size < 2 or not torch.distributed.is_initialized():
+            return
+        store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
+        # The record of DDP's own collectives: NCCL's under NCCL (its gloo side groups are in gloo's), else gloo's.
+        nccl = "nccl" in str(torch.distributed.get_backend())
+        record = functools.partial(torch_compat.flight_recorder_json, nccl)
+        self._dog = Watchdog(self.settings, store, rank, world_size, Path(root_dir) / "hang", record)
+        self._dog.start()
+
+    def heartbeats(self) -> dict[int, Heartbeat]:
+        """See :meth:`SoloDDP.heartbeats <lightning_solo.ddp.strategy.SoloDDP.heartbeats>`."""
+        return self._dog.heartbeats() if self._dog is not None else {}
+
+    # ------------------------------------------------------------------ phases, from the strategy's hooks
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The block runs in phase ``name`` (an optimizer step that completes counts as a step)."""
+        if self._dog is None:
+            yield
+            return
+        outer = self._dog.writer.enter(name)
+        yield
+        self._dog.writer.leave(outer, stepped=name == hb.OPTIMIZER_STEP)
+
+    @contextlib.contextmanager
+    def collective(self, name: str) -> Iterator[None]:
+        """The block waits in the collective ``name`` (numbered by the heartbeat)."""
+        if self._dog is None:
+            yield
+            return
+        self._dog.writer.collective(name)
+        yield
+        self._dog.writer.collective(None)
+
+    def data_wait(self, step: int) -> None:
+        """Training starts: waiting for the first batch."""
+        if self._dog is not None:
+            self._dog.writer.enter(hb.DATA_WAIT, step=step)
+
+    def batch(self, step: int) -> None:
+        """A training batch arrived (Lightning moves it to the device)."""
+        if self._dog is not None:
+            self._dog.writer.batch(step)
+
+    def validation_start(self, sanity: bool) -> None:
+        """``sanity``: the sanity check before training, judged with the first-step allowance."""
+        if self._dog is not None:
+            self._validation_outer = self._dog.writer.enter(hb.SANITY_CHECK if sanity else hb.VALIDATION)
+
+    def validation_end(self) -> None:
+        if self._dog is not None and self._validation_outer is not None:
+            self._dog.writer.leave(self._validation_outer)
+        self._validation_outer = None
+
+    # ------------------------------------------------------------------ the end
+    def stop(self) -> None:
+        """The fit ended: "done" at once, so no peer takes this rank's exit for a death."""
+        if self._dog is not None:
+            self._dog.stop()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Names a peer whose process ended (the collective's error names none), then stops."""
+        if self._dog is not None:
+            self._dog.on_exception(exception)
+
+    def teardown(self) -> None:
+        self.stop()
+        self._dog = None
