@@ -28,17 +28,13 @@ TOL = 1e-5
 BF16_TOL = 2e-2  # bf16 has 8 bits of mantissa: ~4e-3 per rounding
 
 
+_OPTIONS = dict(
+    widths=(8, 16, 16, 4), loss="cross_entropy", samples=96, batch_size=4, init_seed=0, data_seed=0, lr=0.1
+)
+
+
 def _model(cls: type[TinyModule] = TinyModule, **kwargs) -> TinyModule:
-    options = dict(
-        widths=(8, 16, 16, 4),
-        loss="cross_entropy",
-        samples=96,
-        batch_size=4,
-        init_seed=0,
-        data_seed=0,
-        lr=0.1,
-    )
-    return cls(**{**options, **kwargs})
+    return cls(**{**_OPTIONS, **kwargs})
 
 
 def _layers(trainer, module) -> list[str]:
@@ -208,9 +204,10 @@ class _CompiledTrunk(TinyModule):
 @pytest.mark.slow  # five fits: ~35 s idle
 @pytest.mark.timeout(180)
 def test_a_compiled_submodules_checkpoints_resume_eagerly_and_back(tmp_path):
-    """A run with ``self.trunk = torch.compile(...)`` saves ``trunk.0.weight`` (no ``_orig_mod.``), its checkpoint
-    resumes into the eager module and an eager one into the compiled module, both ending where the uninterrupted
-    eager run does; the export of its checkpoint is the eager run's."""
+    """A run with ``self.trunk = torch.compile(...)`` saves torch's keys (``trunk._orig_mod.0.weight``), as stock,
+    so ``load_from_checkpoint`` of its class works outside the Trainer; its checkpoint resumes into the eager
+    module and an eager one into the compiled module, both ending where the uninterrupted eager run does; the
+    export of either is the eager network's."""
     options = dict(batchnorm=True, shuffle=True)  # BatchNorm: its buffers and version metadata move too
     reference = _fit(tmp_path / "reference", _model(**options), 12)
     eager_keys = list(_model(**options).state_dict())
@@ -219,7 +216,12 @@ def test_a_compiled_submodules_checkpoints_resume_eagerly_and_back(tmp_path):
         save = SoloCheckpoint(dirpath=run / "ckpt", every_n_train_steps=6)
         head = _fit(run / "a", _model(first, **options), 6, callbacks=[save])
         checkpoint = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
-        assert list(checkpoint["state_dict"]) == eager_keys, list(checkpoint["state_dict"])
+        assert list(checkpoint["state_dict"]) == list(_model(first, **options).state_dict())
+        # What a user's evaluation script does, outside any Trainer and strategy: a plain strict load.
+        loaded = first.load_from_checkpoint(
+            run / "ckpt" / "last.ckpt", weights_only=True, **_OPTIONS, **options
+        )
+        _assert_close(loaded.state_dict(), checkpoint["state_dict"], 0.0)
         export_checkpoint(run / "ckpt" / "last.ckpt", run / "export", onnx=False)
         assert list(torch.load(run / "export" / "weights.pt", weights_only=True)) == eager_keys
         resumed = _fit(run / "b", _model(then, **options), 12, ckpt_path=str(run / "ckpt" / "last.ckpt"))
@@ -227,29 +229,28 @@ def test_a_compiled_submodules_checkpoints_resume_eagerly_and_back(tmp_path):
             _assert_close(_plain(resumed[rank]["state"]), reference[rank]["state"])
         compiled = head if first is _CompiledTrunk else resumed
         keys = compiled[0]["decisions"]["strip_compiled_prefix"]
-        assert keys["value"] is True and "['trunk']" in keys["reason"], keys
+        assert keys["value"] is False and "['trunk']" in keys["reason"], keys
         assert "strip_compiled_prefix" not in (resumed if first is _CompiledTrunk else head)[0]["decisions"]
 
 
-def test_compiled_keys_switch_off_is_stock_and_either_spelling_loads():
-    """strip_compiled_prefix=False leaves torch's keys; on, the keys (and the version metadata's module paths)
-    drop the compiled submodule's ``_orig_mod`` level, and either spelling loads into either module."""
+def test_compiled_keys_save_stock_keys_unless_stripping_and_either_spelling_loads():
+    """By default torch's keys are saved, as stock; ``strip_compiled_prefix=True`` drops the compiled submodule's
+    ``_orig_mod`` level from the keys (and the version metadata's module paths); either spelling loads into
+    either module whatever the setting."""
     compiled, eager = _model(_CompiledTrunk, batchnorm=True), _model(batchnorm=True)
     stock = compiled.state_dict()
-    assert (
-        CompiledKeys(False).save(stock, compiled) is stock and CompiledKeys(False).load(stock, eager) is stock
-    )
-    assert CompiledKeys(False).decision(compiled).value is False
+    assert CompiledKeys().save(stock, compiled) is stock
+    assert CompiledKeys().decision(compiled).value is False
     assert CompiledKeys().decision(eager) is None  # nothing compiled inside: nothing differs from stock
-    assert SoloDDP(strip_compiled_prefix=False).decisions["strip_compiled_prefix"].value is False
     assert "strip_compiled_prefix" not in SoloDDP().decisions
-    keys = CompiledKeys()
-    plain = keys.save(stock, compiled)
+    assert SoloDDP(strip_compiled_prefix=True).decisions["strip_compiled_prefix"].value is True
+    for keys in (CompiledKeys(), CompiledKeys(strip=True)):
+        eager.load_state_dict(keys.load(stock, eager))  # a compiled run's checkpoint into the eager module
+        compiled.load_state_dict(keys.load(eager.state_dict(), compiled))  # and back
+        assert keys.load(stock, compiled) is stock  # already its spelling
+    plain = CompiledKeys(strip=True).save(stock, compiled)
     assert list(plain) == list(eager.state_dict())
     assert plain._metadata["trunk.1"] == {"version": 2}  # BatchNorm's version, under its eager path
-    eager.load_state_dict(keys.load(plain, eager))
-    eager.load_state_dict(keys.load(stock, eager))  # a stock compiled run's checkpoint
-    compiled.load_state_dict(keys.load(eager.state_dict(), compiled))
-    assert keys.load(stock, compiled) is stock  # already its spelling
+    eager.load_state_dict(CompiledKeys().load(plain, eager))
     with pytest.raises(ValueError, match="strip_compiled_prefix must be True or False"):
         SoloDDP(strip_compiled_prefix="yes")

@@ -148,7 +148,7 @@ def _compile(run: Path, summary: dict, decided: Decided) -> None:
     assert "0 recompiles in training steps" in decided["compile"]["reason"], decided["compile"]
     state = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)["state_dict"]
     assert not [k for k in state if "_orig_mod" in k]
-    assert decided["strip_compiled_prefix"]["value"] is False, decided["strip_compiled_prefix"]
+    assert decided["strip_compiled_prefix"]["value"] is True, decided["strip_compiled_prefix"]
 
 
 class Run(NamedTuple):
@@ -198,8 +198,8 @@ RUNS = {
         ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
     ),
     # aot_eager: Dynamo's capture and DDPOptimizer's split without inductor's C++ compile (~30 s a graph on CPU).
-    # strip_compiled_prefix=false: passed on to SoloDDP, which records the user's setting.
-    "compile": Run([*_strategy(compile="{backend:aot_eager}", strip_compiled_prefix="false")], _compile),
+    # strip_compiled_prefix=true: passed on to SoloDDP, which records the user's setting.
+    "compile": Run([*_strategy(compile="{backend:aot_eager}", strip_compiled_prefix="true")], _compile),
     # Each rank splits the CPU threads alike (OMP_NUM_THREADS), or the preflight stops the run: SoloFSDP's
     # launcher in every rank, as DDPStrategy's, not in rank 0 only (ModelParallelStrategy).
     "fsdp_on_cpu": Run(["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2"], _fsdp),

@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 from lightning_solo.checkpoint.io import SoloCheckpointIO
+from lightning_solo.ddp.compiled_keys import eager_key
 
-# Wrappers that prefix parameter names: DDP, torch.compile, and Lightning-side attribute paths.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# DDP's wrapper prefixes parameter names (torch.compile's `_orig_mod` level is dropped wherever it is).
+_WRAPPER_PREFIXES = ("module.",)
 
 
 def plain_state_dict(state_dict: dict[str, Any], prefix: str | None = None) -> dict[str, torch.Tensor]:
@@ -57,6 +58,7 @@ def plain_state_dict(state_dict: dict[str, Any], prefix: str | None = None) -> d
 
 
 def _strip_wrappers(key: str) -> str:
+    key = eager_key(key)  # a compiled module's level, outermost (fit(torch.compile(model))) or a submodule's
     stripped = True
     while stripped:
         stripped = False

@@ -1,12 +1,18 @@
-"""``SoloDDP(strip_compiled_prefix=True)``: a compiled submodule (``self.net = torch.compile(Net())``) saves its
-weights under the eager module's keys (``net.weight``, not ``net._orig_mod.weight``), and a checkpoint loads with
-either form, so checkpoints move between compiled and eager runs in both directions.
+"""Compiled submodules' checkpoint keys. A compiled submodule (``self.net = torch.compile(Net())``) is torch's
+``OptimizedModule`` holding the net as ``_orig_mod``, so its weights are ``net._orig_mod.weight``, where the eager
+module has ``net.weight``.
 
-Stock Lightning saves ``lightning_module.state_dict()`` as it is (``_orig_mod.`` inside; only
-``ModelParallelStrategy`` maps such keys, for optimizer states), so a compiled run's checkpoint does not load into
-the eager module, nor an eager one into the compiled module. Compiling the whole LightningModule
-(``fit(torch.compile(model))``, ``SoloDDP(compile=True)``) keeps the module object and adds no prefix: nothing to do
-there, and nothing is stripped twice.
+* **Loading, always**: a checkpoint loads through the Trainer (``fit/validate/test(ckpt_path=...)``) with either
+  spelling into either module, so checkpoints move between compiled and eager runs in both directions. Stock
+  raises on the other spelling: this only acts where stock would fail.
+* **Saving**: torch's keys by default, as stock, because ``Model.load_from_checkpoint(path)`` (plain
+  ``load_state_dict``, no strategy involved) needs them for a class that compiles its submodule.
+  ``SoloDDP(strip_compiled_prefix=True)`` saves the eager module's keys instead (``net.weight``), for consumers
+  that build the eager module; ``Model.load_from_checkpoint`` of the compiling class then fails, as it would on an
+  eager checkpoint.
+
+Compiling the whole LightningModule (``fit(torch.compile(model))``, ``SoloDDP(compile=True)``) keeps the module
+object and adds no prefix: nothing to do there.
 
 Where: the strategy's ``lightning_module_state_dict`` and ``load_model_state_dict``, not state-dict hooks on the
 module. Lightning takes the weights of every checkpoint it writes from the first (``trainer.save_checkpoint``,
@@ -18,9 +24,10 @@ gives; nothing is left on the module to remove at teardown.
 
 Example::
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # strip_compiled_prefix=False: stock
-    trainer.fit(model)              # model.net = torch.compile(Net()): the checkpoint holds "net.weight"
-    eager_trainer.fit(eager_model, ckpt_path="last.ckpt")                   # and loads into the eager module
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())
+    trainer.fit(model)              # model.net = torch.compile(Net()): "net._orig_mod.weight", as stock
+    eager_trainer.fit(eager_model, ckpt_path="last.ckpt")     # loads into the eager module ("net.weight")
+    SoloDDP(strip_compiled_prefix=True)                       # saves "net.weight"
 """
 
 from __future__ import annotations
@@ -41,40 +48,43 @@ _CHILD = torch_compat.COMPILED_CHILD
 class CompiledKeys:
     """The ``strip_compiled_prefix=`` component of :class:`~lightning_solo.SoloDDP` (see the module docstring)."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = check_bool("strip_compiled_prefix", enabled)
+    def __init__(self, strip: bool = False) -> None:
+        self.strip = check_bool("strip_compiled_prefix", strip)
 
     def decision(self, module: torch.nn.Module | None) -> Decision | None:
-        """What applies to ``module`` (``None``: before there is one); ``None`` when on and ``module`` holds no
-        compiled submodule (nothing differs from stock). Off, always the user's setting."""
+        """What applies to ``module`` (``None``: before there is one). ``None`` at the default when ``module``
+        holds no compiled submodule (nothing differs from stock); stripping is always the user's setting."""
         compiled = [] if module is None else [
             name for name, m in module.named_modules() if name and torch_compat.is_compiled_module(m)
         ]  # fmt: skip
-        if not self.enabled:
-            which = f"{compiled} save" if compiled else "compiled submodules save"
+        which = f"compiled submodules {compiled}" if compiled else "compiled submodules"
+        if self.strip:
             return Decision(
-                "strip_compiled_prefix", False, f"set by the user: {which} '{_CHILD}.' keys, as stock"
+                "strip_compiled_prefix",
+                True,
+                f"set by the user: {which} save the eager module's keys (no '{_CHILD}.'); Model.load_from_checkpoint "
+                "of a class that compiles them needs torch's keys",
             )
         if not compiled:
             return None
         return Decision(
             "strip_compiled_prefix",
-            True,
-            f"compiled submodules {compiled}: checkpoints hold the eager module's keys (no '{_CHILD}.') and load "
-            "either form, so they move between compiled and eager runs",
+            False,
+            f"{which} save torch's keys ('{_CHILD}.'), as stock, which Model.load_from_checkpoint of this class "
+            "needs; through the Trainer a checkpoint loads with either spelling, so it moves between compiled and "
+            "eager runs (strip_compiled_prefix=True: save the eager module's keys)",
         )
 
     def save(self, state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
-        """``state_dict`` (of ``module``) with the ``_orig_mod`` level of each compiled submodule removed."""
+        """``state_dict`` (of ``module``); stripping: with the ``_orig_mod`` level of each compiled submodule
+        removed."""
         inner = _compiled_children(module)
-        if not self.enabled or not inner:
+        if not self.strip or not inner:
             return state_dict
         return _renamed(state_dict, lambda key: _without(key, inner))
 
     def load(self, state_dict: Mapping[str, Any], module: torch.nn.Module) -> Mapping[str, Any]:
         """``state_dict`` with each key ``module`` spells differently, compiled or not, in ``module``'s spelling."""
-        if not self.enabled:
-            return state_dict
         inner = _compiled_children(module)
         # Keys, and module paths for the version metadata; the inner module's path comes after its wrapper's.
         names = [*module.state_dict(), *(name for name, _ in module.named_modules())]
@@ -83,10 +93,15 @@ class CompiledKeys:
             return state_dict  # already this module's spelling (or keys strict loading will name)
 
         def spelled(key: str) -> str:
-            plain = ".".join(part for part in key.split(".") if part != _CHILD)  # whatever compiled it
+            plain = eager_key(key)  # whatever compiled it
             return own.get(plain, key) if plain != key or key not in own.values() else key
 
         return _renamed(state_dict, spelled)
+
+
+def eager_key(key: str) -> str:
+    """``key`` without any compiled module's ``_orig_mod`` level: ``net._orig_mod.weight`` -> ``net.weight``."""
+    return ".".join(part for part in key.split(".") if part != _CHILD)
 
 
 def _compiled_children(module: torch.nn.Module) -> set[str]:

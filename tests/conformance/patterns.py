@@ -488,9 +488,13 @@ class CompiledEncoder(Classifier):
 
 @pattern(timeout=120)
 def compile_submodule(trainer):
-    model = CompiledEncoder()
-    trainer().fit(model, loader())
-    return model
+    """Then what an evaluation script does with the checkpoint: ``load_from_checkpoint`` of the same class,
+    outside any Trainer (a plain strict ``load_state_dict``, which no strategy sees)."""
+    t = trainer()
+    t.fit(CompiledEncoder(), loader())
+    path = os.path.join(t.default_root_dir, "compiled_submodule.ckpt")
+    t.save_checkpoint(path)
+    return CompiledEncoder.load_from_checkpoint(path, weights_only=True)
 
 
 # Stock DDP registers the parameters that are trainable when it wraps the module: a backbone unfrozen later is never
