@@ -20,47 +20,6 @@ from tests.helpers import REPO, TINY_RUN, run_cli
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_default_run_end_to_end(tmp_path):
-    # The default: small_cnn on scikit-learn's digits (real images, held-out split), 2 gloo processes, 10 epochs.
-    started = time.perf_counter()
-    proc = run_cli(["trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280)
-    wall = time.perf_counter() - started
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "lightning_solo run summary" in proc.stdout + proc.stderr
-    runs = list((tmp_path / "outputs" / "train").iterdir())
-    assert len(runs) == 1, f"expected one run directory (children share rank 0's), got {runs}"
-    run = runs[0]
-    assert len(list(tmp_path.rglob(".hydra"))) == 1
-    assert (run / "train_ddp_process_1.log").exists(), "rank 1 must log into rank 0's run directory"
-    summary = json.loads((run / "summary.json").read_text())
-    print(
-        f"default run: wall {wall:.1f} s, val/acc {summary['val_acc']:.4f}, "
-        f"{summary['samples_per_second']:.1f} samples/s"
-    )
-    assert summary["world_size"] == 2 and summary["global_batch"] == 64
-    doctor = json.loads((run / "doctor.json").read_text())  # TrainingDoctor is on by default
-    assert Path(summary["doctor"]["json"]).resolve() == (run / "doctor.json").resolve()
-    assert (run / "doctor.png").exists()
-    assert (
-        doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"]
-        and len(doctor["series"]["ranks"]) == 2
-    )
-    assert summary["global_step"] == 230  # 1,437 training images / 64 per step, rounded up, × 10 epochs
-    assert summary["val_acc"] >= 0.97  # 360 held-out digits; chance is 0.1
-    ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
-    net = SmallCNN(num_classes=10, in_channels=1)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    net.load_state_dict(state)
-    dm = DigitsDataModule()
-    dm.setup("fit")
-    x, y = dm.val_set.tensors
-    with torch.no_grad():
-        accuracy = (net.eval()(x).argmax(1) == y).float().mean().item()
-    assert abs(accuracy - summary["val_acc"]) < 0.003, "the checkpoint is the model the summary scored"
-
-
 @pytest.mark.timeout(240)
 def test_resnet_4gpu_cpu_dry_run(tmp_path):
     proc = run_cli(
@@ -158,17 +117,56 @@ def _readme_command(module: str, containing: str = "") -> list[str]:
     raise AssertionError(f"the README shows no `python -m {module}` command with {containing!r}")
 
 
+def _default_run_end_to_end(tmp_path, args: list[str]) -> dict:
+    # The default: small_cnn on scikit-learn's digits (real images, held-out split), 2 gloo processes, 10 epochs.
+    started = time.perf_counter()
+    proc = run_cli(
+        [*args, "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280, module="lightning_solo.run"
+    )
+    wall = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "lightning_solo run summary" in proc.stdout + proc.stderr
+    runs = list((tmp_path / "outputs" / "train").iterdir())
+    assert len(runs) == 1, f"expected one run directory (children share rank 0's), got {runs}"
+    run = runs[0]
+    assert len(list(tmp_path.rglob(".hydra"))) == 1
+    assert (run / "train_ddp_process_1.log").exists(), "rank 1 must log into rank 0's run directory"
+    summary = json.loads((run / "summary.json").read_text())
+    print(
+        f"default run: wall {wall:.1f} s, val/acc {summary['val_acc']:.4f}, "
+        f"{summary['samples_per_second']:.1f} samples/s"
+    )
+    assert summary["world_size"] == 2 and summary["global_batch"] == 64
+    doctor = json.loads((run / "doctor.json").read_text())  # TrainingDoctor is on by default
+    assert Path(summary["doctor"]["json"]).resolve() == (run / "doctor.json").resolve()
+    assert (run / "doctor.png").exists()
+    assert (
+        doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"]
+        and len(doctor["series"]["ranks"]) == 2
+    )
+    assert summary["global_step"] == 230  # 1,437 training images / 64 per step, rounded up, × 10 epochs
+    assert summary["val_acc"] >= 0.97  # 360 held-out digits; chance is 0.1
+    ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
+    net = SmallCNN(num_classes=10, in_channels=1)
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    net.load_state_dict(state)
+    dm = DigitsDataModule()
+    dm.setup("fit")
+    x, y = dm.val_set.tensors
+    with torch.no_grad():
+        accuracy = (net.eval()(x).argmax(1) == y).float().mean().item()
+    assert abs(accuracy - summary["val_acc"]) < 0.003, "the checkpoint is the model the summary scored"
+    return summary
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_readme_first_command_then_its_evaluate_commands(tmp_path):
-    # The README's first command (shortened to one epoch), then its evaluate commands on that run, as written.
+    # The README's first command, the default run end to end, then its evaluate commands on that run, as written.
     first = _readme_command("lightning_solo.run")
     assert first == [], "the first command is the defaults"
-    proc = run_cli([*first, "trainer.max_epochs=1", "trainer.enable_progress_bar=false"], cwd=tmp_path,
-                   timeout=150, module="lightning_solo.run")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    trained = _default_run_end_to_end(tmp_path, first)
     (run,) = (tmp_path / "outputs" / "train").iterdir()  # the default run directory, outputs/train/<run>
-    trained = json.loads((run / "summary.json").read_text())
 
     evaluate = [a.replace("<run>", run.name) for a in _readme_command("lightning_solo.evaluate", "ckpt=auto")]
     assert evaluate == ["ckpt=auto", f"ckpt_dir=outputs/train/{run.name}"]

@@ -46,6 +46,7 @@ def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
     assert all(rank["decision"]["value"] == "reuse freed memory" for rank in ranks), ranks[0]["decision"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_solo_ddp_fit_with_every_default_reuses_freed_memory(tmp_path):

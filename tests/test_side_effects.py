@@ -96,6 +96,7 @@ def probe(mode: str, **env: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_memory_probe_leaves_malloc_alone_without_the_pack_setting():
     # cpu_malloc_reuse=False: glibc still adapts its threshold after the probes (before, they fixed it at 32 MiB).

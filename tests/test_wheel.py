@@ -43,6 +43,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
