@@ -5,8 +5,7 @@ to a few batches, ending in a checkpoint. Each run also checks that its options 
 
 Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
-``auto_batch_size=memory`` or ``logger=none``; ``parallelism=fsdp`` on CPU is the seventh, ``compile`` the
-eighth. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
+``auto_batch_size=memory``, ``logger=none`` or ``compile``; ``parallelism=fsdp`` on CPU is the seventh. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
 every rank the same.
 Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
 
@@ -186,9 +185,20 @@ RUNS = {
         ],
         _bf16,
     ),
-    "powersgd-bf16_mixed": Run(
-        ["parallelism.precision=bf16-mixed", *_strategy(comm_hook="powersgd", powersgd_start_iter=2)],
-        _powersgd,
+    # compile: aot_eager (Dynamo's capture and DDPOptimizer's split without inductor's C++ compile, ~30 s a graph
+    # on CPU), bf16 autocast inside the compiled step, PowerSGD on DDP's buckets; strip_compiled_prefix=true:
+    # passed on to SoloDDP, which records the user's setting.
+    "powersgd-bf16_mixed-compile": Run(
+        [
+            "parallelism.precision=bf16-mixed",
+            *_strategy(
+                comm_hook="powersgd",
+                powersgd_start_iter=2,
+                compile="{backend:aot_eager}",
+                strip_compiled_prefix="true",
+            ),
+        ],
+        lambda run, summary, decided: (_powersgd(run, summary, decided), _compile(run, summary, decided)),
     ),
     "post_local_sgd-no_logger": Run(
         ["logger=none", *_strategy(comm_hook="post_local_sgd", local_sgd_warmup=2)], _post_local_sgd
@@ -197,9 +207,6 @@ RUNS = {
     "auto": Run(
         ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
     ),
-    # aot_eager: Dynamo's capture and DDPOptimizer's split without inductor's C++ compile (~30 s a graph on CPU).
-    # strip_compiled_prefix=true: passed on to SoloDDP, which records the user's setting.
-    "compile": Run([*_strategy(compile="{backend:aot_eager}", strip_compiled_prefix="true")], _compile),
     # Each rank splits the CPU threads alike (OMP_NUM_THREADS), or the preflight stops the run: SoloFSDP's
     # launcher in every rank, as DDPStrategy's, not in rank 0 only (ModelParallelStrategy).
     "fsdp_on_cpu": Run(["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2"], _fsdp),

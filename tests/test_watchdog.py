@@ -149,7 +149,7 @@ def test_a_healthy_run_says_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stock_ddp_waits_the_whole_timeout_and_names_no_rank(tmp_path):
-    # DDPStrategy(timeout=8 s), rank 1 asleep 20 s in training_step: rank 0 fails only after the timeout.
+    # DDPStrategy(timeout=8 s), rank 1 asleep 12 s in training_step: rank 0 fails only after the timeout.
     proc, _, stall = run(tmp_path, "stock")
     end = json.loads((tmp_path / "end.json").read_text())
     assert proc.returncode != 0 and end["ended"] == "RuntimeError", end

@@ -29,7 +29,6 @@ import contextlib
 import gc
 import inspect
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -51,7 +50,6 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster, cpu_malloc
 from lightning_solo.core.checks import check_bool, check_number
-from lightning_solo.core.cluster import gloo_interface_warning
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp import comm, syncbn
 from lightning_solo.ddp import precision as amp
@@ -253,17 +251,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._layer_sync_request: Any = None  # Trainer(sync_batchnorm=...)'s plugin, once setup read it
         self._layer_sync_read = False
         self._precision_options = precision_options
-        self._gloo_side_group = bool(gloo_side_group)
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
         self._watchdog = WatchdogSession(watchdog)
-        # Made once per process: the monitored barrier's group (None: the world) and the side channel.
-        self._barrier_group: Any = None
-        self._barrier_made = False
-        self._side_group: Any = None
-        self._side_group_made = False
+        self._groups = comm.SideGroups(gloo=gloo_side_group)  # made once per process, at the first setup
         self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
         self._advice: list[str] = []
         self._rewrap_listeners: list[
@@ -295,13 +288,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def barrier_group(self) -> Any:
         """The monitored barrier's group: the world when it runs gloo, a gloo side group under NCCL; ``None``: a
         plain barrier (no gloo to be had, or no live process group yet)."""
-        return self._barrier_group
+        return self._groups.barrier
 
     @property
     def side_group(self) -> Any:
         """A gloo group apart from DDP's, for collectives beside training (unused-parameter evidence, the SIGTERM
         and requeue agreements); ``None`` before the first setup makes it, or where gloo cannot be had."""
-        return self._side_group
+        return self._groups.side_group
 
     @property
     def sync_batchnorm_threshold(self) -> int:
@@ -395,22 +388,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._decide(
             Decision("process_group_backend", self.process_group_backend, "nccl on CUDA, gloo otherwise")
         )
-        # A group creation is a collective: once per process, and only with a live process group (none exists
-        # when `init_process_group` is mocked, as in Lightning's own strategy tests); the next setup makes it.
-        if not self._barrier_made and torch.distributed.is_available() and torch.distributed.is_initialized():
-            if (
-                self.num_nodes > 1
-                and self._gloo_side_group
-                and self.local_rank == 0
-                and (warning := gloo_interface_warning())
-            ):
-                warnings.warn(warning, stacklevel=2)
-            # None (the plain barrier, evidence over the world) when gloo cannot be had in time, on every rank.
-            self._barrier_group, decision = comm.barrier_group(
-                self._collective_timeout, side_group=self._gloo_side_group, device=self.root_device
-            )
-            self._barrier_made = True
-            self._decide(decision)
+        # The monitored barrier's group: once per process, every rank alike (one rank per node warns).
+        warn = self.num_nodes > 1 and self.local_rank == 0
+        if (barrier := self._groups.setup(self._collective_timeout, self.root_device, warn)) is not None:
+            self._decide(barrier)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -635,9 +616,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
         with self._watchdog.collective(f"barrier {name!r}" if name else "barrier"):
-            if self._barrier_group is None or not torch.distributed.is_initialized():
+            if self._groups.barrier is None or not torch.distributed.is_initialized():
                 return super().barrier(name, *args, **kwargs)
-            comm.monitored_barrier(name, self._collective_timeout, self._barrier_group)
+            comm.monitored_barrier(name, self._collective_timeout, self._groups.barrier)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -744,18 +725,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _side_channel(self) -> Any:
-        """The side group, made on first use on every rank alike: apart from DDP's, for the collectives "auto"
-        issues while DDP may still hold buckets back (the fast path's usage map, a gradient-carrying all_gather's
-        backward): gloo matches collectives per group. ``None`` without gloo; "auto" then stays on True."""
-        if not self._side_group_made:
-            self._side_group_made = True
-            if self._barrier_group is torch.distributed.group.WORLD:  # the world runs gloo (on CPU tensors)
-                self._side_group = torch.distributed.new_group(
-                    backend="gloo", timeout=self._timeout, group_desc="solo_side"
-                )  # the name the watchdog's flight-recorder words use
-            else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
-                self._side_group = self._barrier_group
-        return self._side_group
+        return self._groups.side(self._timeout)
 
     def _rewrap(self) -> None:
         self._ddp_kwargs["find_unused_parameters"] = self._unused.find_unused

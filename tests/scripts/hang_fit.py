@@ -11,7 +11,7 @@ at step STEP, as MODE says:
 * ``checkpoint``: rank 0's checkpoint write stalls halfway (pickling an object that never returns);
 * ``kill``: rank 1 sends itself SIGKILL in ``training_step``;
 * ``none``: nothing stalls (the watchdog must stay quiet);
-* ``stock``: stock ``DDPStrategy(timeout=8 s)``, rank 1 sleeps 20 s in ``training_step`` (the contrast).
+* ``stock``: stock ``DDPStrategy(timeout=8 s)``, rank 1 sleeps 12 s in ``training_step`` (the contrast).
 
 The stalling rank writes OUT_DIR/stall.json (its rank, the time the stall began) just before it stalls; rank 0
 writes OUT_DIR/end.json when its fit returns or raises (the exception's type and message).
@@ -90,7 +90,7 @@ class Stalling(Tiny):
         if self.global_rank == 1 and self.global_step == STEP:
             if self.mode in ("sleep", "stock"):
                 stall_marker(self.out, 1)
-                time.sleep(20 if self.mode == "stock" else 3600)
+                time.sleep(12 if self.mode == "stock" else 3600)
             elif self.mode == "extra" and batch_idx == STEP:
                 stall_marker(self.out, 1)
                 self.trainer.strategy.all_gather(torch.ones(1), group=self.extra)

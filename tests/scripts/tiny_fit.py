@@ -1,8 +1,10 @@
-"""Fit a tiny model on 2 CPU processes with the popen launcher (re-runs this script for rank 1).
+"""Fit a tiny model on 2 CPU processes with the popen launcher (re-runs this script for rank 1), twice in the same
+processes: first ``strategy="solo_ddp"``, then ``strategy=SoloDDP()`` (the second Trainer joins the ranks and the
+process group the first one made, as a script with two fits does).
 
-    python tests/scripts/tiny_fit.py string|instance OUT_DIR
+    python tests/scripts/tiny_fit.py OUT_DIR
 
-Each rank writes its parameter vector to OUT_DIR/rank<k>.pt; rank 0 also writes the strategy type.
+Each rank writes each fit's parameter vector to OUT_DIR/<mode>/rank<k>.pt; rank 0 also writes the strategy type.
 """
 
 import sys
@@ -17,7 +19,7 @@ import lightning_solo
 from lightning_solo import SoloDDP
 
 
-def main(mode: str, out: Path) -> None:
+def fit(mode: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
     strategy = "solo_ddp" if mode == "string" else SoloDDP()
@@ -41,4 +43,5 @@ def main(mode: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for mode in ("string", "instance"):
+        fit(mode, Path(sys.argv[1]) / mode)

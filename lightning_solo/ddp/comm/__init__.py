@@ -6,7 +6,13 @@ package is docs/design.md; the public names are re-exported here."""
 from lightning_solo.checkpoint.rank_shards import shard_dir
 from lightning_solo.ddp.comm.auto import AUTO_CANDIDATES, AutoCommHook, decide_comm_hook, make_comm_hook
 from lightning_solo.ddp.comm.averaging import InPlaceAverager, average_in_place, node_groups
-from lightning_solo.ddp.comm.barrier import SIDE_GROUP_TIMEOUT, backend_for, barrier_group, monitored_barrier
+from lightning_solo.ddp.comm.barrier import (
+    SIDE_GROUP_TIMEOUT,
+    SideGroups,
+    backend_for,
+    barrier_group,
+    monitored_barrier,
+)
 from lightning_solo.ddp.comm.hooks import (
     CHECKPOINT_KEY,
     COMM_HOOKS,
@@ -24,6 +30,7 @@ __all__ = [
     "AutoCommHook",
     "CommHook",
     "InPlaceAverager",
+    "SideGroups",
     "average_in_place",
     "backend_for",
     "barrier_group",

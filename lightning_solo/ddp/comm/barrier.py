@@ -1,12 +1,15 @@
-"""A barrier that names the ranks that did not arrive, and the gloo side group it runs on under NCCL."""
+"""A barrier that names the ranks that did not arrive, the gloo side group it runs on under NCCL, and one
+strategy's groups beside DDP's (:class:`SideGroups`)."""
 
 import re
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_solo.core.cluster import gloo_interface_warning
 from lightning_solo.core.decision import Decision
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
@@ -116,3 +119,54 @@ def _world_device(backend: str) -> torch.device:
     if backend_for(backend, "cuda") is not None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class SideGroups:
+    """One strategy's groups beside DDP's, made once per process on every rank alike (a group creation is a
+    collective) and kept across fits: ``barrier``, the monitored barrier's group (:func:`barrier_group`; ``None``:
+    the plain barrier), and :meth:`side`, the side channel.
+
+    Example::
+
+        groups = SideGroups(gloo=True)                       # SoloDDP(gloo_side_group=True)
+        decision = groups.setup(timeout, device, warn_interface=True)   # each setup; the first makes them
+        groups.side(timeout)                                 # the unused-parameter evidence, the agreements
+    """
+
+    def __init__(self, gloo: bool = True) -> None:
+        self.gloo = bool(gloo)
+        self.barrier: Any = None
+        self.made = False  # the barrier's group
+        self._side: Any = None
+        self._side_made = False
+
+    def setup(
+        self, timeout: timedelta, device: torch.device, warn_interface: bool = False
+    ) -> Decision | None:
+        """The barrier's group, the first time there is a live process group (none where ``init_process_group``
+        is mocked, as in Lightning's own strategy tests: the next setup makes it). ``warn_interface``: warn when
+        gloo would pick a network interface other nodes may not reach (one rank per node says it)."""
+        if self.made or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self.gloo and warn_interface and (warning := gloo_interface_warning()):
+            warnings.warn(warning, stacklevel=3)
+        self.barrier, decision = barrier_group(timeout, side_group=self.gloo, device=device)
+        self.made = True
+        return decision
+
+    @property
+    def side_group(self) -> Any:
+        """The side channel if :meth:`side` made it, else ``None``."""
+        return self._side
+
+    def side(self, timeout: timedelta | None) -> Any:
+        """The side group, made on first use: apart from DDP's, for the collectives "auto" issues while DDP may
+        still hold buckets back (the fast path's usage map, a gradient-carrying all_gather's backward), and the
+        agreements: gloo matches collectives per group. ``None`` without gloo ("auto" then stays on True)."""
+        if not self._side_made:
+            self._side_made = True
+            if self.barrier is dist.group.WORLD:  # the world runs gloo (on CPU tensors): a group of its own
+                self._side = dist.new_group(backend="gloo", timeout=timeout, group_desc="solo_side")
+            else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
+                self._side = self.barrier
+        return self._side
