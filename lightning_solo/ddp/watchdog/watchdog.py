@@ -16,9 +16,10 @@ the interpreter lock does not silence the watchdog. The first verdict is written
 summary in the store (no shared file system assumed); the judge that wrote the verdict waits up to
 :data:`FLIGHT_RECORD_WAIT_S` for the live ranks' summaries, adds the flight recorder's words
 (:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and writes that one line to the store and to
-``verdict.txt``. Each rank waits, up to ``grace_s`` from its verdict, for the others' dumps, prints the line on its
-own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster keeps a log per node or per rank), ends its own child
-processes (loader workers, one of which may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`.
+``verdict.txt``. Each rank prints the line on its own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster
+keeps a log per node or per rank), says "dumped", waits up to ``grace_s`` from its verdict for the others' "dumped",
+ends its own child processes (loader workers, one of which may be the stuck one) and exits with status
+:data:`HANG_EXIT_CODE`.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 
 from lightning_solo.core.checks import check_number
 from lightning_solo.ddp.watchdog import flight_recorder
@@ -370,6 +372,13 @@ class Watchdog:
                     time.sleep(0.05)
                 if self._store.check([_FINAL]):
                     self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
+        # Every rank's stderr carries the line (one log per node or per rank on a cluster), rank-prefixed as
+        # Lightning prefixes its per-rank messages; printed before "dumped", on which the others may exit, and with
+        # them a launcher (torchrun, popen under a job) may kill this rank.
+        end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
+        with contextlib.suppress(Exception):
+            sys.stderr.write(rank_prefixed_message(f"{self.verdict.line}{end}", self.rank) + "\n")
+            sys.stderr.flush()
         try:
             self._store.set(f"dumped/{self.rank}", "1")
             if abort:  # the store's host must outlive the others' dumps
@@ -383,12 +392,6 @@ class Watchdog:
                     time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
-        # Every rank's stderr carries the line (one log per node or per rank on a cluster), rank-prefixed as
-        # Lightning prefixes its per-rank messages.
-        end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
-        with contextlib.suppress(Exception):
-            sys.stderr.write(f"[rank: {self.rank}] {self.verdict.line}{end}\n")
-            sys.stderr.flush()
         if abort:
             # This rank's own child processes (loader workers; one may be the stuck one) would outlive it.
             for child in multiprocessing.active_children():
