@@ -63,11 +63,12 @@ def _launch(tmp_path: Path, ntasks: int, env: dict[str, str]) -> list[subprocess
     return procs
 
 
-def _wait_for(path: Path, procs, timeout: float, tmp_path: Path) -> None:
+def _wait_for(path: Path, procs, timeout: float, tmp_path: Path, text: str = "") -> None:
+    """Until ``path`` exists (and holds ``text``); fails early once every process has exited."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not (path.exists() and text in path.read_text()):
         if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
-            raise AssertionError(f"{path.name} never appeared:\n{_logs(tmp_path)}")
+            raise AssertionError(f"{path.name} never held {text or 'anything'!r}:\n{_logs(tmp_path)}")
         time.sleep(0.1)
 
 
@@ -82,9 +83,12 @@ def _kill(procs) -> None:
         proc.wait(timeout=10)
 
 
-def _requeue_then_resume(tmp_path: Path, ntasks: int, env: dict[str, str], signalled: list[int]) -> dict:
-    """Launch, signal ``signalled`` ranks past step 3, wait for ``scontrol requeue``, kill the job (as SLURM does
-    on requeue), check the checkpoint, relaunch with SLURM_RESTART_COUNT=1; returns what the first launch saw."""
+def _requeue_then_resume(
+    tmp_path: Path, ntasks: int, env: dict[str, str], signalled: list[int], last_words: str = ""
+) -> dict:
+    """Launch, signal ``signalled`` ranks past step 3, wait for ``scontrol requeue`` (and for rank 0 to log
+    ``last_words``), kill the job (as SLURM does on requeue), check the checkpoint, relaunch with
+    SLURM_RESTART_COUNT=1; returns what the first launch saw."""
     _stub_scontrol(tmp_path)
     (tmp_path / "out").mkdir()
     first = _launch(tmp_path, ntasks, {**env, "SLOW_STEPS": "1"})
@@ -94,6 +98,8 @@ def _requeue_then_resume(tmp_path: Path, ntasks: int, env: dict[str, str], signa
         for rank in signalled:
             os.kill(first[rank].pid, signal.SIGUSR1)
         _wait_for(tmp_path / "scontrol.log", first, 60, tmp_path)
+        # The handler logs after scontrol returns: killing at once would race it.
+        _wait_for(tmp_path / "launch_0_rank0.log", first, 30, tmp_path, text=last_words)
     finally:
         _kill(first)
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", JOB_ID]
@@ -136,7 +142,7 @@ def test_requeue_when_submitit_owns_the_signal(tmp_path):
     # submitit takes SIGUSR1 first (SUBMITIT_PREEMPT_SIGNAL=USR1), so Lightning installs no handler. Only rank 1
     # gets the signal: the ranks still save together, and rank 0 hands over to submitit, which requeues and exits.
     env = {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}
-    result = _requeue_then_resume(tmp_path, ntasks=2, env=env, signalled=[1])
+    result = _requeue_then_resume(tmp_path, ntasks=2, env=env, signalled=[1], last_words="Exiting gracefully")
     assert result["seen"]["lightning_owns"] is False
     assert result["seen"]["decisions"]["requeue"] == "solo"
     assert result["manifest"]["trigger"] == "requeue" and result["manifest"]["signal"] == "SIGUSR1"
