@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_solo import SoloDDP
 from lightning_solo.ddp.agreed_end import AgreedEnd
-from lightning_solo.ddp.uneven import check_policy
+from lightning_solo.ddp.uneven import _agree_length, check_policy
 
 BATCH = 4
 TRAIN = (10, 13)  # training batches per epoch, rank 0 and rank 1
@@ -106,8 +106,12 @@ class Net(L.LightningModule):
 
     def on_fit_end(self):
         decision = self.trainer.strategy.decisions.get("uneven_data")
+        found = None  # what a callback reading trainer.train_dataloader finds: the loader, its dataset, its length
+        if isinstance(loader := self.trainer.train_dataloader, DataLoader):
+            found = [type(loader).__name__, type(loader.dataset).__name__, self.trainer.num_training_batches]
         record = {
             "seen": self.seen,
+            "train_loader": found,
             "params": [p.detach().flatten().tolist() for p in self.parameters()],
             "decision": decision.as_dict() if decision else None,
         }
@@ -115,13 +119,13 @@ class Net(L.LightningModule):
             json.dump(record, f, default=str)
 
 
-def fit(out, strategy, **net) -> list[dict]:
+def fit(out, strategy, net=None, trainer=None, **options) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
+    t = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=out, **(trainer or {}),
     )  # fmt: skip
-    trainer.fit(Net(out, **net))
+    t.fit((net or Net)(out, **options))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -217,21 +221,38 @@ class DifferentLen(Net):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("net", "loaders", "fix"),
-    [(DifferentLen, "evaluation", "the same __len__, or none"), (MapStyle, "training", "DistributedSampler")],
-)
-def test_lengths_lightning_would_part_raise_instead_of_hanging(tmp_path, net, loaders, fix):
-    # Lightning schedules each rank's epoch end and validation by its own length: the rank with 10 batches validates
-    # after its 10th while the other goes on (stock: "Connection closed by peer"). Both ranks raise a ValueError
-    # at setup (the fork launcher passes it on in its ProcessRaisedException).
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_epochs=1,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, use_distributed_sampler=False)  # fmt: skip
-    with pytest.raises(
-        Exception, match=f"ValueError: uneven data: the ranks' {loaders} loaders have \\[.*\\] batches.*{fix}"
-    ):
-        trainer.fit(net(tmp_path))
+@pytest.mark.parametrize("net", [MapStyle, DifferentLen])
+def test_lengths_lightning_would_part_are_agreed_at_the_shortest(tmp_path, net):
+    # Lightning schedules each rank's epoch end and validation by its own len(): the rank with 10 batches would
+    # validate after its 10th while the other goes on (stock: "Connection closed by peer"). Every rank's loader
+    # reports the shortest length instead, and the run trains as one whose data was cut to the shortest.
+    no_sampler = {"use_distributed_sampler": False}  # each rank's own shard, as a user's own sampler gives it
+    uneven = fit(tmp_path / "uneven", SoloDDP(start_method="fork"), net, no_sampler)
+    cut = fit(tmp_path / "cut", SoloDDP(start_method="fork", uneven_data=False), net, no_sampler,
+              train=(10, 10), val=(4, 4))  # fmt: skip
+    for rank in uneven:
+        assert rank["seen"] == {"train": [10, 10], "val": [2, 4, 4], "predict": []}, rank["seen"]
+        # The loader a callback finds is the one the even run has, its length agreed.
+        assert rank["train_loader"] == cut[0]["train_loader"]
+        assert rank["train_loader"][::2] == ["DataLoader", 10]
+    assert_same_weights(uneven[0], uneven[1])
+    assert_same_weights(uneven[0], cut[0])
+
+
+def test_an_agreed_length_is_the_loaders_own_again_after_the_run():
+    class Loader(DataLoader):
+        """A user's subclass."""
+
+    loader = Loader(list(range(40)), batch_size=4)
+    _agree_length(loader, 7)
+    assert len(loader) == 7 and isinstance(loader, Loader) and type(loader).__name__ == "Loader"
+    assert len(list(loader)) == 10, (
+        "the iterator is the loader's own: Lightning stops it at the agreed length"
+    )
+    _agree_length(loader, 5)  # a later setup agrees again
+    assert len(loader) == 5 and type(loader).__base__ is Loader
+    _agree_length(loader, None)
+    assert type(loader) is Loader and len(loader) == 10 and "_solo_agreed_len" not in vars(loader)
 
 
 @pytest.mark.multiproc

@@ -17,11 +17,14 @@ the same batch, so ``is_last_batch`` (and with it the epoch-end validation, the 
 checkpoints) is the same on every rank.
 
 The longer ranks' extra batches are not read that epoch. A ``__len__`` that overstates ends as the data does, on
-every rank together (with no epoch-end validation, as on one process: Lightning waits for the promised batch). Map-style loaders are left alone: their sampler's length is what they give, and
-``DistributedSampler`` gives every rank the same. Where the ranks' lengths differ and Lightning, which schedules
-each rank by its own length, would part them (a training loader of map-style data, an ``IterableDataset`` whose
-``__len__`` differs), the loader's setup raises a ``ValueError`` that says so, instead of the hang. A loader that is
-not a torch ``DataLoader`` is left alone. ``SoloDDP(uneven_data=False)``: as stock.
+every rank together (with no epoch-end validation, as on one process: Lightning waits for the promised batch).
+Lightning schedules each rank by its loader's ``len()`` (the epoch's end, its validation, an evaluation's limit).
+Where the ranks' lengths differ and that schedule would part them (a training loader of map-style data, whose every
+step has a collective; an ``IterableDataset`` whose ``__len__`` differs), every rank's loader reports the shortest
+length, agreed once at setup (one all-gather, where Lightning reduces the lengths too), and Lightning runs that
+many batches on every rank, as under ``limit_train_batches``. An uneven map-style *evaluation* loader is left as it
+is: stock runs it to each rank's own end where the evaluation has no per-batch collective. A loader that is not a
+torch ``DataLoader`` is left alone. ``SoloDDP(uneven_data=False)``: as stock.
 
 Example::
 
@@ -68,6 +71,7 @@ class UnevenData:
         self.policy = check_policy(policy)
         self._group: Any = None
         self._wrapped: list[DataLoader] = []
+        self._capped: list[DataLoader] = []
 
     def setup(self, world_size: int, group: Any) -> Decision:
         """This run's group (the gloo side group; ``None`` where there is none) and what the policy does."""
@@ -83,35 +87,25 @@ class UnevenData:
             "shortest",
             "an IterableDataset's loaders are read one batch ahead and the ranks agree asynchronously at each batch "
             "on the first end any rank knows: every rank ends the epoch (or evaluation) at the batch where the "
-            "first rank runs out, the longer ranks' extra batches unread; map-style loaders as they are "
+            "first rank runs out, the longer ranks' extra batches unread; where the ranks' loader lengths differ "
+            "(map-style training data, an IterableDataset's __len__), each reports the shortest, agreed at setup; "
+            "map-style evaluation loaders as they are "
             "(SoloDDP(uneven_data=False): as stock, which hangs or fails on uneven data)",
         )
 
     def on_dataloader(self, dataloader: Any, trainer: Any) -> Any:
         """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
-        the policy runs); any other as it is. Through its ``_get_iterator``, which :meth:`uninstall` gives back.
-
-        Raises ``ValueError`` where the ranks' lengths differ and Lightning would part them: an ``IterableDataset``
-        whose ``__len__`` differs (Lightning schedules the epoch's end, its validation and an evaluation's limit by
-        each rank's own length), or a training loader of map-style data (every step has a collective). One
-        all-gather of the lengths per sized loader, where Lightning reduces them too; an uneven map-style
-        evaluation loader is left as it is (stock runs it where the evaluation has no per-batch collective). A
-        batch limit (``limit_train_batches=7``, ...) at or below every rank's length keeps the ranks together."""
+        the policy runs) and its length the shortest rank's where the ranks' lengths differ and Lightning would
+        part them (see the module's docstring); any other as it is. Through its ``_get_iterator`` and its class
+        (:func:`_agree_length`), which :meth:`uninstall` gives back. A batch limit (``limit_train_batches=7``, ...)
+        at or below every rank's length keeps the ranks together by itself."""
         if self._group is None or not isinstance(dataloader, DataLoader):
             return dataloader
         training = trainer is not None and trainer.training
         iterable = isinstance(dataloader.dataset, IterableDataset)
-        if (iterable or training) and len(set(_limited(lengths := self._lengths(dataloader), trainer))) > 1:
-            fix = (
-                "give every rank the same __len__, or none (SoloDDP then ends every rank at the first rank's end)"
-                if iterable
-                else "give every rank the same number of batches (DistributedSampler, drop_last=True)"
-            )
-            raise ValueError(
-                f"uneven data: the ranks' {'training' if training else 'evaluation'} loaders have {lengths} "
-                f"batches, and Lightning schedules each rank by its own length, so the ranks would part and hang: "
-                f"{fix}; SoloDDP(uneven_data=False): as stock"
-            )
+        if (iterable or training) and len(set(limited := _limited(self._lengths(dataloader), trainer))) > 1:
+            _agree_length(dataloader, int(min(limited)))
+            self._capped.append(dataloader)
         if iterable and not any(dataloader is wrapped for wrapped in self._wrapped):
             agreed = _AgreedIterators(dataloader._get_iterator, self._group)
             dataloader._get_iterator = agreed  # type: ignore[method-assign,assignment]  # undone by uninstall()
@@ -132,7 +126,9 @@ class UnevenData:
         """Give the loaders their own iterators back (a later run decides again)."""
         for dataloader in self._wrapped:
             vars(dataloader).pop("_get_iterator", None)
-        self._wrapped = []
+        for dataloader in self._capped:
+            _agree_length(dataloader, None)
+        self._wrapped, self._capped = [], []
 
 
 def _limited(lengths: list[int], trainer: Any) -> list[float]:
@@ -148,6 +144,32 @@ def _limited(lengths: list[int], trainer: Any) -> list[float]:
         )
     limit = limit if isinstance(limit, int) else math.inf  # a fraction scales each rank's own length
     return [min(length if length >= 0 else math.inf, limit) for length in lengths]
+
+
+def _agreed_len(dataloader: Any) -> int:
+    """``__len__`` of a loader whose ranks agreed on a length (:func:`_agree_length`)."""
+    return dataloader._solo_agreed_len
+
+
+_AGREED_CLASSES: dict[type, type] = {}  # a loader's own class -> its subclass with the agreed ``__len__``
+
+
+def _agree_length(dataloader: DataLoader, length: int | None) -> None:
+    """``len(dataloader)`` is ``length`` from now on, or its own again (``None``). The loader stays the user's
+    object, of a subclass of its own class named as it: ``trainer.train_dataloader.dataset``, ``isinstance`` and
+    its iterators are as they were (``DataLoader`` refuses a new sampler once built, and rebuilding it would call a
+    subclass's ``__init__`` again)."""
+    agreed_now = type(dataloader) in _AGREED_CLASSES.values()
+    own: type = type(dataloader).__mro__[1] if agreed_now else type(dataloader)
+    if length is None:
+        vars(dataloader).pop("_solo_agreed_len", None)
+        dataloader.__class__ = own
+        return
+    if (agreed := _AGREED_CLASSES.get(own)) is None:
+        names = {"__len__": _agreed_len, "__qualname__": own.__qualname__, "__module__": own.__module__}
+        agreed = _AGREED_CLASSES[own] = type(own.__name__, (own,), {**names, "__doc__": own.__doc__})
+    dataloader._solo_agreed_len = length  # type: ignore[attr-defined]
+    dataloader.__class__ = agreed
 
 
 class _AgreedIterators:
