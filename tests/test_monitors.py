@@ -16,7 +16,6 @@ from lightning_solo import SoloDDP
 from lightning_solo.callbacks import ProfilerWindow, ResourceMonitor
 from lightning_solo.diagnostics.resource_monitor import decide_every_n_steps
 from lightning_solo.diagnostics.resources import CPU_KEYS, ResourceSampler, decide_sources
-from tests.helpers import TINY_RUN, run_cli
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import read_rank_records, write_rank_record
 
@@ -90,29 +89,3 @@ def test_min_max_across_ranks_and_a_trace_per_global_rank(tmp_path):
         assert (
             sum(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"]) == 2
         )  # active=2
-
-
-@pytest.mark.cli
-@pytest.mark.multiproc
-@pytest.mark.timeout(240)
-def test_the_runner_checks_watches_monitors_and_profiles(tmp_path):
-    # The default callbacks (Preflight, LossWatch, ResourceMonitor) and profile=window in a real 2-process run.
-    args = [*TINY_RUN, "data.train_size=256", "hydra.run.dir=run", "trainer.enable_progress_bar=false",
-            "profile=window", "callbacks.profiler_window.wait=0", "callbacks.resource_monitor.every_n_steps=2"]  # fmt: skip
-    proc = run_cli(args, cwd=tmp_path, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "run"
-    for rank in (0, 1):
-        assert (
-            json.loads((run / "profile" / f"trace_rank{rank}.json").read_text())["distributedInfo"]["rank"]
-            == rank
-        )
-    with open(run / "csv" / "version_0" / "metrics.csv") as f:
-        steps = [r["step"] for r in csv.DictReader(f) if r.get("system/cpu/process_percent_max")]
-    assert steps == ["2", "4"]
-    decisions = {
-        d["setting"]: d["value"] for d in json.loads((run / "summary.json").read_text())["decisions"]
-    }
-    assert decisions["preflight"] == "passed" and decisions["loss_watch.grad_norm"] is True
-    assert decisions["resource_monitor.every_n_steps"] == 2
-    assert "preflight = 'passed': 2 rank(s) agree on torch" in proc.stdout + proc.stderr  # the summary table

@@ -1,7 +1,7 @@
 """Every option the README documents runs on top of the runner's default config (small_cnn on the digits, 2 gloo
 processes, every default callback), as a user types it: ``python -m lightning_solo.run OPTION``, one epoch cut
 to a few batches, ending in a checkpoint. Each run also checks that its options are in force: the decisions in
-``summary.json``, the hook state in the checkpoint, the profiler's traces.
+``summary.json``, the hook state in the checkpoint, the profiler's traces, the default callbacks' records.
 
 Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
@@ -11,6 +11,7 @@ Each run spends most of its ~10 s importing, one rank after the other, so two ru
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -110,7 +111,17 @@ def _bf16(run: Path, summary: dict, decided: Decided) -> None:
     assert decided["comm_hook"]["value"] == "bf16"
     assert decided["sync_batchnorm"]["value"] is True  # auto: 16 per device is below the threshold (32)
     assert decided["find_unused_parameters"]["value"] in (True, False)  # auto: decided from the evidence
-    assert {p.name for p in (run / "profile").iterdir()} >= {"trace_rank0.json", "trace_rank1.json"}
+    # profile=window: one trace per global rank; the default callbacks (Preflight, LossWatch, ResourceMonitor)
+    # at work, ResourceMonitor at the interval the run set.
+    for rank in (0, 1):
+        trace = json.loads((run / "profile" / f"trace_rank{rank}.json").read_text())
+        assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
+    with open(run / "csv" / "version_0" / "metrics.csv") as f:
+        steps = [r["step"] for r in csv.DictReader(f) if r.get("system/cpu/process_percent_max")]
+    assert steps == [str(step) for step in range(2, 13, 2)]
+    assert decided["resource_monitor.every_n_steps"]["value"] == 2
+    assert decided["preflight"]["value"] == "passed" and decided["loss_watch.grad_norm"]["value"] is True
+    assert "2 rank(s) agree on torch" in decided["preflight"]["reason"], decided["preflight"]
 
 
 def _powersgd(run: Path, summary: dict, decided: Decided) -> None:
@@ -181,6 +192,7 @@ RUNS = {
             "parallelism.precision=auto",
             "data.batch_size=16",
             "profile=window",
+            "callbacks.resource_monitor.every_n_steps=2",
             *_strategy(comm_hook="bf16", sync_batchnorm="auto", find_unused_parameters="auto"),
         ],
         _bf16,
