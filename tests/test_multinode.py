@@ -114,31 +114,6 @@ def _run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
-@pytest.mark.cli
-@pytest.mark.multiproc
-@pytest.mark.timeout(300)
-def test_runner_on_two_torchrun_nodes(tmp_path):
-    # docs/multi-node.md's way to set NCCL/gloo variables on every rank: here gloo's interface, for real.
-    env_set = "+hydra.job.env_set.GLOO_SOCKET_IFNAME=lo"
-    nodes = torchrun_nodes([*TORCHRUN, *RUN, env_set], tmp_path, timeout=280)
-    _assert_ok(nodes)
-    assert not any("gloo picks its interface" in node.output for node in nodes)
-    run = _run_dir(tmp_path)
-    assert len(list(tmp_path.rglob(".hydra"))) == 1, "only global rank 0 writes .hydra/"
-    assert (run / "train_ddp_process_1.log").exists(), (
-        "rank 1 (the other node) logs into rank 0's run directory"
-    )
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["world_size"], summary["num_nodes"], summary["devices_per_node"]) == (2, 2, 1)
-    assert summary["cluster_environment"] == "TorchElasticEnvironment"
-    assert summary["global_batch"] == 16 and summary["global_step"] == STEPS  # 8 × 1 device × 2 nodes
-    decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
-    assert decisions["lr_global_batch"] == 16 and decisions["lr_scale"] == pytest.approx(16 / 256)
-    assert summary["lr"]["peak"] == pytest.approx(0.2 * 16 / 256)  # model.optimizer.lr × the scale
-    assert decisions["run_dir"] == run.name and decisions["start_method"] == "external"
-    assert "world size                 2 = 2 node(s) × 1 device(s)" in nodes[0].output
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_trainer_with_solo_ddp_on_two_torchrun_nodes(tmp_path):
@@ -159,24 +134,37 @@ def test_trainer_with_solo_ddp_on_two_torchrun_nodes(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_elastic_restart_resumes_from_the_newest_verified_checkpoint(tmp_path):
+def test_runner_on_two_torchrun_nodes_restarts_and_resumes_from_the_newest_verified_checkpoint(tmp_path):
+    # The runner on two torchrun nodes; rank 1 exits once, the agents restart the group, which resumes.
     steps = [
         "+callbacks.checkpoint.every_n_train_steps=2",
         "callbacks.checkpoint.monitor=null",
         "callbacks.checkpoint.save_top_k=1",
         "+callbacks.die._target_=tests.helpers.elastic.DieOnce",  # rank 1 exits at step 3, once
+        "+hydra.job.env_set.GLOO_SOCKET_IFNAME=lo",  # docs/multi-node.md's way to set a variable on every rank
     ]
     nodes = torchrun_nodes([*TORCHRUN, *RUN, *steps], tmp_path, timeout=400, max_restarts=1)
     _assert_ok(nodes)
     output = "\n".join(node.output for node in nodes)
+    assert "gloo picks its interface" not in output  # GLOO_SOCKET_IFNAME reached every rank
+    assert len(list(tmp_path.rglob(".hydra"))) == 1, "only global rank 0 writes .hydra/"
     assert "DieOnce: rank 1 exits at step 3" in output
     run = _run_dir(tmp_path)
     assert (
         run.name == "torchrun-elastic"
     )  # the rendezvous id: the same directory before and after the restart
     assert "newest checkpoint that verifies (global step 2)" in output, "the restarted group logs its resume"
+    assert (run / "train_ddp_process_1.log").exists(), (
+        "rank 1 (the other node) logs into rank 0's run directory"
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == STEPS, "the restarted run ends where an uninterrupted one does"
+    assert (summary["world_size"], summary["num_nodes"], summary["devices_per_node"]) == (2, 2, 1)
+    assert summary["cluster_environment"] == "TorchElasticEnvironment" and summary["global_batch"] == 16
     decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
     assert decisions["resume"].endswith("checkpoints/last.ckpt")
     assert decisions["resume_after_restart"] == "auto"
+    assert decisions["lr_global_batch"] == 16 and decisions["lr_scale"] == pytest.approx(16 / 256)
+    assert summary["lr"]["peak"] == pytest.approx(0.2 * 16 / 256)  # model.optimizer.lr × the scale
+    assert decisions["run_dir"] == run.name and decisions["start_method"] == "external"
+    assert "world size                 2 = 2 node(s) × 1 device(s)" in nodes[0].output
