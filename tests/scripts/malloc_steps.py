@@ -1,5 +1,5 @@
 """DDP steps outside the reducer (as accumulation's ``no_sync`` and post-local-SGD's local steps run them) on
-2 fresh gloo processes, counting each step's page faults: 12 steps with glibc's malloc as a process starts,
+2 gloo processes forked from a fresh one (glibc's malloc as the imports left it, as in a spawned process), counting each step's page faults: 12 steps with glibc's malloc as a process starts,
 then 12 after :func:`lightning_solo.core.cpu_malloc.decide`.
 
     python tests/scripts/malloc_steps.py OUT_DIR
@@ -56,4 +56,4 @@ def rank_main(rank: int, port: int, out: Path) -> None:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(rank_main, args=(free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(rank_main, args=(free_port(), out), nprocs=2, start_method="fork")
