@@ -1,13 +1,17 @@
 """Cost of SoloDDP's hang watchdog on a 10-15 ms CPU step: 2 gloo processes x 1 thread, an MLP sized to that step,
 fits with ``watchdog=True`` (the default: a heartbeat every second on a daemon thread, ranks 0 and 1 judging) and
-``watchdog=False`` interleaved round by round (the order alternating), rank 0's median step time per fit. Two
-figures: the median over rounds of (on / off) step-time ratio, and the training thread's own cost per step (the
-phase transitions SoloDDP's hooks make: one batch start, three phases entered and left), timed in-process.
+``watchdog=False`` interleaved round by round (the order alternating), rank 0's median step time per fit. Figures:
+the median over rounds of the (on / off) ratios of the step time and of the CPU time per step, and the training
+thread's own cost per step (the phase transitions SoloDDP's hooks make: one batch start, three phases entered and
+left), timed in-process.
 
     python benchmarks/bench_watchdog.py                    # ~2-3 minutes on 2 idle cores
     python benchmarks/bench_watchdog.py --rounds 8 --steps 200 --hidden 384
     python benchmarks/bench_watchdog.py --costs-only       # seconds: the two costs, no fits
     python benchmarks/bench_watchdog.py --same-processes --rounds 12   # every fit in one long-lived pair of ranks
+
+Each fit also reports the CPU time both processes spent per step (every thread: training, watchdog, gloo), the
+resource the watchdog's work takes; it moves less with scheduling than the step's wall time does.
 
 ``--same-processes``: the fits run in turn in one pair of gloo processes started once (Lightning joins their process
 group, as under torchrun), so that the fresh processes' own variance (placement, allocator, loopback sockets) is
@@ -53,20 +57,30 @@ class MLP(L.LightningModule):
 
 
 class StepTimer(L.Callback):
+    """Rank 0's step times, and the CPU time both processes spent per step (every thread: the training thread,
+    the watchdog's, gloo's), from the 11th step on."""
+
     def __init__(self, out: Path) -> None:
-        self.out, self.starts = out, []
+        self.out, self.starts, self.cpu = out, [], 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.starts.append(time.perf_counter())
+        if len(self.starts) == 11:
+            self.cpu = time.process_time()
 
     def on_train_end(self, trainer, pl_module):
+        steps = len(self.starts) - 11
+        cpu = trainer.strategy.reduce(torch.tensor((time.process_time() - self.cpu) / steps), reduce_op="sum")
         if trainer.is_global_zero:
-            self.out.write_text(json.dumps([b - a for a, b in zip(self.starts, self.starts[1:])]))
+            times = [b - a for a, b in zip(self.starts, self.starts[1:])]
+            self.out.write_text(json.dumps({"times": times, "cpu": float(cpu)}))
 
 
-def fit(watchdog: bool, steps: int, hidden: int, batch: int, start_method: str | None = "fork") -> float:
-    """Rank 0's median step (s) of one fit; ``start_method=None``: the ranks are already running (this process
-    is one of them, in an initialised process group)."""
+def fit(
+    watchdog: bool, steps: int, hidden: int, batch: int, start_method: str | None = "fork"
+) -> tuple[float, float]:
+    """Rank 0's median step (s) of one fit, and both processes' CPU time per step (s); ``start_method=None``: the
+    ranks are already running (this process is one of them, in an initialised process group)."""
     out = Path(tempfile.mkdtemp()) / "times.json"
     data = TensorDataset(
         torch.randn(2 * batch * (steps + 1), 256), torch.randint(0, 10, (2 * batch * (steps + 1),))
@@ -79,15 +93,15 @@ def fit(watchdog: bool, steps: int, hidden: int, batch: int, start_method: str |
     )  # fmt: skip
     trainer.fit(MLP(hidden), DataLoader(data, batch_size=batch))
     if not trainer.is_global_zero:
-        return float("nan")
-    times = json.loads(out.read_text())[10:]  # the first steps warm up
-    return statistics.median(times)
+        return float("nan"), float("nan")
+    measured = json.loads(out.read_text())
+    return statistics.median(measured["times"][10:]), measured["cpu"]  # the first steps warm up
 
 
 def _same_processes(rank: int, world_size: int, rounds: int, steps: int, hidden: int, batch: int) -> dict:
     """One rank of the long-lived pair: every round's two fits, in the same order on both ranks."""
     os.environ["LOCAL_RANK"] = str(rank)  # the ranks are running already (as under torchrun)
-    medians: dict[bool, list[float]] = {True: [], False: []}
+    medians: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for r in range(rounds):
         for watchdog in (True, False) if r % 2 == 0 else (False, True):
             medians[watchdog].append(fit(watchdog, steps, hidden, batch, start_method=None))
@@ -153,9 +167,9 @@ def main() -> None:
     if args.costs_only:
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    medians: dict[bool, list[float]] = {True: [], False: []}
+    fits: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     if args.same_processes:
-        medians = run_ranks(
+        fits = run_ranks(
             _same_processes,
             2,
             args.rounds,
@@ -167,22 +181,23 @@ def main() -> None:
     else:
         for r in range(args.rounds):
             for watchdog in (True, False) if r % 2 == 0 else (False, True):
-                medians[watchdog].append(fit(watchdog, args.steps, args.hidden, args.batch))
-    ratios = [on / off for on, off in zip(medians[True], medians[False])]
-    for r, ratio in enumerate(ratios):
-        print(f"round {r}: on {1000 * medians[True][r]:.2f} ms, off {1000 * medians[False][r]:.2f} ms, "
-              f"ratio {ratio:.3f}", flush=True)  # fmt: skip
-    off = statistics.median(medians[False])
+                fits[watchdog].append(fit(watchdog, args.steps, args.hidden, args.batch))
     where = "one long-lived pair of processes" if args.same_processes else "fresh fork-launched ranks per fit"
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds x {args.steps} steps; hidden {args.hidden}; "
           f"{where}")  # fmt: skip
-    print(f"median step: on {1000 * statistics.median(medians[True]):.2f} ms, off {1000 * off:.2f} ms")
-    print(
-        f"ratio on/off (median over rounds): {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
-    )
-    low, high = median_interval(ratios)
-    print(f"95 % bootstrap interval of that median: {low:.3f}-{high:.3f}")
-    print(f"training-thread work per step = {cost / (1e6 * off):.3%} of the off step")
+    for r, ((on, on_cpu), (off, off_cpu)) in enumerate(zip(fits[True], fits[False])):
+        print(f"round {r}: step on {1000 * on:.2f} / off {1000 * off:.2f} ms; CPU per step (both processes) "
+              f"on {1000 * on_cpu:.2f} / off {1000 * off_cpu:.2f} ms", flush=True)  # fmt: skip
+    for what, i in (("median step (rank 0)", 0), ("CPU time per step (both processes, every thread)", 1)):
+        on = [f[i] for f in fits[True]]
+        off = [f[i] for f in fits[False]]
+        ratios = [a / b for a, b in zip(on, off)]
+        low, high = median_interval(ratios)
+        print(f"{what}: on {1000 * statistics.median(on):.2f} ms, off {1000 * statistics.median(off):.2f} ms; "
+              f"ratio on/off, median over rounds {statistics.median(ratios):.3f} "
+              f"(range {min(ratios):.3f}-{max(ratios):.3f}; 95 % bootstrap interval {low:.3f}-{high:.3f})")  # fmt: skip
+    off_step = statistics.median(f[0] for f in fits[False])
+    print(f"training-thread work per step = {cost / (1e6 * off_step):.3%} of the off step")
 
 
 if __name__ == "__main__":
