@@ -158,15 +158,17 @@ def test_fsdp_commands_on_cpu_work_on_the_default_config(tmp_path):
         "parallelism.devices=2",
         "trainer.max_epochs=1",
     ]
-    proc = run_cli(
-        [*args, "hydra.run.dir=run", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150
-    )
+    # Without OMP_NUM_THREADS, as from a fresh shell: SoloFSDP's launcher in every rank, not the test, gives every
+    # rank the same thread split, or the preflight stops the run (it compares the ranks' environments).
+    proc = run_cli([*args, "hydra.run.dir=run", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150,
+                   unset=("OMP_NUM_THREADS",))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["strategy"] == "SoloFSDP" and summary["world_size"] == 2 and summary["global_batch"] == 64
     assert summary["global_step"] == 23  # 1,437 digits / 64 per step, rounded up
     decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
     assert decisions["fsdp_state_dict"] == "sharded" and decisions["lr_scale"] == pytest.approx(64 / 256)
+    assert decisions["preflight"] == "passed"
     # The sharded checkpoint consolidates into the plain small_cnn, which scores what the run reported.
     consolidate(summary["checkpoint_last"], tmp_path / "model.ckpt")
     state = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]

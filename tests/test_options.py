@@ -5,7 +5,8 @@ to a few batches, ending in a checkpoint. Each run also checks that its options 
 
 Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
-``auto_batch_size=memory``, ``logger=none`` or ``compile``; ``parallelism=fsdp`` on CPU is the seventh. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
+``auto_batch_size=memory``, ``logger=none`` or ``compile``; ``parallelism=fsdp`` on CPU runs in
+test_fsdp.py. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
 every rank the same.
 Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
 
@@ -148,11 +149,6 @@ def _auto(run: Path, summary: dict, decided: Decided) -> None:
     assert list(record["measured_ms"]) == ["exact", "fp16", "bf16", "powersgd"]
 
 
-def _fsdp(run: Path, summary: dict, decided: Decided) -> None:
-    assert summary["strategy"] == "SoloFSDP" and summary["world_size"] == 2
-    assert decided["fsdp_state_dict"]["value"] == "sharded" and decided["preflight"]["value"] == "passed"
-
-
 def _compile(run: Path, summary: dict, decided: Decided) -> None:
     assert decided["compile"]["value"] is True and "inside DDP's forward" in decided["compile"]["reason"]
     assert "0 recompiles in training steps" in decided["compile"]["reason"], decided["compile"]
@@ -219,9 +215,6 @@ RUNS = {
     "auto": Run(
         ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
     ),
-    # Each rank splits the CPU threads alike (OMP_NUM_THREADS), or the preflight stops the run: SoloFSDP's
-    # launcher in every rank, as DDPStrategy's, not in rank 0 only (ModelParallelStrategy).
-    "fsdp_on_cpu": Run(["parallelism=fsdp", "parallelism.accelerator=cpu", "parallelism.devices=2"], _fsdp),
 }
 
 

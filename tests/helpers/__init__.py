@@ -52,12 +52,14 @@ def run_cli(
     module: str = "lightning_solo.app.run",
     python: str = sys.executable,
     full_error: bool = True,
+    unset: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """``python -m module *args``; ``full_error=False`` runs it as a user would, without ``HYDRA_FULL_ERROR``."""
+    """``python -m module *args``; ``full_error=False`` runs it as a user would, without ``HYDRA_FULL_ERROR``;
+    ``unset``: more variables the command starts without (``OMP_NUM_THREADS``, which conftest sets)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1"}
     if not full_error:
         del env["HYDRA_FULL_ERROR"]
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", *unset):
         env.pop(var, None)
     return subprocess.run(
         [python, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
