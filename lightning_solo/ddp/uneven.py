@@ -123,7 +123,7 @@ class UnevenData:
         return [int(t.item()) for t in gathered]
 
     def uninstall(self) -> None:
-        """Give the loaders their own iterators back (a later run decides again)."""
+        """Give the loaders their own iterators and lengths back (a later run decides again)."""
         for dataloader in self._wrapped:
             vars(dataloader).pop("_get_iterator", None)
         for dataloader in self._capped:
