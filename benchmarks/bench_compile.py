@@ -1,5 +1,6 @@
 """torch.compile under SoloDDP on 2 gloo processes: eager SoloDDP, ``SoloDDP(compile=True)`` and stock
-``DDPStrategy`` with ``fit(torch.compile(model))``, through Lightning, for an MLP and a small transformer stack.
+``DDPStrategy`` with ``fit(torch.compile(model))``, through Lightning, for an MLP, a small transformer stack and
+benchmarks/compare.py's ResNet-18.
 
 Each fit is one configuration (its own 2 forked ranks); the configurations run in rounds, their order rotated
 each round, and the figures are medians over rounds of rank 0's numbers: the steady step time (median of the
@@ -33,6 +34,8 @@ MODELS = {
     "mlp": ({"kind": "mlp"}, 64),  # 256 -> 1024 -> 1024 -> 10, 1.3 M parameters
     # 4 layers, d=256, 4 heads, seq 128 (--seq), 3.5 M parameters
     "transformer": ({"kind": "transformer"}, 4),
+    # benchmarks/compare.py's ResNet-18 (CIFAR stem, 11.2 M parameters) on 3x32x32 images; batch 16, not 32: CPU time
+    "resnet18": ({"kind": "resnet18"}, 16),
 }
 # solo_compile_no_split: SoloDDP(compile=True) with torch._dynamo.config.optimize_ddp=False (no DDPOptimizer).
 CONFIGS = ("eager", "solo_compile", "solo_compile_no_split", "stock_compile")
@@ -62,6 +65,10 @@ def _module(kind: str, batch: int, steps: int):
             if kind == "mlp":
                 self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                                          nn.Linear(1024, 10))  # fmt: skip
+            elif kind == "resnet18":
+                from lightning_solo.app.models import build_backbone
+
+                self.net = build_backbone("resnet18", 10, stem="cifar")
             else:
                 layer = nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.0, batch_first=True)
                 self.net = nn.Sequential(nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False),
@@ -74,12 +81,13 @@ def _module(kind: str, batch: int, steps: int):
         def configure_optimizers(self):
             # At 0.01 the transformer's loss climbs from 2.4 to over 100 in 16 steps, and eager and compiled
             # runs part by 1e-3 through that divergence alone; at 1e-3 it trains.
-            return torch.optim.SGD(self.parameters(), lr=0.01 if kind == "mlp" else 1e-3)
+            return torch.optim.SGD(self.parameters(), lr=1e-3 if kind == "transformer" else 0.01)
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(1)
             n = batch * 2 * steps
-            x = torch.randn(n, 256, generator=g) if kind == "mlp" else torch.randn(n, SEQ, D, generator=g)
+            shape = {"mlp": (256,), "resnet18": (3, 32, 32)}.get(kind, (SEQ, D))
+            x = torch.randn(n, *shape, generator=g)
             return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), batch_size=batch)
 
     return Bench()
