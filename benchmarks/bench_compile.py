@@ -13,7 +13,7 @@ gradient arrives at the end of one compiled backward), and the relative differen
 eager SoloDDP's (same seed and data). A last fit per model runs ``compile="auto"`` and
 prints what it kept and why.
 
-    python benchmarks/bench_compile.py                      # ~7 minutes on 2 idle cores at --seq 64
+    python benchmarks/bench_compile.py                      # every model: ~25 minutes on 2 idle cores
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
     python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
     python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
