@@ -20,6 +20,7 @@ from lightning_solo import SoloDDP
 from lightning_solo.checkpoint import verify
 from lightning_solo.checkpoint.select import find_latest_valid
 from lightning_solo.ddp.watchdog import HANG_EXIT_CODE
+from lightning_solo.testing import free_port
 from tests.helpers import REPO
 from tests.helpers.records import watchdog_lines
 
@@ -30,16 +31,34 @@ BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after 
 
 def run(out, mode: str) -> tuple[subprocess.CompletedProcess, float, dict]:
     # Into a file: the run must end by itself, not when the last process holding a pipe open does. In a session
-    # of its own, so that what the run leaves behind (stock's sleeping rank 1) goes with it.
+    # of its own, so that what the run leaves behind (stock's sleeping rank 1) goes with it. Stock's 8 s timeout
+    # also bounds its rendezvous, which a rank 1 started by the popen launcher (a fresh interpreter importing
+    # Lightning on a loaded machine) can miss: its ranks start together, as under torchrun.
+    cmd = [sys.executable, str(SCRIPT), mode, str(out)]
+    external = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "NODE_RANK": "0",
+    }
     with open(out / "output.txt", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)], cwd=out, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        env = {**os.environ, **external, "LOCAL_RANK": "0"} if mode == "stock" else None
+        proc = subprocess.Popen(
+            cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        procs = [proc]
+        if mode == "stock":
+            env = {**os.environ, **external, "LOCAL_RANK": "1"}
+            procs.append(subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
         try:
             code = proc.wait(timeout=110)
         finally:
             ended = time.time()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            for each in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(each.pid, signal.SIGKILL)
+                each.wait()
     proc = subprocess.CompletedProcess([], code, (out / "output.txt").read_text(), "")
     stall = json.loads((out / "stall.json").read_text()) if (out / "stall.json").exists() else {}
     return proc, ended - stall.get("t", ended), stall
