@@ -1,5 +1,7 @@
 """benchmarks/compare.py: the four-contender comparison runs end to end at a tiny size, and every section's
-table is built from its measurements (a benchmark, not a timed test: nothing here asserts a speed)."""
+table is built from its measurements (a benchmark, not a timed test: nothing here asserts a speed). The end-to-end
+run launches each contender as one real rank process (``--world-size 1``): the launch, the worker and the tables
+are the same code at any world size, and every fresh process costs the suite an interpreter's imports (~7 s)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def test_tiny_comparison_runs_four_contenders_in_real_processes(tmp_path):
             "--tiny",
             "--sections",
             "main,allreduce",
+            "--world-size",
+            "1",
             "--out",
             str(out),
         ],

@@ -3,10 +3,12 @@ processes, every default callback), as a user types it: ``python -m lightning_so
 to a few batches, ending in a checkpoint. Each run also checks that its options are in force: the decisions in
 ``summary.json``, the hook state in the checkpoint, the profiler's traces, the default callbacks' records.
 
-Options that do not interact share a run: one comm hook per run (6 runs) carries a precision, a
+Options that do not interact share a run: one comm hook per run (4 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
-``auto_batch_size=memory``, ``logger=none`` or ``compile``; ``parallelism=fsdp`` on CPU runs in
-test_fsdp.py. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
+``auto_batch_size=memory``, ``logger=none`` or ``compile``. Elsewhere: ``parallelism=fsdp`` on CPU in
+test_fsdp.py; ``comm_hook=auto`` (its trial, its checkpointed choice) and ``post_local_sgd`` (its averaging, its
+replicas in checkpoints, resume) in 2-rank fits in test_comm_auto.py and test_comm.py, and the config group that
+reaches them in test_comm.py. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
 every rank the same.
 Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
 
@@ -105,6 +107,7 @@ def _fp16(run: Path, summary: dict, decided: Decided) -> None:
     assert decided["sync_batchnorm"]["value"] is False
     assert decided["find_unused_parameters"]["value"] is False
     assert decided["exact_eval"]["value"] is True
+    assert not (run / "csv").exists()  # logger=none
 
 
 def _bf16(run: Path, summary: dict, decided: Decided) -> None:
@@ -132,23 +135,6 @@ def _powersgd(run: Path, summary: dict, decided: Decided) -> None:
     assert state["hook"] == "powersgd" and state["iter"] == 12 and len(state["shards"]["sha256"]) == 2
 
 
-def _post_local_sgd(run: Path, summary: dict, decided: Decided) -> None:
-    assert decided["comm_hook"]["value"] == "post_local_sgd"
-    state = _hook_state(summary)
-    # local steps since step 2, each rank's replica in its own shard: the checkpoint falls between averages
-    assert state["hook"] == "post_local_sgd" and state["averager_step"] == 12
-    assert len(state["replicas"]["sha256"]) == 2
-    assert not (run / "csv").exists()  # logger=none
-
-
-def _auto(run: Path, summary: dict, decided: Decided) -> None:
-    reason = decided["comm_hook"]["reason"]
-    assert reason.startswith("auto: ") and "measuring" not in reason, reason  # the trial ended, one hook kept
-    record = _hook_state(summary)["auto"]
-    assert record["decided"] and record["name"] == decided["comm_hook"]["value"]
-    assert list(record["measured_ms"]) == ["exact", "fp16", "bf16", "powersgd"]
-
-
 def _compile(run: Path, summary: dict, decided: Decided) -> None:
     assert decided["compile"]["value"] is True and "inside DDP's forward" in decided["compile"]["reason"]
     assert "0 recompiles in training steps" in decided["compile"]["reason"], decided["compile"]
@@ -173,8 +159,9 @@ RUNS = {
         ],
         _no_hook,
     ),
-    "fp16-16_mixed-syncbn_false-unused_false-exact_eval": Run(
+    "fp16-16_mixed-syncbn_false-unused_false-exact_eval-no_logger": Run(
         [
+            "logger=none",
             "parallelism.precision=16-mixed",
             "trainer.limit_train_batches=3",  # real fp16 on CPU: ~35x slower than fp32 in small_cnn
             *_strategy(
@@ -207,13 +194,6 @@ RUNS = {
             ),
         ],
         lambda run, summary, decided: (_powersgd(run, summary, decided), _compile(run, summary, decided)),
-    ),
-    "post_local_sgd-no_logger": Run(
-        ["logger=none", *_strategy(comm_hook="post_local_sgd", local_sgd_warmup=2)], _post_local_sgd
-    ),
-    # 16 per device: 45 batches an epoch, of which 30; the trial (4 candidates × 7 steps) ends after step 28.
-    "auto": Run(
-        ["data.batch_size=16", "trainer.limit_train_batches=30", *_strategy(comm_hook="auto")], _auto
     ),
 }
 

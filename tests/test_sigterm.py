@@ -20,13 +20,15 @@ SCRIPT = REPO / "tests" / "scripts" / "sigterm_fit.py"
 
 
 def fit(out, mode: str, batch: int = 5) -> list[dict]:
-    """``mode`` (see the script): the signal comes at the end of training batch ``batch`` (of 16)."""
+    """``mode`` (see the script): the signal comes at the end of training batch ``batch`` (of 16). Returns the
+    records of the first of ``+``-joined modes."""
     # A session of its own: "group" signals the script's process group, which must not be pytest's.
     proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(batch), str(out)], cwd=out, capture_output=True,
                           text=True, timeout=110, start_new_session=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = 1 if mode == "alone" else 2
-    return [json.loads((out / f"rank{r}.{mode}.batch{batch}.json").read_text()) for r in range(ranks)]
+    first = mode.split("+")[0]
+    return [json.loads((out / f"rank{r}.{first}.batch{batch}.json").read_text()) for r in range(ranks)]
 
 
 def weights(out, mode: str) -> list[dict]:
@@ -49,8 +51,8 @@ def assert_stopped_together(stopped: list[dict], out) -> int:
 
 def assert_resumes_from_the_stop(out, step: int) -> list[dict]:
     # ckpt_path="auto" takes the stop's checkpoint (newer than the last regular one, and not an exception-time
-    # save), and the fit completes.
-    resumed = fit(out, "resume")
+    # save), and the fit completes; then the never-stopped fit, in the same processes.
+    resumed = fit(out, "resume+full")
     for rank in resumed:
         assert rank["ended"] == "normally" and rank["global_step"] == 8 and rank["given_back"], rank
         assert rank["ckpt_path"] == str(out / "ckpt" / "on_sigterm.ckpt") and rank["start_step"] == step, rank
@@ -79,7 +81,6 @@ def test_sigterm_to_every_process_of_the_job_stops_the_ranks_together_and_resume
     step = assert_stopped_together(stopped, tmp_path)
     assert_resumes_from_the_stop(tmp_path, step)
     # Nothing lost, nothing trained twice: the resumed run ends where the run never stopped ends.
-    fit(tmp_path, "full")
     for resumed, full in zip(weights(tmp_path, "resume"), weights(tmp_path, "full")):
         for name, value in full.items():
             torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)

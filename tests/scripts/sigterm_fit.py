@@ -11,6 +11,7 @@ MODE:
   session of its own);
 * ``resume``: ``fit(ckpt_path="auto")`` from what the stopped fit left in OUT_DIR/ckpt, to the end;
 * ``full``: the same fit, never stopped (the reference for the resumed one).
+MODE may name several, joined by ``+`` (``resume+full``): their fits run in turn in the same processes.
 
 SoloDDP's defaults with WarmupScaledLR, SoloCheckpoint (every 2 steps, and on the exception), accumulation 2,
 two loader workers per loader with random augmentation, and validation inside the epoch. Each rank writes
@@ -105,4 +106,5 @@ def main(mode: str, batch: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    for each in sys.argv[1].split("+"):
+        main(each, int(sys.argv[2]), Path(sys.argv[3]))
