@@ -81,7 +81,8 @@ def test_multirun_with_relaunching_launcher_is_refused(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_trainer_trains_two_processes_with_solo_ddp(tmp_path):
-    # strategy="solo_ddp", then strategy=SoloDDP() in the same two processes (popen launcher).
+    # strategy="solo_ddp", then strategy=SoloDDP(watchdog=<the fault tests' small thresholds>) in the same two
+    # processes (popen launcher).
     env_cmd = [sys.executable, str(REPO / "tests" / "scripts" / "tiny_fit.py"), str(tmp_path)]
     proc = subprocess.run(env_cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -94,7 +95,7 @@ def test_trainer_trains_two_processes_with_solo_ddp(tmp_path):
     assert torch.equal(
         torch.load(tmp_path / "string" / "rank0.pt"), torch.load(tmp_path / "instance" / "rank0.pt")
     )
-    # A healthy run: the watchdog says nothing and dumps nothing.
+    # A healthy run: the watchdog says nothing and dumps nothing, at its defaults and at small thresholds.
     assert "SoloDDP watchdog" not in proc.stdout + proc.stderr and not (tmp_path / "hang").exists()
 
 

@@ -1,6 +1,7 @@
 """Fit a tiny model on 2 CPU processes with the popen launcher (re-runs this script for rank 1), twice in the same
-processes: first ``strategy="solo_ddp"``, then ``strategy=SoloDDP()`` (the second Trainer joins the ranks and the
-process group the first one made, as a script with two fits does).
+processes: first ``strategy="solo_ddp"``, then ``strategy=SoloDDP(watchdog=...)`` with the small thresholds of the
+fault-injection runs (tests/scripts/hang_fit.py), which a healthy run must not trip (the second Trainer joins the
+ranks and the process group the first one made, as a script with two fits does).
 
     python tests/scripts/tiny_fit.py OUT_DIR
 
@@ -18,11 +19,14 @@ from user_model import QUIET, Tiny
 import lightning_solo
 from lightning_solo import SoloDDP
 
+# hang_fit.py's thresholds
+WATCHDOG = {"factor": 2.0, "margin_s": 3.0, "first_s": 30.0, "interval_s": 0.25, "grace_s": 5.0}
+
 
 def fit(mode: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
-    strategy = "solo_ddp" if mode == "string" else SoloDDP()
+    strategy = "solo_ddp" if mode == "string" else SoloDDP(watchdog=WATCHDOG)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
