@@ -2,6 +2,7 @@
 its harness kills a check's whole process group at its limit, its table states the targets, and every check with
 a CPU form runs its logic on CPU at tiny sizes."""
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -83,17 +84,9 @@ def test_terminating_the_run_kills_the_running_checks_group():
     )
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
     proc = subprocess.Popen([sys.executable, "-c", parent], env=env, stdout=subprocess.PIPE, text=True)
-    time.sleep(1)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-    deadline = time.monotonic() + 30
-    while not children.read_text().split() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    check = int(children.read_text().split()[0])
-    while (
-        not Path(f"/proc/{check}/task/{check}/children").read_text().split() and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    grandchild = int(Path(f"/proc/{check}/task/{check}/children").read_text().split()[0])
+    deadline = time.monotonic() + 60
+    check = _child(proc.pid, "time.sleep(120)", deadline)
+    grandchild = _child(check, "sleep\x00120", deadline)
     proc.terminate()
     assert proc.wait(timeout=30) == 128 + 15
     time.sleep(0.5)
@@ -115,6 +108,18 @@ def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
     assert "| rng | PASS |" in table, table
     for name in ("asleep", "rng_fresh"):
         assert f"| {name} | TIMEOUT |" in table and "killed after 1 s (process group)" in table, table
+
+
+def _child(pid: int, marker: str, deadline: float) -> int:
+    """The child of ``pid`` whose command line holds ``marker``, once it has started. Other children may come and
+    go meanwhile (an import that runs a tool in a subprocess): they are passed over."""
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                if marker in Path(f"/proc/{child}/cmdline").read_text():
+                    return int(child)
+        time.sleep(0.2)
+    raise AssertionError(f"no child of {pid} running {marker!r}")
 
 
 def _running(pid: int) -> bool:
