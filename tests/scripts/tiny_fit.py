@@ -13,14 +13,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from hang_fit import WATCHDOG  # the fault-injection runs' small thresholds
 from torch.utils.data import DataLoader, TensorDataset
 from user_model import QUIET, Tiny
 
 import lightning_solo
 from lightning_solo import SoloDDP
-
-# hang_fit.py's thresholds
-WATCHDOG = {"factor": 2.0, "margin_s": 3.0, "first_s": 30.0, "interval_s": 0.25, "grace_s": 5.0}
 
 
 def fit(mode: str, out: Path) -> None:
