@@ -35,22 +35,19 @@ def run(out, mode: str) -> tuple[subprocess.CompletedProcess, float, dict]:
     # also bounds its rendezvous, which a rank 1 started by the popen launcher (a fresh interpreter importing
     # Lightning on a loaded machine) can miss: its ranks start together, as under torchrun.
     cmd = [sys.executable, str(SCRIPT), mode, str(out)]
-    external = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": "2",
-        "NODE_RANK": "0",
-    }
+    envs = [None]  # the popen launcher starts rank 1
+    if mode == "stock":
+        external = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": "2",
+            "NODE_RANK": "0",
+        }
+        envs = [{**os.environ, **external, "LOCAL_RANK": str(rank)} for rank in (0, 1)]
     with open(out / "output.txt", "w") as log:
-        env = {**os.environ, **external, "LOCAL_RANK": "0"} if mode == "stock" else None
-        proc = subprocess.Popen(
-            cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        procs = [proc]
-        if mode == "stock":
-            env = {**os.environ, **external, "LOCAL_RANK": "1"}
-            procs.append(subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+        procs = [subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for env in envs]  # fmt: skip
+        proc = procs[0]
         try:
             code = proc.wait(timeout=110)
         finally:
