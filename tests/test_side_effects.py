@@ -1,4 +1,4 @@
-"""No process-wide setting outlives a fit: glibc's malloc (:mod:`lightning_solo.core.cpu_malloc`) is back at its
+"""No process-wide setting outlives a fit: no thread is left behind, glibc's malloc (:mod:`lightning_solo.core.cpu_malloc`) is back at its
 starting values, with the heap the fit kept handed back, and the warning filters are the ones the process had, after
 a fit and a mid-epoch resume on two real ranks; the auto-batch-size memory probe leaves malloc alone where the pack
 does not tune it (``cpu_malloc_reuse=False``, the user's ``MALLOC_*`` settings).
@@ -46,7 +46,7 @@ def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     filters = list(warnings.filters)
     data = TensorDataset(torch.randn(128, 8), torch.randint(0, 2, (128,)))  # 8 batches per rank
-    decisions = {}
+    decisions, threads = {}, []
     for max_steps, ckpt_path in ((3, None), (6, f"{out}/step=3.ckpt")):  # the second resumes mid-epoch
         L.seed_everything(0, verbose=False)
         checkpoint = SoloCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=3, save_top_k=-1)
@@ -55,7 +55,9 @@ def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
         trainer.fit(_Model(), DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=8),
                     ckpt_path=ckpt_path)  # fmt: skip
         decisions.update({k: str(v) for k, v in trainer.strategy.decisions.items()})
+        threads.append(len(os.listdir("/proc/self/task")))  # gloo's native ones too
     return {
+        "threads": threads,
         "added_filters": [str(f) for f in warnings.filters if f not in filters],
         "decisions": decisions,
         "mapped_4m": glibc_malloc.mapped(4 * 2**20),
@@ -85,6 +87,8 @@ def test_a_fit_and_a_resume_leave_no_process_wide_setting_behind(tmp_path):
         assert rank["decisions"]["mid_epoch_resume"].startswith("mid_epoch_resume = 3"), rank["decisions"]
         assert rank["mapped_4m"] and rank["trims"], rank
         assert rank["added_filters"] == [], rank["added_filters"]
+        # Before: each SoloDDP() made its own gloo side group, whose three threads stayed after the fit.
+        assert rank["threads"][1] == rank["threads"][0], rank["threads"]
 
 
 def probe(mode: str, **env: str) -> dict:

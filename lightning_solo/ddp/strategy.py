@@ -256,7 +256,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
         self._watchdog = WatchdogSession(watchdog)
-        self._groups = comm.SideGroups(gloo=gloo_side_group)  # made once per process, at the first setup
+        self._groups = comm.SideGroups(gloo=gloo_side_group)  # made at the first setup
         self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
         self._advice: list[str] = []
         self._rewrap_listeners: list[

@@ -53,8 +53,31 @@ def backend_for(backend: str, device_type: str) -> str | None:
     return pairs.get(device_type)
 
 
+_gloo_groups: tuple[Any, dict[str, Any]] | None = None  # (the default group, its gloo groups by name)
+
+
+def gloo_group(name: str, timeout: timedelta | None) -> Any:
+    """The default group's gloo group called ``name`` (named in flight records and the watchdog's verdict), made
+    at the first call, a collective on every rank alike, and the same group at every later call, with ``timeout``.
+
+    Once per default group, not per strategy: a group keeps its connections and their threads until the default
+    group is destroyed, so a group per ``SoloDDP()`` would leave three threads behind each fit in a notebook or
+    in processes that run many fits.
+    """
+    global _gloo_groups
+    world = dist.group.WORLD
+    if _gloo_groups is None or _gloo_groups[0] is not world:
+        _gloo_groups = (world, {})
+    groups = _gloo_groups[1]
+    if name not in groups:
+        groups[name] = dist.new_group(backend="gloo", timeout=timeout, group_desc=name)
+    elif timeout is not None:
+        dist.set_timeout(timeout, groups[name])
+    return groups[name]
+
+
 def _new_gloo_group(timeout: timedelta):
-    return dist.new_group(backend="gloo", timeout=timeout, group_desc="solo_gloo")  # named in flight records
+    return gloo_group("solo_gloo", timeout)
 
 
 def barrier_group(
@@ -122,8 +145,8 @@ def _world_device(backend: str) -> torch.device:
 
 
 class SideGroups:
-    """One strategy's groups beside DDP's, made once per process on every rank alike (a group creation is a
-    collective) and kept across fits: ``barrier``, the monitored barrier's group (:func:`barrier_group`; ``None``:
+    """One strategy's groups beside DDP's, made at its first setup on every rank alike (a group creation is a
+    collective), kept across its fits and shared with later strategies in the same default group (:func:`gloo_group`): ``barrier``, the monitored barrier's group (:func:`barrier_group`; ``None``:
     the plain barrier), and :meth:`side`, the side channel.
 
     Example::
@@ -166,7 +189,7 @@ class SideGroups:
         if not self._side_made:
             self._side_made = True
             if self.barrier is dist.group.WORLD:  # the world runs gloo (on CPU tensors): a group of its own
-                self._side = dist.new_group(backend="gloo", timeout=timeout, group_desc="solo_side")
+                self._side = gloo_group("solo_side", timeout)
             else:  # the gloo side group of an nccl job, or None where gloo could not be had in time
                 self._side = self.barrier
         return self._side
