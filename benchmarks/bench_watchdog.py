@@ -25,6 +25,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 import timeit
@@ -105,6 +106,10 @@ def _same_processes(rank: int, world_size: int, rounds: int, steps: int, hidden:
     for r in range(rounds):
         for watchdog in (True, False) if r % 2 == 0 else (False, True):
             medians[watchdog].append(fit(watchdog, steps, hidden, batch, start_method=None))
+        if rank == 0 and (r + 1) % 10 == 0:  # a long run says how far it is
+            on, off = (statistics.median(f[0] for f in medians[w]) for w in (True, False))
+            print(f"[bench_watchdog] {r + 1}/{rounds} rounds; median step so far on {1000 * on:.2f} / off "
+                  f"{1000 * off:.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
     return medians
 
 
