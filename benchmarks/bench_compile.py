@@ -17,6 +17,7 @@ prints what it kept and why.
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
     python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
     python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
+    python benchmarks/bench_compile.py --single --models resnet18 --batch 32   # and their gradient parity
 """
 
 from __future__ import annotations
@@ -190,8 +191,13 @@ def main() -> None:
         "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
     )
     parser.add_argument("--seq", type=int, default=SEQ, help="the transformer's sequence length")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="batch per rank for every model (default: MODELS')"
+    )
     args = parser.parse_args()
     globals()["SEQ"] = args.seq  # read by _module in the forked ranks
+    if args.batch:
+        MODELS.update({name: (MODELS[name][0], args.batch) for name in args.models})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore")
     if args.single:
@@ -253,6 +259,53 @@ def _single(models: list[str], steps: int = 8) -> None:
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"{model_name} alone: eager {ms['eager']:.1f} ms, compiled {ms['compiled']:.1f} ms per step; "
               f"compile {first - ms['compiled'] / 1e3:.1f} s")  # fmt: skip
+        print(f"{model_name} alone, batch {batch}: {_gradient_parity(module, compiled, steps=10)}")
+
+
+def _gradient_parity(module, compiled, steps: int) -> str:
+    """Compiled against eager gradients of the same batch from the same weights, at each of ``steps`` SGD steps
+    (taken with the compiled gradient, so the weights move as in a compiled run); how far two runs part when each
+    follows its own gradients, the drift a fit's final weights show; and, at the first step, the same comparison in
+    float64 (the same math or not) beside eager float32's own distance from float64 (float32's rounding here)."""
+    import copy
+
+    import torch
+
+    def grads(net, x, y, params=None):
+        params = list(params or module.net.parameters())
+        for p in params:
+            p.grad = None
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    start = copy.deepcopy(module.net.state_dict())
+    batches = list(zip(range(steps), module.train_dataloader()))
+    x, y = batches[0][1]
+    net64 = copy.deepcopy(module.net).double()
+    eager64 = grads(net64, x.double(), y, net64.parameters())
+    compiled64 = grads(torch.compile(net64), x.double(), y, net64.parameters())
+    float32 = rel(grads(module.net, x, y), eager64)
+    optimizer = torch.optim.SGD(module.net.parameters(), lr=0.01)
+    per_step = []
+    for _, (x, y) in batches:
+        eager = grads(module.net, x, y)
+        per_step.append(rel(grads(compiled, x, y), eager))
+        optimizer.step()
+    after = {}
+    for name, net in (("eager", module.net), ("compiled", compiled)):  # each on its own gradients
+        module.net.load_state_dict(start)
+        optimizer = torch.optim.SGD(module.net.parameters(), lr=0.01)
+        for _, (x, y) in batches:
+            grads(net, x, y)
+            optimizer.step()
+        after[name] = torch.cat([p.detach().flatten().clone() for p in module.net.parameters()])
+    return (f"gradient vs eager at the same weights, relative: max {max(per_step):.1e} over {steps} steps "
+            f"(step 1 {per_step[0]:.1e}, step {steps} {per_step[-1]:.1e}); weights after {steps} steps each on "
+            f"its own gradients: {rel(after['compiled'], after['eager']):.1e}; step 1 in float64: compiled vs "
+            f"eager {rel(compiled64, eager64):.1e}, while eager float32 is {float32:.1e} from eager float64")  # fmt: skip
 
 
 def _rel_diff(out: str, model_name: str, config: str) -> float:
