@@ -35,7 +35,8 @@ MODELS = {
     "mlp": ({"kind": "mlp"}, 64),  # 256 -> 1024 -> 1024 -> 10, 1.3 M parameters
     # 4 layers, d=256, 4 heads, seq 128 (--seq), 3.5 M parameters
     "transformer": ({"kind": "transformer"}, 4),
-    # benchmarks/compare.py's ResNet-18 (CIFAR stem, 11.2 M parameters) on 3x32x32 images; batch 16, not 32: CPU time
+    # benchmarks/compare.py's ResNet-18 (CIFAR stem, 11.2 M parameters) on 3x32x32 images; batch 16 for CPU time
+    # (--batch 32: compare.py's)
     "resnet18": ({"kind": "resnet18"}, 16),
 }
 # solo_compile_no_split: SoloDDP(compile=True) with torch._dynamo.config.optimize_ddp=False (no DDPOptimizer).
@@ -288,7 +289,7 @@ def _gradient_parity(module, compiled, steps: int) -> str:
     eager64 = grads(net64, x.double(), y, net64.parameters())
     compiled64 = grads(torch.compile(net64), x.double(), y, net64.parameters())
     float32 = rel(grads(module.net, x, y), eager64)
-    optimizer = torch.optim.SGD(module.net.parameters(), lr=0.01)
+    optimizer = module.configure_optimizers()  # the fits' optimizer and lr
     per_step = []
     for _, (x, y) in batches:
         eager = grads(module.net, x, y)
@@ -297,7 +298,7 @@ def _gradient_parity(module, compiled, steps: int) -> str:
     after = {}
     for name, net in (("eager", module.net), ("compiled", compiled)):  # each on its own gradients
         module.net.load_state_dict(start)
-        optimizer = torch.optim.SGD(module.net.parameters(), lr=0.01)
+        optimizer = module.configure_optimizers()  # the fits' optimizer and lr
         for _, (x, y) in batches:
             grads(net, x, y)
             optimizer.step()
