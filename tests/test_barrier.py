@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from lightning_solo import SoloDDP
 from lightning_solo.core.cluster import gloo_interface_warning
-from lightning_solo.ddp.comm.barrier import backend_for, barrier_group, monitored_barrier
+from lightning_solo.ddp.comm.barrier import backend_for, barrier_group, gloo_group, monitored_barrier
 from tests.distributed import run_ranks
 from tests.helpers.modules import TinyModule
 
@@ -73,6 +73,9 @@ def _side_group_paths(rank: int, world_size: int) -> dict:
     group, decision = barrier_group(timeout, backend="nccl", device=cpu)
     monitored_barrier("side", timeout, group)
     out["made"] = (group is not dist.group.WORLD and group is not None, decision.value)
+    # A later strategy in the same default group reuses it (a group per strategy kept its threads after the fit).
+    again, _ = barrier_group(timeout, backend="nccl", device=cpu)
+    out["shared"] = (again is group, gloo_group("solo_side", timeout) is group)
     group, decision = barrier_group(timeout, backend="cuda:nccl,cpu:gloo", device=cpu)
     out["mixed"] = (group is dist.group.WORLD, decision.value)
     group, decision = barrier_group(timeout, side_group=False, backend="nccl", device=cpu)
@@ -95,6 +98,7 @@ def _side_group_paths(rank: int, world_size: int) -> dict:
 def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
     for rank, out in enumerate(run_ranks(_side_group_paths, 2)):
         assert out["made"] == (True, "monitored (gloo side group)")
+        assert out["shared"] == (True, False)  # the same group again; another name, another group
         assert out["mixed"] == (True, "monitored")
         assert out["off"][:2] == (None, "plain") and "gloo_side_group=False" in out["off"][2]
         group, value, reason, seconds = out["failed"]

@@ -3,6 +3,7 @@ strategy's groups beside DDP's (:class:`SideGroups`)."""
 
 import re
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,27 +54,32 @@ def backend_for(backend: str, device_type: str) -> str | None:
     return pairs.get(device_type)
 
 
-_gloo_groups: tuple[Any, dict[str, Any]] | None = None  # (the default group, its gloo groups by name)
+_groups: tuple[Any, dict[str, Any]] | None = None  # (the default group, the groups made in it by name)
+
+
+def group_per_world(name: str, make: Callable[[], Any]) -> Any:
+    """The group called ``name`` in the current default group: ``make()``'s at the first call (a group creation is a
+    collective: call it on every rank alike), the same group at every later call until the default group changes.
+
+    A group keeps its connections and their threads until the default group is destroyed, so one made per strategy
+    instance would leave them behind each fit in a notebook or in processes that run many fits.
+    """
+    global _groups
+    world = dist.group.WORLD
+    if _groups is None or _groups[0] is not world:
+        _groups = (world, {})
+    if name not in _groups[1]:
+        _groups[1][name] = make()
+    return _groups[1][name]
 
 
 def gloo_group(name: str, timeout: timedelta | None) -> Any:
-    """The default group's gloo group called ``name`` (named in flight records and the watchdog's verdict), made
-    at the first call, a collective on every rank alike, and the same group at every later call, with ``timeout``.
-
-    Once per default group, not per strategy: a group keeps its connections and their threads until the default
-    group is destroyed, so a group per ``SoloDDP()`` would leave three threads behind each fit in a notebook or
-    in processes that run many fits.
-    """
-    global _gloo_groups
-    world = dist.group.WORLD
-    if _gloo_groups is None or _gloo_groups[0] is not world:
-        _gloo_groups = (world, {})
-    groups = _gloo_groups[1]
-    if name not in groups:
-        groups[name] = dist.new_group(backend="gloo", timeout=timeout, group_desc=name)
-    elif timeout is not None:
-        dist.set_timeout(timeout, groups[name])
-    return groups[name]
+    """The default group's gloo group called ``name`` (named in flight records and the watchdog's verdict), with
+    ``timeout``: :func:`group_per_world`'s, made once and shared by every later strategy."""
+    group = group_per_world(name, lambda: dist.new_group(backend="gloo", timeout=timeout, group_desc=name))
+    if timeout is not None:
+        dist.set_timeout(timeout, group)  # a later strategy's own timeout
+    return group
 
 
 def _new_gloo_group(timeout: timedelta):
@@ -146,8 +152,9 @@ def _world_device(backend: str) -> torch.device:
 
 class SideGroups:
     """One strategy's groups beside DDP's, made at its first setup on every rank alike (a group creation is a
-    collective), kept across its fits and shared with later strategies in the same default group (:func:`gloo_group`): ``barrier``, the monitored barrier's group (:func:`barrier_group`; ``None``:
-    the plain barrier), and :meth:`side`, the side channel.
+    collective), kept across its fits and shared with later strategies in the same default group
+    (:func:`gloo_group`): ``barrier``, the monitored barrier's group (:func:`barrier_group`; ``None``: the plain
+    barrier), and :meth:`side`, the side channel.
 
     Example::
 

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.core.checks import check_choice, check_int
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.comm.barrier import backend_for
+from lightning_solo.ddp.comm.barrier import backend_for, group_per_world
 from lightning_solo.ddp.syncbn.layer import _ORIGINAL_CLS, SoloSyncBatchNorm, convert, has_batchnorm, revert
 
 if TYPE_CHECKING:
@@ -82,9 +82,6 @@ def decide(
     )
 
 
-_own_group: tuple[Any, Any] | None = None  # (the default group it was made in, SyncBN's own group)
-
-
 def sync_group(timeout: timedelta | None = None) -> Any:
     """The group SoloSyncBatchNorm's collectives use in a SoloDDP fit: on NCCL a group of their own, else the
     world (``None``).
@@ -96,15 +93,14 @@ def sync_group(timeout: timedelta | None = None) -> Any:
     buffers on each GPU. Made once per default group, at setup, by every rank alike (``new_group`` is a
     collective over the world). On gloo the world is kept: see docs/design.md (SyncBN) for why.
     """
-    global _own_group
     if not _nccl_world():
         return None
-    world = dist.group.WORLD
-    if _own_group is None or _own_group[0] is not world:
+
+    def make() -> Any:
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        group = dist.new_group(backend="nccl", timeout=timeout, pg_options=options, group_desc="syncbn")
-        _own_group = (world, group)
-    return _own_group[1]
+        return dist.new_group(backend="nccl", timeout=timeout, pg_options=options, group_desc="syncbn")
+
+    return group_per_world("syncbn", make)
 
 
 def _nccl_world() -> bool:
