@@ -1,6 +1,6 @@
-"""No process-wide setting outlives a fit: no thread is left behind, glibc's malloc (:mod:`lightning_solo.core.cpu_malloc`) is back at its
-starting values, with the heap the fit kept handed back, and the warning filters are the ones the process had, after
-a fit and a mid-epoch resume on two real ranks; the auto-batch-size memory probe leaves malloc alone where the pack
+"""No process-wide setting outlives a fit: no thread is left behind, glibc's malloc
+(:mod:`lightning_solo.core.cpu_malloc`) is back at its starting values, with the heap the fit kept handed back, and the
+warning filters are the ones the process had, after a fit and a mid-epoch resume on two real ranks; the auto-batch-size memory probe leaves malloc alone where the pack
 does not tune it (``cpu_malloc_reuse=False``, the user's ``MALLOC_*`` settings).
 
 glibc's thresholds cannot be read back, so :mod:`tests.helpers.glibc_malloc` observes them: whether a 4 MiB block
