@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.stats import median_interval
 from lightning_solo import SoloDDP
 from lightning_solo.ddp.watchdog import HeartbeatWriter, Watchdog, WatchdogSettings, judge
 from lightning_solo.ddp.watchdog import heartbeat as hb
@@ -144,13 +144,6 @@ def beat_cost_ms(world_size: int = 2) -> float:
         judge(dogs[0]._views(), dogs[0].settings.silent_s)
 
     return 1e3 * min(timeit.repeat(beat, number=200, repeat=5)) / 200
-
-
-def median_interval(values: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """The 2.5 and 97.5 percentiles of the median of ``values`` resampled with replacement (a bootstrap)."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def main() -> None:

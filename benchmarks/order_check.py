@@ -9,22 +9,13 @@ Usage::
     python -m benchmarks.order_check --pause 20 # the same with 20 s of idle before each run
 """
 
-import random
 import statistics
 import sys
 
 from benchmarks import compare
+from benchmarks.stats import median_interval
 
 STOCK, SOLO = 'stock Lightning "ddp"', "SoloDDP()"
-
-
-def median_interval(values: list[float], level: float = 0.95, resamples: int = 10_000) -> tuple[float, float]:
-    """A bootstrap interval for the median of ``values`` (percentile method, seeded): if it holds 1.0, the
-    rounds cannot tell SoloDDP from stock at this machine's noise."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,16 +5,27 @@ names ``"solo_ddp"`` and ``"solo_ddp_notebook"`` with Lightning, so ``Trainer(st
 well as ``Trainer(strategy=SoloDDP())``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import gc
 
-from lightning_solo._version import __version__
-from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
-from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.comm.hooks import CommHook
-from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
-from lightning_solo.ddp.strategy import SoloDDP
-from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
-from lightning_solo.fsdp.strategy import SoloFSDP
+# Importing Lightning (torch, torchmetrics, torchvision) makes about a million objects and none of them is garbage,
+# yet the cyclic collector walks them again and again while they load. Paused for these imports, a process starts
+# with ~1.5 s less CPU (benchmarks/bench_startup.py); every rank is such a process. The caller's setting comes back.
+_collecting = gc.isenabled()
+gc.disable()
+try:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_solo._version import __version__
+    from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
+    from lightning_solo.core.decision import Decision
+    from lightning_solo.ddp.comm.hooks import CommHook
+    from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
+    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
+    from lightning_solo.fsdp.strategy import SoloFSDP
+finally:
+    if _collecting:
+        gc.enable()
 
 SoloDDP.register_strategies(StrategyRegistry)
 

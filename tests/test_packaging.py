@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import version as installed_version
@@ -43,3 +44,24 @@ def test_the_wheel_lists_every_package():
         for init in root.rglob("__init__.py")
     }
     assert found - listed == set()
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_package_pauses_the_gc_while_lightning_loads_and_restores_the_callers_setting():
+    # A fresh interpreter: here Lightning is loaded already. Without the pause the collector runs ~1,000 times while
+    # Lightning loads (benchmarks/bench_startup.py: ~12 % of a process's start).
+    code = (
+        "import gc, importlib; count = lambda: sum(s['collections'] for s in gc.get_stats()); before = count(); "
+        "import lightning_solo; during = count() - before; enabled = gc.isenabled(); "
+        "gc.disable(); importlib.reload(lightning_solo); kept_off = not gc.isenabled(); "
+        "print(during, enabled, kept_off, 'lightning' in __import__('sys').modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    during, enabled, kept_off, loaded = proc.stdout.split()
+    assert loaded == "True" and int(during) <= 5, (
+        proc.stdout
+    )  # paused: a collection or two before __init__ runs
+    assert enabled == "True" and kept_off == "True", (
+        proc.stdout
+    )  # on again after; left off where the caller had it
