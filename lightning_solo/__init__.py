@@ -9,7 +9,8 @@ import gc
 
 # Importing Lightning (torch, torchmetrics, torchvision) makes about a million objects and none of them is garbage,
 # yet the cyclic collector walks them again and again while they load. Paused for these imports, a process starts
-# with ~1.5 s less CPU (benchmarks/bench_startup.py); every rank is such a process. The caller's setting comes back.
+# with 12 % less CPU, ~1 s here (benchmarks/bench_startup.py); every rank is such a process. The caller's setting
+# comes back.
 _collecting = gc.isenabled()
 gc.disable()
 try:

@@ -59,9 +59,6 @@ def test_importing_the_package_pauses_the_gc_while_lightning_loads_and_restores_
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=110)
     assert proc.returncode == 0, proc.stderr[-4000:]
     during, enabled, kept_off, loaded = proc.stdout.split()
-    assert loaded == "True" and int(during) <= 5, (
-        proc.stdout
-    )  # paused: a collection or two before __init__ runs
-    assert enabled == "True" and kept_off == "True", (
-        proc.stdout
-    )  # on again after; left off where the caller had it
+    # Paused: a collection or two before __init__ runs. On again after; left off where the caller had it.
+    assert loaded == "True" and int(during) <= 5, proc.stdout
+    assert enabled == "True" and kept_off == "True", proc.stdout
