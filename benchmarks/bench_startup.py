@@ -15,7 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,14 +26,12 @@ from benchmarks.stats import median_interval
 
 def _start(code: str) -> tuple[float, float]:
     """CPU seconds (user + system) and wall seconds of ``python -c code`` in a fresh interpreter."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise SystemExit(f"{code!r} failed:\n{proc.stderr.read().decode() if proc.stderr else ''}")
-    return usage.ru_utime + usage.ru_stime, wall
+        raise SystemExit(f"{code!r} failed:\n{proc.stderr}")
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
 
 
 def main(argv: list[str] | None = None) -> None:
