@@ -64,12 +64,20 @@ class _MLP(L.LightningModule):
             nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
         )
         self.batch_size, self.samples = 16, samples
+        self.steps_taken = 0  # in the state_dict through torch's get_extra_state
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("loss", loss)
+        self.steps_taken += 1
         return loss
+
+    def get_extra_state(self):
+        return {"steps_taken": self.steps_taken}
+
+    def set_extra_state(self, state):
+        self.steps_taken = state["steps_taken"]
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -93,21 +101,24 @@ def _fit(rank, world_size, directory):
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         default_root_dir=directory)  # fmt: skip
     torch.manual_seed(0)
-    trainer.fit(_MLP())
+    model = _MLP()
+    trainer.fit(model)
     return (
         finder.batch_size,
         finder.measured,
         finder.decisions["per_device_batch_size"].reason,
         summary.summary,
+        model.steps_taken,
     )
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_a_batch_in_the_band_and_the_lr_follows(tmp_path):
-    (batch, measured, reason, summary), (batch_1, measured_1, _, _) = run_ranks(
+    (batch, measured, reason, summary, steps), (batch_1, measured_1, _, _, _) = run_ranks(
         _fit, 2, str(tmp_path), timeout=110
     )
+    assert steps == 2  # the probes' steps are undone with the module's state, its extra state included
     print(f"auto_batch_size, cap {CAP_MB} MiB: batch {batch}, measured {measured}; {reason}")
     assert batch == batch_1 > 16 and measured == measured_1
     # The band holds for the largest rank's share, as the finder reads it (the others may sit just under).

@@ -3,7 +3,8 @@
 Stock Lightning's fork launcher leaves ``global_step`` at 0, callbacks untrained and the strategy's decisions
 behind in the workers, and refuses a second ``fit`` on the same Trainer. Each test runs real 2-process fits
 (gloo, fork) and compares the parent with what rank 0 saw, through files the ranks write themselves. What
-crosses is state_dicts and plain CPU data only: a guard walks the parent after a ``16-mixed`` fit for any
+crosses is state_dicts and decisions, as plain CPU data only (an attribute outside a ``state_dict()`` stays in
+the workers, as across a checkpoint): a guard walks the parent after a ``16-mixed`` fit for any
 tensor that is not a plain CPU tensor, with tensors that claim to be on CUDA planted in the workers.
 """
 
@@ -23,8 +24,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.app.run_summary import RunSummary
+from lightning_solo.callbacks import WarmupScaledLR
+from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.carry import LEFT_BEHIND, NotPlain, check_plain, pack, plain, unpack
-from lightning_solo.ddp.launcher import SoloLauncher, capture, public_data
+from lightning_solo.ddp.launcher import SoloLauncher, capture, restore
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import RankRecorder, read_rank_records
 
@@ -33,20 +36,45 @@ STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)
 
 
 class TinyClassifier(TinyModule):
-    """TinyModule that logs its losses and keeps them in a list (a notebook habit: plot afterwards)."""
+    """TinyModule that logs its losses and keeps them in a list (a notebook habit: plot afterwards), in its
+    state_dict through torch's ``get_extra_state``; it also counts its batches in a plain attribute."""
 
     def __init__(self) -> None:
         super().__init__((8, 16, 4), activation=nn.ReLU, loss="cross_entropy", lr=0.1, momentum=0.9)
         self.losses: list[float] = []
+        self.batches_seen = 0  # outside the state_dict: stays in the workers
 
     def training_step(self, batch, batch_idx):
         loss = self.batch_loss(batch)
         self.losses.append(loss.item())
+        self.batches_seen += 1
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.batch_loss(batch), sync_dist=True)
+
+    def get_extra_state(self):
+        return {"losses": self.losses}
+
+    def set_extra_state(self, state):
+        self.losses = list(state["losses"])
+
+
+class StepLog(L.Callback):
+    """A user callback that keeps a list, with a ``state_dict`` as Lightning's docs write one."""
+
+    def __init__(self) -> None:
+        self.steps_seen: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps_seen.append(trainer.global_step)
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state_dict):
+        self.steps_seen = list(state_dict["steps_seen"])
 
 
 def loader() -> DataLoader:
@@ -56,7 +84,7 @@ def loader() -> DataLoader:
 
 
 def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
-    recorder = RankRecorder(on_train_batch_end={"steps_seen": "global_step"})  # a user callback's list
+    recorder = StepLog()  # a user callback's list
     # Each rank's final weights, through a channel independent of the launcher.
     weights = RankRecorder(tmp_path, on_train_end=("state", "global_step", "optimizer"), suffix=".pt")
     summary = RunSummary()
@@ -76,12 +104,17 @@ def make_trainer(tmp_path, strategy, max_epochs: int, name: str):
     return trainer, recorder, summary, checkpoint
 
 
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
 def assert_rank_zero_weights(model, tmp_path, step):
     ranks = read_rank_records(tmp_path, WORLD, suffix=".pt")
     assert [r["global_step"] for r in ranks] == [step] * WORLD
-    for key, value in model.state_dict().items():
+    for key, value in model.state_dict().items():  # the weights and rank 0's extra state (its own losses)
         torch.testing.assert_close(value, ranks[0]["state"][key], rtol=0, atol=0)
-        torch.testing.assert_close(ranks[1]["state"][key], ranks[0]["state"][key], rtol=0, atol=0)
+    for key, value in weights(model).items():
+        torch.testing.assert_close(ranks[1]["state"][key], value, rtol=0, atol=0)
 
 
 @pytest.fixture
@@ -98,14 +131,14 @@ def private_tmpdir(tmp_path, monkeypatch):
 def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     torch.manual_seed(0)
     model = TinyClassifier()
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    initial = weights(model)
     trainer, recorder, summary, checkpoint = make_trainer(tmp_path, SoloDDP(start_method="fork"), 2, "first")
     assert isinstance(trainer.strategy._launcher, SoloLauncher)
     trainer.fit(model, loader(), loader())
 
     steps = 2 * STEPS_PER_EPOCH
     # Weights: changed, and exactly rank 0's (== rank 1's).
-    assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(initial[k], v) for k, v in weights(model).items())
     assert_rank_zero_weights(model, tmp_path, steps)
     # Loop progress: the true step, epoch and logging step (stock Lightning: 0, 0, 0).
     assert (trainer.global_step, trainer.current_epoch) == (steps, 2)
@@ -120,10 +153,11 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     assert math.isclose(
         float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5
     )
-    assert recorder.record["steps_seen"] == list(range(1, steps + 1))
+    assert recorder.steps_seen == list(range(1, steps + 1))
     assert summary.summary is not None and summary.summary["global_step"] == steps
-    # Module attributes filled in training_step; the strategy's decisions made in the workers.
-    assert len(model.losses) == steps
+    # The module's state_dict (its extra state: the losses training_step appended); a plain attribute stays
+    # behind; the strategy's decisions made in the workers.
+    assert len(model.losses) == steps and model.batches_seen == 0
     assert trainer.strategy.decisions["process_group_backend"].value == "gloo"
     assert "cpu_threads" in trainer.strategy.decisions
     assert trainer.strategy.decisions["cpu_malloc"].value == "reuse freed memory"
@@ -145,17 +179,17 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     trainer.fit(model, loader(), loader())
     assert (trainer.global_step, trainer.current_epoch) == (steps + STEPS_PER_EPOCH, 3)
     assert_rank_zero_weights(model, tmp_path, steps + STEPS_PER_EPOCH)
-    assert recorder.record["steps_seen"][-1] == steps + STEPS_PER_EPOCH
+    assert recorder.steps_seen[-1] == steps + STEPS_PER_EPOCH
     assert list(private_tmpdir.iterdir()) == []
 
     # And a fit on a new Trainer in the same process starts its own count.
     trainer2, recorder2, summary2, _ = make_trainer(tmp_path, "solo_ddp_notebook", 1, "second")
     assert isinstance(trainer2.strategy._launcher, SoloLauncher)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = weights(model)
     trainer2.fit(model, loader(), loader())
     assert (trainer2.global_step, trainer2.current_epoch) == (STEPS_PER_EPOCH, 1)
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert recorder2.record["steps_seen"] == list(range(1, STEPS_PER_EPOCH + 1))
+    assert any(not torch.equal(before[k], v) for k, v in weights(model).items())
+    assert recorder2.steps_seen == list(range(1, STEPS_PER_EPOCH + 1))
     assert summary2.summary["global_step"] == STEPS_PER_EPOCH
     assert trainer2.checkpoint_callback.best_model_path.startswith(str(tmp_path / "second"))
 
@@ -166,24 +200,32 @@ class _Point:
     label: str
 
 
-def test_only_public_data_attributes_travel():
-    class Holder:
-        def __init__(self) -> None:
-            self.numbers = [1, 2.5, {"a": (3, None)}]
-            self.point = _Point(torch.ones(2), "p")
-            self.tensor = torch.arange(3)
-            self.module = nn.Linear(2, 2)
-            self.fn = lambda: None
-            self.mixed = [1, nn.Linear(1, 1)]
-            self._private = 7
+class _ListOnly(L.Callback):
+    def __init__(self) -> None:
+        self.filled: list[int] = []
 
-    holder = Holder()
-    got = {name: unpack(blob, name) for name, blob in public_data(holder).items()}
-    assert set(got) == {"numbers", "point", "tensor"}
-    assert got["numbers"] == holder.numbers
-    assert got["point"] == _Point(got["point"].x, "p") and got["point"].x is not holder.point.x
-    assert got["tensor"] is not holder.tensor and torch.equal(got["tensor"], holder.tensor)
-    assert set(public_data(holder, skip=("tensor",))) == {"numbers", "point"}
+
+def test_what_crosses_is_state_dicts_and_decisions():
+    """capture() in the worker, restore() in the parent, without the processes: a callback's public list comes
+    back only through its state_dict(), a callback's decisions through its public record()."""
+
+    def trainer_with(callbacks):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, logger=False, callbacks=callbacks, enable_progress_bar=False
+        )
+        trainer.strategy.connect(TinyClassifier())
+        return trainer
+
+    worker = trainer_with([StepLog(), _ListOnly(), WarmupScaledLR(warmup_steps=0)])
+    steps, plain, warmup = worker.callbacks[:3]
+    steps.steps_seen, plain.filled = [1, 2, 3], [4, 5]
+    warmup.record(Decision("lr_scale", 2.0, "made in the worker"))
+    parent = trainer_with([StepLog(), _ListOnly(), WarmupScaledLR(warmup_steps=0)])
+    restore(parent, capture(worker))
+    steps, plain, warmup = parent.callbacks[:3]
+    assert steps.steps_seen == [1, 2, 3]
+    assert plain.filled == []  # no state_dict: stays in the worker
+    assert warmup.decisions["lr_scale"] == Decision("lr_scale", 2.0, "made in the worker")
 
 
 class _ClaimsCuda(torch.Tensor):
@@ -227,8 +269,7 @@ def test_capture_outside_a_fit_is_empty_of_progress():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     trainer.strategy.connect(TinyClassifier())
     state = capture(trainer)
-    assert state["fit_loop"] is None
-    assert unpack(state["module"]["losses"], "losses") == []
+    assert state["fit_loop"] is None and state["optimizers"] == state["lr_schedulers"] == []
 
 
 def _training_state(trainer, module) -> dict:
@@ -238,23 +279,34 @@ def _training_state(trainer, module) -> dict:
 
 
 class _PlantsDeviceTensors(L.Callback):
-    """In the workers, puts tensors that claim CUDA (and a meta tensor) where a device tensor could be after a
-    GPU fit: the precision plugin, this callback's state_dict() and its attributes."""
+    """In the workers, puts tensors that claim CUDA where a device tensor could be after a GPU fit: the precision
+    plugin, this callback's attribute and its state_dict()."""
 
     def __init__(self) -> None:
         self.on_device: torch.Tensor | None = None
-        self.no_data: torch.Tensor | None = None
 
     def on_train_end(self, trainer, pl_module):
         trainer.precision_plugin.planted = claims_cuda(1.0)
         self.on_device = claims_cuda(float(trainer.global_step))
-        self.no_data = torch.empty(2, device="meta")
 
     def state_dict(self):
         return {"counter": self.on_device} if self.on_device is not None else {}
 
     def load_state_dict(self, state_dict):
         self.counter = state_dict["counter"]
+
+
+class _NoData(L.Callback):
+    """A state_dict() holding a meta tensor, which has no data to copy: refused, never loaded."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.ended = True
+
+    def state_dict(self):
+        return {"m": torch.empty(2, device="meta")} if getattr(self, "ended", False) else {}
+
+    def load_state_dict(self, state_dict):
+        raise AssertionError("a state_dict with a meta tensor reached the parent")
 
 
 def device_tensors(obj, path: str = "", seen: set | None = None, depth: int = 0) -> list[str]:
@@ -312,6 +364,7 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
                 tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}
             ),
             planted,
+            _NoData(),
         ],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -331,9 +384,10 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
         isinstance(v, torch.Tensor) for v in vars(plugin).values()
     ), "the skipped-step counter lives on the device: the parent holds the count"
     assert plugin.skipped_steps == 0 and plugin.scaler.get_scale() == first_end["scale"]
-    assert type(planted.on_device) is torch.Tensor and planted.on_device.tolist() == [3.0]  # converted
-    assert type(planted.counter) is torch.Tensor and planted.counter.tolist() == [3.0]  # its state_dict
-    assert planted.no_data is None  # refused: the parent keeps its own
+    assert planted.on_device is None  # an attribute: stays in the workers
+    assert type(planted.counter) is torch.Tensor and planted.counter.tolist() == [
+        3.0
+    ]  # its state_dict, converted
     assert not torch.cuda.is_initialized()
 
     # The second fit continues the GradScaler and PowerSGD (not init_scale and PowerSGD's warm-up again).
@@ -347,6 +401,12 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
 class _KeepsALot(L.Callback):
     def on_train_end(self, trainer, pl_module):
         self.kept = torch.arange(200_000, dtype=torch.float32)  # 800 KB: far over a pipe's 64 KiB buffer
+
+    def state_dict(self):
+        return {"kept": self.kept} if hasattr(self, "kept") else {}
+
+    def load_state_dict(self, state_dict):
+        self.kept = state_dict["kept"]
 
 
 @pytest.mark.multiproc

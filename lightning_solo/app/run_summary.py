@@ -69,3 +69,13 @@ class RunSummary(L.Callback):
             self.summary = summary
             save_summary(summary, f"{trainer.default_root_dir}/{self.filename}")
             rank_zero_info(format_summary(summary))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Empty until the fit has ended (checkpoints taken during it hold nothing); a forked fit's summary comes
+        # back to the notebook through it.
+        return {"summary": self.summary} if self.summary is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.summary = state_dict.get("summary", self.summary)

@@ -7,16 +7,17 @@ callbacks look untrained (no best score, an empty ``LearningRateMonitor.lrs``, a
 filled is empty), the strategy's decisions are missing, a second ``trainer.fit()`` on the same Trainer
 raises ``NotImplementedError`` (Lightning #18775), and every fit leaves an empty temp directory behind.
 
-SoloLauncher sends back, from local rank 0, after the fit, only ``state_dict()`` s and named results, each
-copied into plain CPU data and checked (:mod:`lightning_solo.ddp.carry`: a tensor is copied to the CPU and
-stripped of any subclass, a meta tensor is refused), so the parent never unpickles a device tensor:
+SoloLauncher sends back, from local rank 0, after the fit, what a checkpoint taken at the fit's end would keep,
+and the decisions made: ``state_dict()`` s and the public ``decisions`` of the objects that decide, each copied
+into plain CPU data and checked (:mod:`lightning_solo.ddp.carry`: a tensor is copied to the CPU and stripped of
+any subclass, a meta tensor is refused), so the parent never unpickles a device tensor:
 
 * the fit loop's ``state_dict()`` (so ``global_step``, ``current_epoch`` and the logging step are the true ones);
-* every callback's ``state_dict()``, loaded with ``load_state_dict`` as on a resume, and its public data
-  attributes, the results a notebook reads (``ModelCheckpoint.best_model_score``, ``RunSummary.summary``,
-  ``WarmupScaledLR.schedule``, a list your own callback filled); private fields stay behind;
-* the module's weights (Lightning's own file, loaded onto the CPU) and its public data attributes
-  (``self.losses = []`` that ``training_step`` appended to);
+* every callback's ``state_dict()``, loaded with ``load_state_dict`` as on a resume (a ``ModelCheckpoint``
+  whose directory the fit resolved first takes that directory, as a fit in one process leaves it, so its best
+  score reloads), and the ``decisions`` of the pack's callbacks, kept with their public ``record()``;
+* the module's ``state_dict()`` (Lightning's own file, loaded onto the CPU): its weights, and what its
+  ``get_extra_state()`` returns (torch's place for a module's plain state, such as a list of losses);
 * the optimizers' and lr schedulers' ``state_dict()`` s, loaded into the parent's own (its module's
   ``configure_optimizers``), so ``trainer.optimizers`` holds the fit's momentum, step counts and lr;
 * the precision plugin's checkpoint state (its ``state_dict()`` and ``on_save_checkpoint``: the GradScaler's
@@ -25,19 +26,22 @@ stripped of any subclass, a meta tensor is refused), so the parent never unpickl
   skipped-step counter lives on the device);
 * the comm hook's ``state_dict()`` (PowerSGD's iteration and every rank's error feedback, post-local-SGD's
   counters), so a second fit continues them;
-* the strategy's ``decisions`` and ``advice``, the logged and progress-bar metrics, the loggers' versions.
+* the strategy's ``state_dict()`` (its decisions and advice), the logged and progress-bar metrics, the loggers'
+  versions.
 
-Objects that are not data (modules, optimizers, hooks, file handles, functions) are never copied: the
-parent keeps its own. The unused-parameter policy is the parent's own object, used by every fit's ranks as it
-is. Because the parent now holds the first fit's state, a second ``fit`` on the same Trainer continues the way
-it would in one process (new optimizers, like any second ``fit``; use ``ckpt_path=`` to resume the optimizer
-too), so Lightning's refusal is lifted.
+The pack's callbacks keep their results in their ``state_dict()`` once the fit has ended
+(``RunSummary.summary``, ``TrainingDoctor.report`` and ``files``), so they come back too. Attributes outside a
+``state_dict()`` stay in the workers, as they would across a checkpoint: give your callback a ``state_dict()``,
+your module a ``get_extra_state()``, for what a notebook should read after the fit. The unused-parameter policy
+is the parent's own object, used by every fit's ranks as it is. Because the parent now holds the first fit's
+state, a second ``fit`` on the same Trainer continues the way it would in one process (new optimizers, like any
+second ``fit``; use ``ckpt_path=`` to resume the optimizer too), so Lightning's refusal is lifted.
 
-Limits: only local rank 0 of the node the notebook runs on reports back (as in Lightning); objects held by
-callbacks that are not data (a torchmetrics ``Metric``, an open writer), and their private fields, keep their
-parent-side state; a callback's ``load_state_dict`` runs in the parent as on a resume; a
-second fit on the same Trainer with a ``CSVLogger`` starts its ``metrics.csv`` afresh, because the worker
-creates the logger's writer anew and Lightning's writer clears an existing file (a new Trainer avoids it).
+Limits: only local rank 0 of the node the notebook runs on reports back (as in Lightning); a callback without a
+``state_dict()`` (``LearningRateMonitor``) keeps its parent-side state, as in Lightning; a callback's
+``load_state_dict`` runs in the parent as on a resume; a second fit on the same Trainer with a ``CSVLogger``
+starts its ``metrics.csv`` afresh, because the worker creates the logger's writer anew and Lightning's writer
+clears an existing file (a new Trainer avoids it).
 
 Example::
 
@@ -59,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -67,7 +72,7 @@ from typing_extensions import override
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.core import openmp
 from lightning_solo.core.checks import check_choice
-from lightning_solo.core.decision import Decision
+from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.carry import LEFT_BEHIND, pack, unpack
 from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
 
@@ -180,17 +185,20 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
 
 
 def capture(trainer: L.Trainer) -> dict[str, Any]:
-    """What rank 0 holds after the run that an in-process run would leave in the parent: state_dicts and named
-    results, each packed on its own (plain CPU data, checked), so that one that cannot come back loses only itself."""
+    """What rank 0 holds after the run that an in-process run would leave in the parent: state_dicts and
+    decisions, each packed on its own (plain CPU data, checked), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
     return {
         "fit_loop": pack(trainer.fit_loop.state_dict(), "the fit loop's progress") if fitting else None,
         "callbacks": [
-            (cb.state_key, pack(_state_dict(cb), f"{type(cb).__name__}.state_dict()"), public_data(cb))
+            (
+                cb.state_key,
+                pack(_state_dict(cb), f"{type(cb).__name__}.state_dict()"),
+                pack(cb.decisions if isinstance(cb, DecisionLog) else None, f"{type(cb).__name__}.decisions"),
+            )
             for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ],
-        "module": public_data(trainer.lightning_module, skip=("training",)),
         # What a fit in one process leaves in trainer.optimizers and lr_scheduler_configs (their state_dicts).
         "optimizers": [
             pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(trainer.optimizers)
@@ -221,38 +229,11 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     }
 
 
-def public_data(obj: object, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
-    """``obj``'s public attributes that are plain data, each packed (the results a notebook reads after a fit);
-    private fields, and attributes that are not data, stay behind."""
-    found: dict[str, bytes] = {}
-    for name, value in vars(obj).items():
-        if name.startswith("_") or name in skip:
-            continue
-        if (packed := pack(value, f"{type(obj).__name__}.{name}")) is not None:
-            found[name] = packed
-    return found
-
-
 def _state_dict(obj: Any) -> Any:
     try:
         return obj.state_dict()
     except Exception as err:  # noqa: BLE001 - a callback's failing state_dict loses only itself
         return err  # not data: pack() leaves it behind
-
-
-def _set_public_data(
-    obj: object, packed: dict[str, bytes], skip: set[str] | frozenset[str] = frozenset()
-) -> None:
-    owner = type(obj).__name__
-    for name, blob in packed.items():
-        if name.startswith("_") or name in skip:
-            continue
-        if (value := unpack(blob, f"{owner}.{name}")) is LEFT_BEHIND:
-            continue
-        try:
-            setattr(obj, name, value)
-        except AttributeError as err:  # a read-only property of the parent's class
-            rank_zero_warn(f"could not set {owner}.{name} from the worker process: {err}")
 
 
 def _is_solo(strategy: Any) -> TypeGuard[SoloDDP]:
@@ -325,7 +306,7 @@ def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> No
 
 
 def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
-    """Apply :func:`capture`'s result to the parent's trainer, callbacks, module, strategy and loggers."""
+    """Apply :func:`capture`'s result to the parent's trainer, callbacks, optimizers, strategy and loggers."""
     if "training_state" in state:
         _restore_training_state(trainer.strategy, state["training_state"])
     fit_loop = unpack(state["fit_loop"], "the fit loop's progress")
@@ -336,8 +317,6 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     _restore_callbacks(trainer.callbacks, state["callbacks"])  # type: ignore[attr-defined]
     if state.get("optimizers"):
         _restore_optimizers(trainer, state["optimizers"], state["lr_schedulers"])
-    module = trainer.lightning_module
-    _set_public_data(module, state["module"], skip={*module._parameters, *module._buffers, *module._modules})
     if _is_solo(trainer.strategy):
         results = {name: unpack(blob, f"strategy.{name}") for name, blob in state["strategy"].items()}
         trainer.strategy.load_state_dict({k: v for k, v in results.items() if v is not LEFT_BEHIND})
@@ -398,27 +377,29 @@ def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix
 
 
 def _restore_callbacks(
-    callbacks: list[L.Callback], captured: list[tuple[str, bytes | None, dict[str, bytes]]]
+    callbacks: list[L.Callback], captured: list[tuple[str, bytes | None, bytes | None]]
 ) -> None:
     # Matched by state key (and order among equal keys): callbacks may reorder themselves during setup.
-    pending: dict[str, list[tuple[bytes | None, dict[str, bytes]]]] = {}
-    for key, state_dict, results in captured:
-        pending.setdefault(key, []).append((state_dict, results))
+    pending: dict[str, list[tuple[bytes | None, bytes | None]]] = {}
+    for key, state_dict, decisions in captured:
+        pending.setdefault(key, []).append((state_dict, decisions))
     for callback in callbacks:
         matches = pending.get(callback.state_key)
         if not matches:
             continue
-        packed_state, results = matches.pop(0)
+        packed_state, packed_decisions = matches.pop(0)
         name = type(callback).__name__
-        _set_public_data(callback, results)  # first: ModelCheckpoint reloads scores into its dirpath only
         state_dict = unpack(packed_state, f"{name}.state_dict()")
-        if state_dict is LEFT_BEHIND or not state_dict:
-            continue
-        try:
-            callback.load_state_dict(state_dict)
-        except Exception as err:  # noqa: BLE001 - the user's callback: warn, keep the results
-            rank_zero_warn(
-                f"{name}.load_state_dict() failed in the parent after the fit ({err!r}); "
-                "its public data attributes were restored"
-            )
-        _set_public_data(callback, results)  # the results of the fit have the last word
+        if state_dict is not LEFT_BEHIND and state_dict:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                # The directory the fit resolved in its setup (which ran in the workers): ModelCheckpoint reloads
+                # its scores only into the directory they were saved from.
+                callback.dirpath = state_dict.get("dirpath")
+            try:
+                callback.load_state_dict(state_dict)
+            except Exception as err:  # noqa: BLE001 - the user's callback: warn, go on with the others
+                rank_zero_warn(f"{name}.load_state_dict() failed in the parent after the fit ({err!r})")
+        decisions = unpack(packed_decisions, f"{name}.decisions")
+        if isinstance(callback, DecisionLog) and isinstance(decisions, dict):
+            for decision in decisions.values():
+                callback.record(decision)

@@ -4,8 +4,8 @@
 tuple of names from :data:`READERS`, or a dict ``{key: name or function(trainer, module)}``. The values read
 once are kept under their key, those read at every batch as a list. With ``out``, the record goes to
 ``out/rank{r}.json`` (``.pt`` to keep tensors) when the fit ends, read back by :func:`read_rank_records`;
-without, it stays in ``recorder.record`` (which the notebook launcher carries back to the parent: keep it
-small, as SoloDDP's fork launcher blocks on a carried state over ~64 KiB).
+without, it stays in ``recorder.record`` in the process that ran the fit (the notebook launcher carries
+``state_dict()`` s back to the parent, and this callback has none).
 
     recorder = RankRecorder(tmp_path, on_train_batch_end={"steps": "params"}, on_fit_end=("decisions",))
     trainer = L.Trainer(..., strategy=SoloDDP(start_method="fork"), callbacks=[recorder])
@@ -53,7 +53,10 @@ READERS: dict[str, Reader] = {
     "named_params": lambda trainer, module: {
         n: p.detach().clone().flatten() for n, p in module.named_parameters()
     },
-    "state": lambda trainer, module: {k: v.detach().clone() for k, v in module.state_dict().items()},
+    "state": lambda trainer, module: {  # a module's extra state (get_extra_state) is not a tensor
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in module.state_dict().items()
+    },
     "decisions": _decisions,  # the strategy's, as dicts (setting, value, reason)
     "wrapper": _wrapper,  # the DDP wrapper (or module) training runs through, as a serial number
     "global_step": lambda trainer, module: trainer.global_step,

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import threading
@@ -145,7 +146,10 @@ class MemoryProbe:
     @contextlib.contextmanager
     def session(self, pl_module: Any, trainer: Any) -> Iterator[None]:
         """Around all probes: the module's state, its link to ``trainer`` and the RNG are restored at the end."""
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
+        snapshot = {  # a module's extra state (get_extra_state) is whatever it returns: copied as it is
+            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in pl_module.state_dict().items()
+        }
         training = pl_module.training
         devices = [self.device] if self.cuda else []
         # Only the pack's own setting is tuned, and put back: a threshold glibc chose, or the user set, would be

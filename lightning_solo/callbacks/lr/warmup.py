@@ -24,6 +24,7 @@ compound the factor) and checkpoints written after a step hold the user's lr. Th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -268,12 +269,21 @@ class WarmupScaledLR(DecisionLog, Callback):
             **self._batch_parts,
             "rule": self.options.rule,
             "reference_batch_size": self.options.reference_batch_size,
+            "schedule": dataclasses.asdict(self.schedule),  # for plot_schedule after a forked (notebook) fit
+            "steps_per_epoch": self.steps_per_epoch,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored = dict(state_dict)
+            if "schedule" in state_dict:  # the fit's schedule until on_train_start builds the next one
+                self.schedule = LRSchedule(**state_dict["schedule"])
+                self.global_batch, self.steps_per_epoch = (
+                    state_dict["global_batch"],
+                    state_dict["steps_per_epoch"],
+                )
+                self._base_lrs = state_dict["base_lrs"]
 
     # ---------------------------------------------------------------- plotting
 

@@ -183,13 +183,20 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The loss watch this doctor drives keeps its trend over a resume, as a LossWatch callback does.
-        return {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
+        # The loss watch this doctor drives keeps its trend over a resume, as a LossWatch callback does. The
+        # reports, once the fit has ended (a forked fit's come back to the notebook through here; a resume
+        # starts its own at on_train_start).
+        state: dict[str, Any] = {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
+        if self.report is not None:
+            state["results"] = {"report": self.report, "reports": self.reports, "files": self.files}
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.loss_watch is not None and "loss_watch" in state_dict:
             self.loss_watch.load_state_dict(state_dict["loss_watch"])
+        if results := state_dict.get("results"):
+            self.report, self.reports, self.files = results["report"], results["reports"], results["files"]
 
     @property
     def advice(self) -> list[str]:
