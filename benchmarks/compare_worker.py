@@ -20,14 +20,18 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import lightning as L  # imported by every contender, so the RSS baselines match
+# Every contender imports the same (so the RSS baselines match), lightning_solo first: Lightning then loads with the
+# GC paused (lightning_solo/__init__.py) in every contender alike.
+import lightning_solo  # noqa: F401
+
+# isort: split
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_solo  # noqa: F401 - same imports for every contender
 from lightning_solo.app.models import build_backbone
 
 RESULT = "RESULT "

@@ -5,6 +5,9 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 import torch.distributed as dist

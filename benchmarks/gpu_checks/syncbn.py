@@ -6,6 +6,9 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from torch import nn

@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy

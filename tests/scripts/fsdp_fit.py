@@ -12,6 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

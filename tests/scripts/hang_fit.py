@@ -25,6 +25,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint

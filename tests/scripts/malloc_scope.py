@@ -12,6 +12,9 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import Precision

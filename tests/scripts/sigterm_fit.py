@@ -27,6 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC paused (lightning_solo/__init__.py)
+
+# isort: split
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset

@@ -11,13 +11,15 @@ Each rank writes each fit's parameter vector to OUT_DIR/<mode>/rank<k>.pt; rank 
 import sys
 from pathlib import Path
 
+import lightning_solo
+
+# isort: split
 import lightning as L
 import torch
 from hang_fit import WATCHDOG  # the fault-injection runs' small thresholds
 from torch.utils.data import DataLoader, TensorDataset
 from user_model import QUIET, Tiny
 
-import lightning_solo
 from lightning_solo import SoloDDP
 
 
