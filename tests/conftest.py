@@ -1,4 +1,7 @@
+import getpass
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +59,23 @@ def _no_leaked_processes():
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=5)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_tmpdir(tmp_path_factory):
+    """The temporary files of every process the suite starts (multiprocessing's pymp-* directories, torchrun's
+    error files, the directories stock Lightning's spawn launcher leaves) go to a directory of this session,
+    which pytest prunes with its other base temporary directories, not into /tmp for good."""
+    saved = os.environ.get("TMPDIR")
+    # Inductor's compile cache stays where torch keeps it by default (/tmp/torchinductor_<user>): it is a cache.
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    )
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None

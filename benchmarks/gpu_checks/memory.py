@@ -120,20 +120,21 @@ def check_fsdp(device: str) -> tuple[bool, str]:
         )
         return fitted, model, ckpt
 
-    out = Path(tempfile.mkdtemp())
-    straight, model, _ = fit(out / "straight", 8)
-    fit(out / "run", 4)
-    resumed, again, ckpt = fit(out / "run", 8, resume=True)
-    diff = max(
-        (a.full_tensor() - b.full_tensor()).abs().max().item()
-        / b.full_tensor().abs().max().clamp_min(1e-30).item()
-        for a, b in zip(again.parameters(), model.parameters())
-    )
-    precision = straight.strategy.decisions["fsdp_precision"].value
-    manifest = consolidate(ckpt.last_model_path, out / "full.ckpt")
-    plain = _BNNet().net
-    state = torch.load(out / "full.ckpt", weights_only=True)["state_dict"]
-    plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    with tempfile.TemporaryDirectory() as directory:  # the checkpoints go with it
+        out = Path(directory)
+        straight, model, _ = fit(out / "straight", 8)
+        fit(out / "run", 4)
+        resumed, again, ckpt = fit(out / "run", 8, resume=True)
+        diff = max(
+            (a.full_tensor() - b.full_tensor()).abs().max().item()
+            / b.full_tensor().abs().max().clamp_min(1e-30).item()
+            for a, b in zip(again.parameters(), model.parameters())
+        )
+        precision = straight.strategy.decisions["fsdp_precision"].value
+        manifest = consolidate(ckpt.last_model_path, out / "full.ckpt")
+        plain = _BNNet().net
+        state = torch.load(out / "full.ckpt", weights_only=True)["state_dict"]
+        plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
     want = (
         "bf16-mixed"
         if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
