@@ -205,7 +205,7 @@ class _ListOnly(L.Callback):
         self.filled: list[int] = []
 
 
-def test_what_crosses_is_state_dicts_and_decisions():
+def test_what_crosses_is_state_dicts_and_decisions(caplog):
     """capture() in the worker, restore() in the parent, without the processes: a callback's public list comes
     back only through its state_dict(), a callback's decisions through its public record()."""
 
@@ -221,11 +221,13 @@ def test_what_crosses_is_state_dicts_and_decisions():
     steps.steps_seen, plain.filled = [1, 2, 3], [4, 5]
     warmup.record(Decision("lr_scale", 2.0, "made in the worker"))
     parent = trainer_with([StepLog(), _ListOnly(), WarmupScaledLR(warmup_steps=0)])
+    caplog.clear()
     restore(parent, capture(worker))
     steps, plain, warmup = parent.callbacks[:3]
     assert steps.steps_seen == [1, 2, 3]
     assert plain.filled == []  # no state_dict: stays in the worker
     assert warmup.decisions["lr_scale"] == Decision("lr_scale", 2.0, "made in the worker")
+    assert "[WarmupScaledLR]" not in caplog.text  # announced where it was made, not again in the notebook
 
 
 class _ClaimsCuda(torch.Tensor):

@@ -37,6 +37,7 @@ class DecisionLog:
         return decision
 
     def record(self, decision: Decision) -> Decision:
-        """Keep ``decision``, made on this owner's behalf elsewhere (the runner's restart resume, say), for the
-        run summary. (The owner's own choices go through ``_decide``.)"""
-        return self._decide(decision)
+        """Keep ``decision``, made on this owner's behalf elsewhere (the runner's restart resume, a notebook's
+        forked fit), for the run summary; quietly, where an owner's ``_decide`` also announces its own choices."""
+        self.decisions[decision.setting] = decision
+        return decision
