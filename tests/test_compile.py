@@ -23,7 +23,8 @@ from lightning_solo.ddp.compile import CompiledSteps, decide_compile
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import LastGrads, RankRecorder, read_rank_records
 
-CHEAP = {"backend": "aot_eager"}
+# SOLO_TEST_COMPILE_BACKEND=inductor runs the same tests through inductor (minutes per file here).
+CHEAP = {"backend": os.environ.get("SOLO_TEST_COMPILE_BACKEND", "aot_eager")}
 TOL = 1e-5
 
 

@@ -23,7 +23,8 @@ from lightning_solo.ddp.compiled_keys import CompiledKeys
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import LastGrads, RankRecorder, read_rank_records
 
-CHEAP = {"backend": "aot_eager"}
+# SOLO_TEST_COMPILE_BACKEND=inductor runs the same tests through inductor (minutes per file here).
+CHEAP = {"backend": os.environ.get("SOLO_TEST_COMPILE_BACKEND", "aot_eager")}
 TOL = 1e-5
 BF16_TOL = 2e-2  # bf16 has 8 bits of mantissa: ~4e-3 per rounding
 
@@ -71,14 +72,19 @@ def _plain(state: dict) -> dict:
     return {k.replace("_orig_mod.", ""): v for k, v in state.items()}
 
 
-def _assert_close(got: dict, want: dict, tol: float = TOL) -> list[float]:
+def _assert_close(got: dict, want: dict, tol: float = TOL, floor: float = 0.0) -> list[float]:
+    """Each tensor within ``tol`` of its own norm, or of ``floor`` × the largest norm where its own is smaller: a
+    gradient that is zero in exact arithmetic (a Linear's bias right before BatchNorm: 1.5e-8 of the largest here) is
+    rounding noise, which inductor's reordered sums change by 100 %. ``tol`` × ``floor`` = 1e-7 of the largest is
+    about float32's resolution at that scale (eps 6e-8)."""
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    scale = floor * max(float(v.norm()) for v in want.values() if v.is_floating_point())
     diffs = []
     for name, value in want.items():
         if not value.is_floating_point():  # num_batches_tracked
             assert torch.equal(got[name], value), name
             continue
-        rel = float((got[name] - value).norm() / value.norm().clamp_min(1e-12))
+        rel = float((got[name] - value).norm()) / max(float(value.norm()), scale, 1e-12)
         assert rel <= tol, f"{name}: relative difference {rel:.2e}"
         diffs.append(rel)
     return diffs
@@ -140,7 +146,7 @@ def test_syncbn_auto_the_doctor_and_export_hold_under_compile(tmp_path):
             synced = run[rank]["decisions"]["sync_batchnorm"]
             assert synced["value"] is True and "per-device batch 4 < 32" in synced["reason"], synced
             assert {tuple(x) for x in run[rank]["layers"]} == {("SoloSyncBatchNorm",)}, run[rank]["layers"]
-    _assert_close(grads["compiled"], grads["eager"])
+    _assert_close(grads["compiled"], grads["eager"], floor=1e-2)
     # The running statistics were synchronised: both ranks hold the same (per-rank BatchNorm would differ).
     for key in ("trunk.1.running_mean", "trunk.1.running_var"):
         assert torch.equal(compiled[0]["state"][key], compiled[1]["state"][key]), key
