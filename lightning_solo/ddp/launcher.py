@@ -29,8 +29,8 @@ any subclass, a meta tensor is refused), so the parent never unpickles a device 
 * the strategy's ``state_dict()`` (its decisions and advice), the logged and progress-bar metrics, the loggers'
   versions.
 
-The pack's callbacks keep their results in their ``state_dict()`` once the fit has ended
-(``RunSummary.summary``, ``TrainingDoctor.report`` and ``files``), so they come back too. Attributes outside a
+The pack's callbacks keep their results in their ``state_dict()`` (``RunSummary.summary``, ``TrainingDoctor.report``
+and ``files`` once the fit has ended, ``WarmupScaledLR``'s schedule for ``plot_schedule``), so they come back too. Attributes outside a
 ``state_dict()`` stay in the workers, as they would across a checkpoint: give your callback a ``state_dict()``,
 your module a ``get_extra_state()``, for what a notebook should read after the fit. The unused-parameter policy
 is the parent's own object, used by every fit's ranks as it is. Because the parent now holds the first fit's
