@@ -308,7 +308,7 @@ class _NoData(L.Callback):
         return {"m": torch.empty(2, device="meta")} if getattr(self, "ended", False) else {}
 
     def load_state_dict(self, state_dict):
-        raise AssertionError("a state_dict with a meta tensor reached the parent")
+        self.loaded = True  # never in the parent: the launcher warns on an exception here, so this is a flag
 
 
 def device_tensors(obj, path: str = "", seen: set | None = None, depth: int = 0) -> list[str]:
@@ -354,7 +354,7 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
         comm_hook="powersgd",
         powersgd_start_iter=2,
     )
-    planted = _PlantsDeviceTensors()
+    planted, no_data = _PlantsDeviceTensors(), _NoData()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -366,7 +366,7 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
                 tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}
             ),
             planted,
-            _NoData(),
+            no_data,
         ],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -387,9 +387,9 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
     ), "the skipped-step counter lives on the device: the parent holds the count"
     assert plugin.skipped_steps == 0 and plugin.scaler.get_scale() == first_end["scale"]
     assert planted.on_device is None  # an attribute: stays in the workers
-    assert type(planted.counter) is torch.Tensor and planted.counter.tolist() == [
-        3.0
-    ]  # its state_dict, converted
+    # Its state_dict, converted to a plain CPU tensor.
+    assert type(planted.counter) is torch.Tensor and planted.counter.tolist() == [3.0]
+    assert not hasattr(no_data, "loaded")  # a state_dict with a meta tensor: refused whole, never loaded
     assert not torch.cuda.is_initialized()
 
     # The second fit continues the GradScaler and PowerSGD (not init_scale and PowerSGD's warm-up again).
