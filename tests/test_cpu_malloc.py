@@ -33,17 +33,26 @@ def steady_faults(record: dict, after: int) -> float:
 @pytest.mark.timeout(120)
 def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
     # DDP with bucket views, steps under no_sync (accumulation, post-local-SGD): glibc as it starts hands the
-    # 16 MiB gradients back to the kernel and faults them in again every step; after decide(), never.
+    # 16 MiB gradients back to the kernel and faults them in again at most steps; after decide(), never. What
+    # faults in then is the heap growing: glibc's best fit leaves the freed gradients' blocks split by smaller
+    # allocations now and then, so the heap grows by one gradient at a random step (0-2 times in 10 steps per rank
+    # in 10 runs measured), and keeps what it grew.
     ranks = run("malloc_steps.py", out=tmp_path)
 
-    def refaulting(key: str, rank: dict) -> int:
-        """Steps 2-11 of ``rank`` that faulted in at least a quarter of the gradients' pages."""
-        return sum(f >= rank["grad_pages"] / 4 for f in rank[key][2:])
+    def steps(phase: str, rank: dict) -> list[tuple[bool, bool]]:
+        """Steps 2-11 of ``phase``: (faulted in a quarter of the gradients' pages or more, malloc's memory from the
+        kernel grew by as much)."""
+        quarter = rank["grad_pages"] / 4
+        return [
+            (f >= quarter, g >= quarter * 4096) for f, g in zip(rank[phase][2:], rank[f"{phase}_growth"][2:])
+        ]
 
-    # glibc's adaptive threshold settles now and then, on one rank or after a few steps on both (once: 3 and 4 of
-    # 10): the re-faulting shows on some rank. With reuse, the heap may grow once more.
-    assert max(refaulting("default", rank) for rank in ranks) >= 3, [r["default"] for r in ranks]
-    assert sum(refaulting("reuse", rank) for rank in ranks) <= 2, [r["reuse"] for r in ranks]
+    refaulted = [sum(f and not g for f, g in steps("default", rank)) for rank in ranks]
+    assert max(refaulted) >= 3, [(r["default"], r["default_growth"]) for r in ranks]
+    for rank in ranks:
+        reuse = steps("reuse", rank)
+        assert not any(f and not g for f, g in reuse), (rank["reuse"], rank["reuse_growth"])
+        assert min(rank["reuse_growth"][2:]) >= 0 and sum(g for _, g in reuse) <= 3, rank["reuse_growth"]
     assert all(rank["decision"]["value"] == "reuse freed memory" for rank in ranks), ranks[0]["decision"]
 
 

@@ -4,10 +4,12 @@ then 12 after :func:`lightning_solo.core.cpu_malloc.decide`.
 
     python tests/scripts/malloc_steps.py OUT_DIR
 
-Each rank writes OUT_DIR/rank<k>.json: the minor page faults of every step (``default``, ``reuse``), the
-gradients' size in 4 KiB pages and the ``cpu_malloc`` decision.
+Each rank writes OUT_DIR/rank<k>.json: for every step (``default``, ``reuse``) its minor page faults and by how
+many bytes the memory glibc's malloc holds from the kernel grew (``*_growth``, negative when it gave memory back),
+the gradients' size in 4 KiB pages and the ``cpu_malloc`` decision.
 """
 
+import ctypes
 import json
 import resource
 import sys
@@ -22,6 +24,19 @@ from lightning_solo.core import cpu_malloc
 from lightning_solo.testing import free_port
 
 
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def malloc_held() -> int:
+    """Bytes glibc's malloc holds from the kernel: its heaps (``arena``) and its mapped blocks (``hblkhd``)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.arena + info.hblkhd
+
+
 def rank_main(rank: int, port: int, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -34,20 +49,21 @@ def rank_main(rank: int, port: int, out: Path) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(8, width), torch.randint(10, (8,))
 
-    def faults_per_step() -> list[int]:
-        faults = []
+    def steps(phase: str) -> None:
+        faults, growth = record.setdefault(phase, []), record.setdefault(f"{phase}_growth", [])
         for _ in range(12):
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start, held = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, malloc_held()
             optimizer.zero_grad()
             with ddp.no_sync():
                 nn.functional.cross_entropy(ddp(x), y).backward()
             optimizer.step()
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
-        return faults
+            growth.append(malloc_held() - held)
 
-    record = {"default": faults_per_step()}
+    record: dict = {}
+    steps("default")
     record["decision"] = cpu_malloc.decide(reuse=True).as_dict()
-    record["reuse"] = faults_per_step()
+    steps("reuse")
     record["grad_pages"] = sum(p.numel() * p.element_size() for p in net.parameters()) // 4096
     dist.destroy_process_group()
     (out / f"rank{rank}.json").write_text(json.dumps(record))
