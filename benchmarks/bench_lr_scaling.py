@@ -18,7 +18,7 @@ the callback reads the global batch from the dataloader either way.
     python benchmarks/bench_lr_scaling.py                    # B=16, lr 0.00625, 15 epochs, seeds 0 1 2
     python benchmarks/bench_lr_scaling.py --data digits --multiples 4 --epochs 10 --lr 0.025   # real images
 
-``--data digits`` trains on scikit-learn's digits (1×8×8, the runner's default data, its fixed held-out split)
+``--data digits`` trains on the handwritten digits (1×8×8, the runner's default data, its fixed held-out split)
 instead of the synthetic images.
 """
 
@@ -156,7 +156,7 @@ def main() -> None:
 
     if args.data == "digits":
         train, val = digits()
-        what = "scikit-learn digits, 1×8×8, 10 classes"
+        what = "handwritten digits, 1×8×8, 10 classes"
     else:
         train = materialize(args.train_size, 0, 0, args.noise, args.image_size, args.classes)
         val = materialize(args.val_size, 0, args.train_size, args.noise, args.image_size, args.classes)

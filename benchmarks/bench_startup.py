@@ -6,15 +6,22 @@ The two arms alternate within each round (the order flips every round); the figu
 CPU time (user + system) and wall time of each child, and the median of the per-round ratios with a bootstrap
 interval.
 
+``--with-site DIR`` compares another pair: the same import as installed against the same import with ``DIR`` on
+``PYTHONPATH`` (e.g. a ``pip install --target DIR scipy``: what an optional package that torchmetrics imports when it
+finds it costs every process).
+
 Usage::
 
     python -m benchmarks.bench_startup              # 10 rounds, ~3 min on 2 cores
     python -m benchmarks.bench_startup --rounds 20 --module lightning_solo.app.run
+    pip install --no-deps --target /tmp/scipy_site scipy
+    python -m benchmarks.bench_startup --module lightning_solo.app.run --with-site /tmp/scipy_site
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import subprocess
@@ -24,10 +31,14 @@ import time
 from benchmarks.stats import median_interval
 
 
-def _start(code: str) -> tuple[float, float]:
-    """CPU seconds (user + system) and wall seconds of ``python -c code`` in a fresh interpreter."""
+def _start(code: str, site: str | None = None) -> tuple[float, float]:
+    """CPU seconds (user + system) and wall seconds of ``python -c code`` in a fresh interpreter (``site`` first on
+    its ``PYTHONPATH``)."""
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise SystemExit(f"{code!r} failed:\n{proc.stderr}")
@@ -38,32 +49,35 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--module", default="lightning_solo", help="what the process imports")
-    args = parser.parse_args(argv)
-    arms = {
-        "paused": f"import {args.module}",  # lightning_solo's __init__ imports Lightning with the GC paused
-        "running": f"import lightning.pytorch; import {args.module}",  # Lightning first: the GC runs throughout
-    }
-    _start(arms["paused"])  # warm the page cache and the bytecode caches before the first timed round
-    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
-    wall: dict[str, list[float]] = {arm: [] for arm in arms}
-    for r in range(args.rounds):
-        for arm in arms if r % 2 == 0 else reversed(arms):
-            c, w = _start(arms[arm])
-            cpu[arm].append(c)
-            wall[arm].append(w)
-        print(
-            f"round {r + 1}/{args.rounds}: CPU paused {cpu['paused'][-1]:.2f} s, running {cpu['running'][-1]:.2f} s",
-            flush=True,
-        )
-    print(
-        f"\n`import {args.module}`, {args.rounds} rounds, medians (per-round ratio paused / running, 95 % interval)\n"
+    parser.add_argument(
+        "--with-site", help="compare the import as installed against it with this on PYTHONPATH"
     )
-    print("| figure | GC paused | GC running | ratio |\n|---|---|---|---|")
+    args = parser.parse_args(argv)
+    code = f"import {args.module}"
+    # (name, code, site): the first arm is the one measured, the second the one it is compared against.
+    if args.with_site:
+        arms = [("installed", code, None), (f"with {args.with_site}", code, args.with_site)]
+    else:  # lightning_solo's __init__ imports Lightning with the GC paused; Lightning first: the GC runs throughout
+        arms = [("GC paused", code, None), ("GC running", f"import lightning.pytorch; {code}", None)]
+    _start(arms[0][1])  # warm the page cache and the bytecode caches before the first timed round
+    cpu: list[list[float]] = [[], []]
+    wall: list[list[float]] = [[], []]
+    for r in range(args.rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            c, w = _start(*arms[i][1:])
+            cpu[i].append(c)
+            wall[i].append(w)
+        print(
+            f"round {r + 1}/{args.rounds}: CPU {arms[0][0]} {cpu[0][-1]:.2f} s, {arms[1][0]} {cpu[1][-1]:.2f} s"
+        )
+    a, b = arms[0][0], arms[1][0]
+    print(f"\n`{code}`, {args.rounds} rounds, medians (per-round ratio {a} / {b}, 95 % interval)\n")
+    print(f"| figure | {a} | {b} | ratio |\n|---|---|---|---|")
     for name, values in (("CPU s (user + system)", cpu), ("wall s", wall)):
-        ratios = [p / q for p, q in zip(values["paused"], values["running"], strict=True)]
+        ratios = [p / q for p, q in zip(*values, strict=True)]
         low, high = median_interval(ratios)
         print(
-            f"| {name} | {statistics.median(values['paused']):.2f} | {statistics.median(values['running']):.2f} | "
+            f"| {name} | {statistics.median(values[0]):.2f} | {statistics.median(values[1]):.2f} | "
             f"{statistics.median(ratios):.3f} ({low:.3f}–{high:.3f}) |"
         )
 

@@ -185,7 +185,7 @@ def workload_line(args: argparse.Namespace, world: int, spec: dict) -> str:
     what = {
         "resnet18": "ResNet-18 (CIFAR stem, 11.2 M params) on random 3×32×32 images",
         "mlp": f"MLP {spec['layers']}×{spec['width']}² + head; 10 classes, each a random {spec['width']}-d direction × 0.1 plus unit noise",
-        "digits": "small_cnn (66 k params) on scikit-learn digits 1×8×8",
+        "digits": "small_cnn (66 k params) on the handwritten digits 1×8×8",
     }[spec["workload"]]
     return (
         f"{what}; {world} gloo processes × {spec['threads']} thread(s); batch {spec['batch']} per rank; "

@@ -1,6 +1,6 @@
 """What Lightning's per-batch SIGTERM broadcast costs against SoloDDP's asynchronous agreement
 (:mod:`lightning_solo.ddp.sigterm`) and against no check at all, on the costs section's workload (a small CNN on
-scikit-learn digits, ~10 ms steps, where a per-step cost shows).
+the handwritten digits, ~10 ms steps, where a per-step cost shows).
 
 Usage::
 

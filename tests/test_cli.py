@@ -126,7 +126,7 @@ def _readme_command(module: str, containing: str = "") -> list[str]:
 
 
 def _default_run_end_to_end(tmp_path, args: list[str]) -> dict:
-    # The default: small_cnn on scikit-learn's digits (real images, held-out split), 2 gloo processes, 10 epochs.
+    # The default: small_cnn on the handwritten digits (real images, held-out split), 2 gloo processes, 10 epochs.
     started = time.perf_counter()
     proc = run_cli(
         [*args, "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280, module="lightning_solo.run"

@@ -14,6 +14,7 @@ from lightning_solo.app.data import (
     SyntheticDataModule,
     SyntheticImages,
 )
+from lightning_solo.app.data.digits import load_digits, stratified_split
 from lightning_solo.app.models import SmallCNN, build_backbone
 
 
@@ -97,6 +98,36 @@ def test_digits_split_is_fixed_held_out_and_stratified():
     assert not torch.equal(other.val_set.tensors[1], vya)
     with pytest.raises(ValueError, match="val_fraction"):
         DigitsDataModule(val_fraction=1.0)
+
+
+def test_the_shipped_digits_are_the_1797_images_of_ten_classes():
+    pixels, labels = load_digits()
+    assert pixels.shape == (1797, 64) and pixels.dtype == torch.float32 and labels.dtype == torch.long
+    assert (pixels.min().item(), pixels.max().item()) == (0.0, 16.0) and torch.equal(pixels, pixels.round())
+    assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+
+
+@pytest.mark.parametrize(
+    ("counts", "fraction", "held_out"),
+    [
+        ([5, 5], 0.2, [1, 1]),
+        ([3, 7], 0.5, [2, 3]),  # quotas 1.5 and 3.5: the tie goes to the first class
+        ([1, 1, 1], 0.5, [1, 1, 0]),  # ceil(1.5) = 2 held out
+        ([10], 0.01, [1]),  # at least one
+        ([178, 182, 177, 183, 181, 182, 181, 179, 174, 180], 0.2, [36, 37, 35, 37, 36, 36, 36, 36, 35, 36]),
+    ],
+)
+def test_stratified_split_holds_out_each_class_in_proportion(counts, fraction, held_out):
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
+    labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(7))]
+    train, val = stratified_split(labels, fraction, seed=0)
+    assert torch.bincount(labels[val], minlength=len(counts)).tolist() == held_out
+    assert torch.equal(torch.cat([train, val]).sort().values, torch.arange(len(labels)))  # disjoint, complete
+    assert torch.equal(val, val.sort().values) and torch.equal(train, train.sort().values)
+    again = stratified_split(labels, fraction, seed=0)
+    assert torch.equal(again[0], train) and torch.equal(again[1], val)  # the seed alone fixes it
+    if min(counts) > max(held_out) > 0:
+        assert not torch.equal(stratified_split(labels, fraction, seed=1)[1], val)
 
 
 def test_small_cnn_is_built_by_name_for_grey_8x8_images():

@@ -68,6 +68,7 @@ def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
     assert "lightning_solo/conf/config.yaml" in names
     assert "lightning_solo/conf/experiment/resnet_4gpu.yaml" in names
     assert "lightning_solo/py.typed" in names  # PEP 561: the package ships its type hints
+    assert "lightning_solo/app/data/optdigits.tes.gz" in names  # the default data
 
     env_dir = tmp_path / "venv"
     python = _venv_seeing_this_interpreters_packages(env_dir)
@@ -83,13 +84,18 @@ def test_wheel_installed_elsewhere_runs(tmp_path, monkeypatch):
         timeout=300,
     )
     where = subprocess.run(
-        [python, "-c", "import lightning_solo.app.run as r; print(r.__file__); print(r.config_path())"],
+        [
+            python,
+            "-c",
+            "import lightning_solo.app.run as r; from lightning_solo.app.data.digits import load_digits;"
+            "print(r.__file__); print(r.config_path()); print(len(load_digits()[1]))",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
-    assert where[0].startswith(str(env_dir)) and where[1] == "pkg://lightning_solo.conf"
+    assert where[0].startswith(str(env_dir)) and where[1:] == ["pkg://lightning_solo.conf", "1797"]
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -1,4 +1,4 @@
-"""Datamodules: scikit-learn's digits (the offline default), a learnable synthetic image set, CIFAR-10 and an
+"""Datamodules: handwritten digits (the offline default, shipped here), a learnable synthetic image set, CIFAR-10 and an
 image folder."""
 
 from lightning_solo.app.data.cifar import CIFAR10DataModule

@@ -1,7 +1,10 @@
-"""scikit-learn's handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data.
+"""Handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data.
 
-The images ship inside the scikit-learn wheel, so nothing is downloaded. The held-out split is stratified and
-fixed by ``split_seed`` alone (not the run's seed), so every run, rank and resume validates on the same images.
+The images are the test set of the UCI "Optical Recognition of Handwritten Digits" data set (E. Alpaydin,
+C. Kaynak, 1998; CC BY 4.0; https://archive.ics.uci.edu/dataset/80), the one scikit-learn's ``load_digits``
+returns. They ship in this package (``optdigits.tes.gz``: 64 pixel values 0..16, then the label, per row), so
+nothing is downloaded and no other library is imported for them. The held-out split is stratified and fixed by
+``split_seed`` alone (not the run's seed), so every run, rank and resume validates on the same images.
 
 Example::
 
@@ -10,6 +13,9 @@ Example::
 
 from __future__ import annotations
 
+import gzip
+import math
+from importlib.resources import files
 from typing import Any
 
 import torch
@@ -23,9 +29,33 @@ from lightning_solo.core.checks import check_int
 _MEAN, _STD = 4.88, 6.02
 
 
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1,797 images as ``(N, 64)`` float pixel values 0..16, and their labels ``(N,)``."""
+    text = gzip.decompress(files(__package__).joinpath("optdigits.tes.gz").read_bytes()).decode()
+    rows = torch.tensor([[int(v) for v in line.split(",")] for line in text.splitlines()])
+    return rows[:, :64].float(), rows[:, 64]
+
+
+def stratified_split(
+    labels: torch.Tensor, val_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted indices ``(train, val)``: ``ceil(val_fraction * N)`` held out, each class in proportion to its size
+    (largest remainders take the rounding), drawn by a generator seeded with ``seed`` alone."""
+    n_val = math.ceil(val_fraction * len(labels))
+    classes, counts = labels.unique(return_counts=True)
+    quota = counts * n_val / len(labels)
+    take = quota.floor().long()
+    take[torch.argsort(quota - take, descending=True, stable=True)[: n_val - int(take.sum())]] += 1
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    val = torch.cat([order[labels[order] == c][:k] for c, k in zip(classes, take.tolist())]).sort().values
+    held_out = torch.zeros(len(labels), dtype=torch.bool)
+    held_out[val] = True
+    return (~held_out).nonzero().flatten(), val
+
+
 class DigitsDataModule(ImageDataModule):
-    """Train/val :class:`~torch.utils.data.TensorDataset` s of ``sklearn.datasets.load_digits`` images,
-    shaped ``(1, 8, 8)`` and standardised; ``batch_size`` is per device."""
+    """Train/val :class:`~torch.utils.data.TensorDataset` s of the digits, shaped ``(1, 8, 8)`` and
+    standardised; ``batch_size`` is per device."""
 
     num_classes = 10
     channels = 1
@@ -47,17 +77,8 @@ class DigitsDataModule(ImageDataModule):
         self.split_seed = check_int("split_seed", split_seed, minimum=0)
 
     def setup(self, stage: str | None = None) -> None:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        images, labels = load_digits(return_X_y=True)
-        x = torch.as_tensor((images - _MEAN) / _STD, dtype=torch.float32).view(-1, 1, 8, 8)
-        y = torch.as_tensor(labels, dtype=torch.long)
-        train_idx, val_idx = train_test_split(
-            torch.arange(len(y)).numpy(),
-            test_size=self.val_fraction,
-            random_state=self.split_seed,
-            stratify=labels,
-        )
+        pixels, y = load_digits()
+        x = ((pixels - _MEAN) / _STD).view(-1, 1, 8, 8)
+        train_idx, val_idx = stratified_split(y, self.val_fraction, self.split_seed)
         self.train_set = TensorDataset(x[train_idx], y[train_idx])
         self.val_set = TensorDataset(x[val_idx], y[val_idx])
