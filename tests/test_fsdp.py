@@ -24,7 +24,7 @@ from lightning_solo.checkpoint.manifest import CheckpointVerificationError
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.fsdp.consolidate import consolidate
 from lightning_solo.fsdp.consolidate import main as consolidate_main
-from lightning_solo.fsdp.strategy import SoloFSDP, decide_fsdp_precision, decide_wrap
+from lightning_solo.fsdp.strategy import SoloFSDP, decide_bn_stats, decide_fsdp_precision, decide_wrap
 from tests.helpers import REPO, composed, run_cli
 
 
@@ -80,6 +80,20 @@ def test_auto_precision_does_not_count_emulated_bf16(monkeypatch):
     assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == "32-true"
 
 
+@pytest.mark.parametrize(
+    ("average", "layers", "world_size", "value"),
+    [
+        (True, 3, 2, "mean over ranks"),
+        (False, 3, 2, "per rank"),  # the switch: stock
+        (True, 0, 2, "per rank"),  # nothing to average
+        (True, 3, 1, "per rank"),  # one rank
+    ],
+)
+def test_bn_stats_are_averaged_where_there_are_ranks_and_layers(average, layers, world_size, value):
+    decision = decide_bn_stats(average, layers, world_size)
+    assert decision.setting == "bn_stats" and decision.value == value and decision.reason
+
+
 def test_sharded_checkpoint_verifies_and_ranks(tmp_path):
     state = {"state_dict": {"w": torch.arange(6.0)}, "optimizer_0": {"step": torch.tensor(3.0)}}
     path = tmp_path / "ckpt" / "step3.ckpt"
@@ -126,6 +140,11 @@ def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
     assert decisions["fsdp_precision"] == "32-true" and result["sharded_param"] == "DTensor"
     assert decisions["lr_global_batch"] == 16 and result["first_lr"] == pytest.approx(0.4 * 16 / 32)
     assert (result["first_fit_steps"], result["resumed_from"], result["global_step"]) == (3, 3, 5)
+    # BatchNorm: each rank's own statistics when asked (the first fit), the ranks' mean by default (the second).
+    assert result["first_fit_bn_strategy"] == "per rank" and decisions["bn_stats"] == "mean over ranks"
+    rank0, rank1 = result["first_fit_bn_mean"]
+    assert max(abs(a - b) for a, b in zip(rank0, rank1)) > 1e-3
+    assert result["bn_mean"][0] == result["bn_mean"][1]
     assert result["checkpoints"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
     assert result["consolidated_step"] == 5 and result["consolidated_equals_trained"] is True
 
@@ -168,7 +187,7 @@ def test_fsdp_commands_on_cpu_work_on_the_default_config(tmp_path):
     assert summary["global_step"] == 23  # 1,437 digits / 64 per step, rounded up
     decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
     assert decisions["fsdp_state_dict"] == "sharded" and decisions["lr_scale"] == pytest.approx(64 / 256)
-    assert decisions["preflight"] == "passed"
+    assert decisions["preflight"] == "passed" and decisions["bn_stats"] == "mean over ranks"
     # The sharded checkpoint consolidates into the plain small_cnn, which scores what the run reported.
     consolidate(summary["checkpoint_last"], tmp_path / "model.ckpt")
     state = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]

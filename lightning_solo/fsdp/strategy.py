@@ -29,6 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.manifest import read_manifest, verify
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
@@ -95,6 +96,21 @@ def decide_wrap(
     return [*chosen, *roots], Decision("fsdp_wrap", len(chosen) + len(roots), why)
 
 
+def decide_bn_stats(average: bool, layers: int, world_size: int) -> Decision:
+    """Whether the BatchNorm running statistics are averaged over the ranks. FSDP, unlike DDP, does not broadcast
+    buffers: each rank keeps the statistics of its own batches, so the ranks would evaluate with different ones
+    and a checkpoint would keep one rank's."""
+    if not average:
+        return Decision("bn_stats", "per rank", "average_bn_stats=False: each rank keeps its own, as stock")
+    if not layers or world_size == 1:
+        return Decision("bn_stats", "per rank", "no BatchNorm layer" if not layers else "one rank")
+    why = (
+        f"{layers} BatchNorm layer(s): running mean and variance averaged over the {world_size} ranks before each "
+        "evaluation, checkpoint and the fit's end (FSDP keeps each rank's own); average_bn_stats=False: stock"
+    )
+    return Decision("bn_stats", "mean over ranks", why)
+
+
 class SoloFSDP(DecisionLog, ModelParallelStrategy):
     """FSDP2 over all ranks (parameters, gradients and optimizer state sharded), checkpoints through torch's
     distributed checkpoint, written atomically and verified.
@@ -109,6 +125,8 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         state_dict: ``"sharded"``: one DCP directory per checkpoint, each rank writes its shards (consolidate with
             ``python -m lightning_solo.consolidate``); ``"full"``: one file gathered on rank 0.
         timeout: collective timeout, seconds or a ``timedelta``.
+        average_bn_stats: average the BatchNorm running statistics over the ranks before each evaluation,
+            checkpoint and the fit's end (:func:`decide_bn_stats`); ``False``: each rank keeps its own, as stock.
     """
 
     strategy_name = "solo_fsdp"
@@ -122,6 +140,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         state_dict: Literal["sharded", "full"] = "sharded",
         timeout: timedelta | float | int = timedelta(minutes=30),
+        average_bn_stats: bool = True,
         process_group_backend: str | None = None,
         cluster_environment: Any = None,
     ) -> None:
@@ -140,6 +159,8 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         self.min_num_params = check_int("min_num_params", min_num_params)
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
         self.state_dict_type = state_dict
+        self.average_bn_stats = check_bool("average_bn_stats", average_bn_stats)
+        self._bn_layers: list[torch_compat.BatchNormBase] = []
         self.checkpoint_io = SoloCheckpointIO()
         if cluster_environment is not None:
             self.cluster_environment = cluster_environment
@@ -197,6 +218,49 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
             else "rank 0"
         )
         self._decide(Decision("fsdp_state_dict", self.state_dict_type, why))
+        layers = [
+            m
+            for m in self.model.modules()
+            if isinstance(m, torch_compat.BatchNormBase) and m.running_mean is not None
+        ]
+        decision = self._decide(decide_bn_stats(self.average_bn_stats, len(layers), self.world_size))
+        self._bn_layers = layers if decision.value == "mean over ranks" else []
+
+    def _average_bn_stats(self) -> None:
+        """One all-reduce of every BatchNorm layer's running mean and variance, divided by the world size."""
+        if not self._bn_layers:
+            return
+        buffers = [b for m in self._bn_layers for b in (m.running_mean, m.running_var) if b is not None]
+        flat = torch.cat([b.detach().flatten().float() for b in buffers])
+        torch.distributed.all_reduce(flat)
+        flat /= self.world_size
+        for b, mean in zip(buffers, flat.split([b.numel() for b in buffers])):
+            b.copy_(mean.view_as(b))
+
+    @override
+    def on_train_end(self) -> None:
+        self._average_bn_stats()
+        super().on_train_end()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._average_bn_stats()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._average_bn_stats()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._average_bn_stats()
+        super().on_predict_start()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._average_bn_stats()  # every rank collects the state dict: the checkpoint keeps the ranks' mean
+        return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(
@@ -239,4 +303,5 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
             "reshard_after_forward": self.reshard_after_forward,
             "state_dict": self.state_dict_type,
             "timeout_s": self._timeout.total_seconds() if self._timeout else None,
+            "average_bn_stats": self.average_bn_stats,
         }

@@ -4,8 +4,9 @@ sharded checkpoints, fit again from the newest one, and consolidate it.
     python tests/scripts/fsdp_fit.py OUT_DIR
 
 Rank 0 writes OUT_DIR/result.json: the strategy's and WarmupScaledLR's decisions, the step each fit started and
-ended at, and whether the consolidated file, loaded with weights_only=True into a plain model, equals the trained
-(full) weights.
+ended at, whether the consolidated file, loaded with weights_only=True into a plain model, equals the trained
+(full) weights, and each rank's BatchNorm running mean after each fit (the first keeps each rank's own,
+``average_bn_stats=False``; the resumed one averages them).
 """
 
 import json
@@ -27,34 +28,46 @@ from lightning_solo.fsdp.consolidate import consolidate
 from lightning_solo.fsdp.strategy import SoloFSDP
 
 
+def net() -> torch.nn.Sequential:
+    """The MLP with a BatchNorm layer, whose running statistics follow each rank's batches."""
+    layers = list(mlp(hidden=32))
+    return torch.nn.Sequential(layers[0], torch.nn.BatchNorm1d(32), *layers[1:])
+
+
+def bn_mean(trainer, model) -> list[list[float]]:
+    """Every rank's BatchNorm running mean (an all-gather)."""
+    mean = model.net[1].running_mean.detach().clone()
+    return [t.tolist() for t in trainer.strategy.all_gather(mean)]
+
+
 def fit(out: Path, max_steps: int, resume: bool):
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
     lr = WarmupScaledLR(reference_batch_size=32, warmup_steps=0, log_lr=False)
     ckpt = SoloCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, keep_last_k=2)
     # min_num_params=100: the first Linear (288 parameters) gets a shard group of its own.
-    strategy = SoloFSDP(min_num_params=100)
+    strategy = SoloFSDP(min_num_params=100, average_bn_stats=resume)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, callbacks=[lr, ckpt], max_steps=max_steps,
         default_root_dir=out, **QUIET,
     )  # fmt: skip
-    model = Tiny(mlp(hidden=32), lr=0.4, momentum=0.9)
+    model = Tiny(net(), lr=0.4, momentum=0.9)
     ckpt_path = resolve_ckpt_path("auto", out / "ckpt") if resume else None
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
-    return trainer, model, lr, ckpt
+    return trainer, model, lr, ckpt, bn_mean(trainer, model)
 
 
 def main(out: Path) -> None:
-    first, *_ = fit(out, 3, resume=False)
-    trainer, model, lr, ckpt = fit(out, 5, resume=True)
+    first, *_, first_bn = fit(out, 3, resume=False)
+    trainer, model, lr, ckpt, bn = fit(out, 5, resume=True)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank != 0:
         return
     manifest = consolidate(ckpt.last_model_path, out / "consolidated.ckpt")
-    net = mlp(hidden=32)
+    plain = net()
     state = torch.load(out / "consolidated.ckpt", weights_only=True)["state_dict"]
-    net.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
-    same = all(torch.equal(net.state_dict()[k.removeprefix("net.")], v) for k, v in full.items())
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    same = all(torch.equal(plain.state_dict()[k.removeprefix("net.")], v) for k, v in full.items())
     result = {
         "decisions": {k: d.value for k, d in {**trainer.strategy.decisions, **lr.decisions}.items()},
         "first_fit_steps": first.global_step,
@@ -66,6 +79,9 @@ def main(out: Path) -> None:
         "consolidated_step": manifest["global_step"],
         "consolidated_equals_trained": same,
         "sharded_param": type(next(model.parameters())).__name__,
+        "first_fit_bn_strategy": first.strategy.decisions["bn_stats"].value,
+        "first_fit_bn_mean": first_bn,
+        "bn_mean": bn,
     }
     (out / "result.json").write_text(json.dumps(result, default=str))
 
