@@ -104,6 +104,19 @@ def test_a_rank_asleep_in_training_step(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
+def test_the_job_exits_86_when_the_rank_that_started_the_others_is_slow_to_exit(tmp_path):
+    # Rank 1 waits for rank 0, its parent, to exit first: had it exited first, Lightning's process observer in
+    # rank 0 would have seen a child end with an error and SIGKILLed rank 0 (exit status -9).
+    proc, _, stall = run(tmp_path, "slow_exit")
+    assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
+    assert stall["rank"] == 1 and verdict_line(proc).startswith(
+        "SoloDDP watchdog: rank 1 has been in training_step"
+    )
+    assert "Forcefully terminating" not in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
 def test_a_loader_worker_blocked_in_getitem(tmp_path):
     line = assert_hang(tmp_path, "loader", "has been in data wait for", "_next_data")
     assert "rank 0 waits in backward (DDP's gradient all-reduce)" in line

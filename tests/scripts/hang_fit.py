@@ -4,6 +4,8 @@ at step STEP, as MODE says:
     python tests/scripts/hang_fit.py MODE OUT_DIR
 
 * ``sleep``: rank 1 sleeps forever in ``training_step``;
+* ``slow_exit``: as ``sleep``, and rank 0 (which started rank 1) takes 6 s to exit, as a rank may on a loaded
+  machine: longer than Lightning's process observer (in rank 0) waits between its looks at rank 1;
 * ``loader``: rank 1's loader worker (``num_workers=1``) sleeps forever in ``__getitem__``;
 * ``extra``: rank 1 issues one collective the other does not (``strategy.all_gather`` on a gloo group named
   "extra", made by both at setup, in ``training_step``): the flight recorder sees it (a monitored barrier's
@@ -81,6 +83,9 @@ class Stalling(Tiny):
         self.mode, self.out, self.data = mode, out, data
 
     def setup(self, stage: str) -> None:
+        if self.mode == "slow_exit" and self.global_rank == 0:
+            exit_now = os._exit
+            os._exit = lambda status: (time.sleep(6), exit_now(status))  # the watchdog ends the rank with it
         if self.mode == "extra":  # every rank makes it; only rank 1 will use it
             self.extra = torch.distributed.new_group(backend="gloo", group_desc="extra")
 
@@ -91,7 +96,7 @@ class Stalling(Tiny):
     def training_step(self, batch, batch_idx):
         time.sleep(0.01)  # a 10-15 ms step
         if self.global_rank == 1 and self.global_step == STEP:
-            if self.mode in ("sleep", "stock"):
+            if self.mode in ("sleep", "slow_exit", "stock"):
                 stall_marker(self.out, 1)
                 time.sleep(12 if self.mode == "stock" else 3600)
             elif self.mode == "extra" and batch_idx == STEP:

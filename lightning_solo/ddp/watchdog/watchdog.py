@@ -19,7 +19,7 @@ summary in the store (no shared file system assumed); the judge that wrote the v
 ``verdict.txt``. Each rank prints the line on its own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster
 keeps a log per node or per rank), says "dumped", waits up to ``grace_s`` from its verdict for the others' "dumped",
 ends its own child processes (loader workers, one of which may be the stuck one) and exits with status
-:data:`HANG_EXIT_CODE`.
+:data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's popen launcher) exits after that one.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -56,6 +56,7 @@ from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
 PEER_EXIT_WAIT_S = 3.0  # a SIGKILLed peer's sockets close a moment before /proc shows its process ended
+PARENT_EXIT_WAIT_S = 10.0  # how long a rank started by another rank waits for that rank to exit first
 _VERDICT, _FINAL = "verdict", "verdict/final"
 # How long the printing judge waits for the live ranks' flight-recorder summaries: with the default margin (55 s)
 # and heartbeat (1 s) the line still comes within 2 x the median step + 60 s of the stall.
@@ -397,4 +398,18 @@ class Watchdog:
             for child in multiprocessing.active_children():
                 with contextlib.suppress(Exception):
                     child.kill()
+            self._let_the_parent_rank_exit_first()
             os._exit(HANG_EXIT_CODE)
+
+    def _let_the_parent_rank_exit_first(self) -> None:
+        """Wait (at most PARENT_EXIT_WAIT_S) for this process's parent to exit when the parent is a rank of this
+        job, as under Lightning's popen launcher (local rank 0 starts the others). Its process observer polls the
+        ranks it started and SIGKILLs itself and them when one has ended with an error: a child that exits first
+        may turn the job's exit status into -9 instead of HANG_EXIT_CODE."""
+        parent = os.getppid()
+        ranks = [beat for _, _, beat in self._seen.values() if beat.host == self._host]
+        if not any(beat.pid == parent for beat in ranks):
+            return
+        deadline = time.monotonic() + PARENT_EXIT_WAIT_S
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.02)
