@@ -1,16 +1,21 @@
 """Every option the README documents runs on top of the runner's default config (small_cnn on the digits, 2 gloo
-processes, every default callback), as a user types it: ``python -m lightning_solo.run OPTION``, one epoch cut
-to a few batches, ending in a checkpoint. Each run also checks that its options are in force: the decisions in
-``summary.json``, the hook state in the checkpoint, the profiler's traces, the default callbacks' records.
+processes, every default callback), one epoch cut to a few batches, ending in a checkpoint. Each run also checks
+that its options are in force: the decisions in ``summary.json``, the hook state in the checkpoint, the profiler's
+traces, the default callbacks' records.
 
 Options that do not interact share a run: one comm hook per run (4 runs) carries a precision, a
 ``sync_batchnorm``, a ``find_unused_parameters``, an ``exact_eval``, ``profile=window``,
 ``auto_batch_size=memory``, ``logger=none`` or ``compile``. Elsewhere: ``parallelism=fsdp`` on CPU in
 test_fsdp.py; ``comm_hook=auto`` (its trial, its checkpointed choice) and ``post_local_sgd`` (its averaging, its
 replicas in checkpoints, resume) in 2-rank fits in test_comm_auto.py and test_comm.py, and the config group that
-reaches them in test_comm.py. The runs start without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher, not the test, must give
-every rank the same.
-Each run spends most of its ~10 s importing, one rank after the other, so two run side by side."""
+reaches them in test_comm.py.
+
+The compile run is typed as a user types it, ``python -m lightning_solo.run OPTION`` (Lightning's popen launcher
+starts rank 1; compiling in fresh processes), without ``OMP_NUM_THREADS``, as from a fresh shell: the launcher,
+not the test, must give every rank the same. The others compose the same overrides as the command line does
+(Hydra's compose, :func:`~lightning_solo.app.run.strategy_options`) and run the runner's ``train(cfg)`` on ranks
+forked from this process (``start_method=fork``), while the command runs: a command's ranks spend most of their
+~10 s importing, one after the other, and that start is the same for every option."""
 
 from __future__ import annotations
 
@@ -20,15 +25,17 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
+from lightning_solo.app.run import strategy_options, train
 from lightning_solo.ddp.comm import CHECKPOINT_KEY
+from tests.helpers import composed
 
 pytestmark = [pytest.mark.cli, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -41,7 +48,6 @@ SHORT = [
     "trainer.enable_progress_bar=false",
     "hydra.run.dir=run",
 ]
-SIDE_BY_SIDE = 2
 RUN_TIMEOUT_S = 240
 
 # Dropped from the test's environment: the launch variables (as run_cli does) and conftest's OMP_NUM_THREADS.
@@ -58,30 +64,39 @@ NOT_INHERITED = (
 Decided = dict[str, dict[str, Any]]
 
 
-def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m lightning_solo.run *args`` in its own session: on a timeout every rank goes (rank 0 starts
-    the others), and the result says so (exit status None)."""
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``python -m lightning_solo.run *args`` in its own session (rank 0 starts the others, so a timeout ends them
+    all), its output in ``cwd``/out.txt and err.txt."""
     env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     env.update(HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "lightning_solo.run", *args]
-    with subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
-            return subprocess.CompletedProcess(command, proc.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return subprocess.CompletedProcess(
-                command, None, out, f"{err}\ntimed out after {RUN_TIMEOUT_S} s"
-            )
+    with open(cwd / "out.txt", "w") as out, open(cwd / "err.txt", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lightning_solo.run", *args],
+            cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True,
+        )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, cwd: Path) -> str | None:
+    """None when the command succeeded; else its exit status (or timeout) and the end of its stderr."""
+    try:
+        status = proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        status = f"timed out after {RUN_TIMEOUT_S} s"
+    return None if status == 0 else f"exit status {status}\n{(cwd / 'err.txt').read_text()[-4000:]}"
+
+
+def _train_forked(args: list[str], cwd: Path) -> str | None:
+    """The same overrides composed as the command line composes them, then the runner's ``train(cfg)`` on ranks
+    forked from this process; None when it succeeded, else the traceback."""
+    overrides = strategy_options([*args, "parallelism.strategy.start_method=fork"])
+    try:
+        with composed(overrides, cwd / "run") as cfg:
+            train(cfg)
+    except Exception:  # noqa: BLE001 - one run's failure fails its own test, not the other runs'
+        return traceback.format_exc()[-4000:]
+    return None
 
 
 def _strategy(**options: Any) -> list[str]:
@@ -146,6 +161,7 @@ def _compile(run: Path, summary: dict, decided: Decided) -> None:
 class Run(NamedTuple):
     options: list[str]
     check: Callable[[Path, dict, Decided], None]
+    command: bool = False  # typed on the command line (else composed and trained on forked ranks)
 
 
 RUNS = {
@@ -194,33 +210,33 @@ RUNS = {
             ),
         ],
         lambda run, summary, decided: (_powersgd(run, summary, decided), _compile(run, summary, decided)),
+        command=True,
     ),
 }
 
 
 @pytest.fixture(scope="module")
-def finished(request, tmp_path_factory) -> dict[str, tuple[Path, Any]]:
-    """The selected runs (``-k`` chooses), two at a time: name -> (its directory, its CompletedProcess)."""
+def finished(request, tmp_path_factory) -> dict[str, tuple[Path, str | None]]:
+    """The selected runs (``-k`` chooses): name -> (its directory, None or what went wrong). The command starts
+    first and runs while the others train one after the other."""
     names = [
         item.callspec.params["name"]
         for item in request.session.items
         if item.module is request.module and hasattr(item, "callspec")
     ]
     dirs = {name: tmp_path_factory.mktemp(name[:40]) for name in names}
-
-    def launch(name: str) -> tuple[Path, Any]:
-        return dirs[name], _launch([*SHORT, *RUNS[name].options], dirs[name])
-
-    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-        return dict(zip(names, pool.map(launch, names)))
+    commands = {n: _start([*SHORT, *RUNS[n].options], dirs[n]) for n in names if RUNS[n].command}
+    errors = {n: _train_forked([*SHORT, *RUNS[n].options], dirs[n]) for n in names if not RUNS[n].command}
+    errors.update({n: _finish(proc, dirs[n]) for n, proc in commands.items()})
+    return {name: (dirs[name], errors[name]) for name in names}
 
 
-@pytest.mark.timeout(4 * RUN_TIMEOUT_S)  # the first test waits for every run
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)  # the first test waits for every run
 @pytest.mark.parametrize("name", list(RUNS))
 def test_option_runs_with_the_runners_defaults_and_checkpoints(name, finished):
-    tmp_path, proc = finished[name]
+    tmp_path, error = finished[name]
     options = RUNS[name].options
-    assert proc.returncode == 0, f"{options}: exit status {proc.returncode}\n{proc.stderr[-4000:]}"
+    assert error is None, f"{options}: {error}"
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     last = Path(summary["checkpoint_last"])
