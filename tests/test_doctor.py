@@ -137,7 +137,9 @@ def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp
     # named with its phase from SoloDDP's heartbeat (strategy.heartbeats()): slow in training_step, not stopped
     assert straggler["straggler"]["phase"] == "training_step", straggler["straggler"]
     assert straggler["straggler"]["phase_excess_ms"] > 0.5 * SLOW_S * 1e3, straggler["straggler"]
-    assert data["verdict"]["remedies"][0]["setting"] == "DataLoader.num_workers"
+    # The first setting to change; a straggler remedy (no setting) may come first when the machine slows one rank.
+    settings = [r["setting"] for r in data["verdict"]["remedies"] if r["setting"] is not None]
+    assert settings[:1] == ["DataLoader.num_workers"], data["verdict"]["remedies"]
     advised = {(r["setting"], r["value"]) for report in r0["reports"] for r in report["verdict"]["remedies"]}
     assert not {v for k, v in advised if k == "SoloDDP.comm_hook"} & {"fp16", "bf16", "powersgd", "auto"}, "no compression advice on CPU"  # fmt: skip
     for report in r0["reports"]:
