@@ -16,6 +16,8 @@ prints what it kept and why.
     python benchmarks/bench_compile.py                      # every model: ~25 minutes on 2 idle cores
     python benchmarks/bench_compile.py --rounds 2 --steps 20 --models mlp
     python benchmarks/bench_compile.py --models mlp --rounds 5 --bucket-cap-mb 1 --no-auto   # more buckets
+    python benchmarks/bench_compile.py --models transformer --rounds 6 --bucket-cap-mb 1 --link-ms 6 --no-auto
+        # exposed communication over a simulated slow serial link (6 ms per bucket)
     python benchmarks/bench_compile.py --single            # the models alone: one process, no DDP
     python benchmarks/bench_compile.py --single --models resnet18 --batch 32   # and their gradient parity
 """
@@ -27,8 +29,14 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 import warnings
+
+try:
+    from benchmarks.stats import median_interval
+except ImportError:  # run as a script: python benchmarks/bench_compile.py
+    from stats import median_interval  # type: ignore[no-redef]
 
 MODELS = {
     # name: (builder kwargs, batch per rank)
@@ -45,12 +53,35 @@ SEQ, D, LAYERS = 128, 256, 4  # issue 30: 4 layers, d=256, seq 128
 
 
 def _timed_allreduce(timer, bucket):
-    """DDP's all-reduce (``allreduce_hook``), noting when the step's first bucket was launched."""
+    """DDP's all-reduce (``allreduce_hook``), noting when the step's first bucket was launched. With
+    ``timer.link_ms``, each bucket then also crosses a simulated serial link: it is delivered ``link_ms`` after
+    the later of its all-reduce's end and the previous bucket's delivery, by a timer thread, so the wait costs no
+    CPU and a slow network's exposed time stands out of this machine's CPU noise."""
+    import threading
+
+    import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if timer.first_launch is None:
         timer.first_launch = time.perf_counter()
-    return default_hooks.allreduce_hook(None, bucket)
+    reduced = default_hooks.allreduce_hook(None, bucket)
+    if not timer.link_ms:
+        return reduced
+    delivered: torch.futures.Future = torch.futures.Future()
+
+    def send(fut):
+        with timer.link_lock:
+            now = time.perf_counter()
+            timer.link_free = max(now, timer.link_free) + timer.link_ms / 1e3
+            delay = timer.link_free - now
+        try:
+            value = fut.value()
+        except RuntimeError as error:  # the all-reduce failed: DDP's wait raises it, as without the link
+            return delivered.set_exception(error)
+        threading.Timer(delay, delivered.set_result, (value,)).start()
+
+    reduced.add_done_callback(send)
+    return delivered
 
 
 def _module(kind: str, batch: int, steps: int):
@@ -96,7 +127,7 @@ def _module(kind: str, batch: int, steps: int):
 
 
 def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compile_setting=True,
-         planned: int | None = None, bucket_cap_mb: float | None = None) -> dict:  # fmt: skip
+         planned: int | None = None, bucket_cap_mb: float | None = None, link_ms: float = 0) -> dict:  # fmt: skip
     """One fit of ``steps`` steps; ``planned``: ``max_steps`` as the Trainer sees it (the fit stops at ``steps``)."""
     import lightning as L
     import torch
@@ -110,8 +141,9 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
 
     class Timer(L.Callback):
         def __init__(self):
-            self.times, self.wrapper, self.exposed, self.overlap = [], None, [], []
+            self.times, self.wrapper, self.exposed, self.overlap, self.waited = [], None, [], [], []
             self.first_launch = self.last_grad = None
+            self.link_ms, self.link_lock, self.link_free = link_ms, threading.Lock(), 0.0
             self.grad_hook = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -126,6 +158,11 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                 )
             self.first_launch = self.last_grad = None
             self.started = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            # backward has returned, DDP's reducer has waited for every bucket: the wait past the last gradient
+            if self.last_grad is not None and trainer.global_step >= warmup:
+                self.waited.append((time.perf_counter() - self.last_grad) * 1e3)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self.started)
@@ -153,6 +190,7 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                 "compile_s": self.times[0] - steady,
                 "exposed_ms": statistics.median(self.exposed) if self.exposed else None,
                 "overlap_ms": statistics.median(self.overlap) if self.overlap else None,
+                "waited_ms": statistics.median(self.waited) if self.waited else None,
                 "decision": str(decision) if decision else None,
             }
             with open(os.path.join(out, f"{model_name}-{config}.json"), "w") as f:
@@ -191,6 +229,9 @@ def main() -> None:
     parser.add_argument(
         "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
     )
+    parser.add_argument(
+        "--link-ms", type=float, default=0, help="a simulated serial link: each bucket also takes this long"
+    )
     parser.add_argument("--seq", type=int, default=SEQ, help="the transformer's sequence length")
     parser.add_argument(
         "--batch", type=int, default=None, help="batch per rank for every model (default: MODELS')"
@@ -210,13 +251,15 @@ def main() -> None:
             order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
             for config in order:
                 started = time.perf_counter()
-                rec = _fit(model_name, config, args.steps, args.warmup, out, bucket_cap_mb=args.bucket_cap_mb)
+                rec = _fit(model_name, config, args.steps, args.warmup, out, bucket_cap_mb=args.bucket_cap_mb,
+                           link_ms=args.link_ms)  # fmt: skip
                 rec["wall_s"] = time.perf_counter() - started
                 rows.setdefault((model_name, config), []).append(rec)
                 print(model_name, config, f"round {r + 1}", {k: v for k, v in rec.items() if k != "decision"},
                       flush=True)  # fmt: skip
     print("\n| model | configuration | steady ms/step | vs eager | compile s (cold / warm) | exposed comm ms/step | "
-          "backward after the first bucket ms | weights vs eager (rel) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "paired ratio to eager (95 %) | waited after the last gradient ms | paired ratio to eager (95 %) | "
+          "backward after the first bucket ms | weights vs eager (rel) |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for model_name in args.models:
         eager = statistics.median(r["steady_ms"] for r in rows[(model_name, "eager")])
         for config in CONFIGS:
@@ -227,8 +270,11 @@ def main() -> None:
             after_ms = f"{statistics.median(after):.2f}" if after else "-"
             compile_s = f"{recs[0]['compile_s']:.1f} / {statistics.median(r['compile_s'] for r in recs[1:]):.1f}" \
                 if config != "eager" and len(recs) > 1 else "-"  # fmt: skip
+            waited = [r["waited_ms"] for r in recs if r["waited_ms"] is not None]
             print(f"| {model_name} | {config} | {steady:.1f} | {eager / steady:.2f}x | {compile_s} | "
-                  f"{statistics.median(exposed):.2f} | {after_ms} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
+                  f"{statistics.median(exposed):.2f} | {_paired(rows, model_name, config, 'exposed_ms')} | "
+                  f"{statistics.median(waited):.2f} | {_paired(rows, model_name, config, 'waited_ms')} | "
+                  f"{after_ms} | {_rel_diff(out, model_name, config):.1e} |")  # fmt: skip
     # compile="auto" on a long planned run: the fit stops after the trial, "auto" weighs the plan.
     for model_name in [] if args.no_auto else args.models:
         rec = _fit(model_name, "auto", args.warmup + 12, args.warmup, out, "auto", planned=args.auto_steps)
@@ -307,6 +353,16 @@ def _gradient_parity(module, compiled, steps: int) -> str:
             f"(step 1 {per_step[0]:.1e}, step {steps} {per_step[-1]:.1e}); weights after {steps} steps each on "
             f"its own gradients: {rel(after['compiled'], after['eager']):.1e}; step 1 in float64: compiled vs "
             f"eager {rel(compiled64, eager64):.1e}, while eager float32 is {float32:.1e} from eager float64")  # fmt: skip
+
+
+def _paired(rows: dict, model_name: str, config: str, key: str) -> str:
+    """The median over rounds of ``config``'s figure divided by the same round's eager figure, with its interval."""
+    pairs = zip(rows[(model_name, config)], rows[(model_name, "eager")])
+    ratios = [a[key] / b[key] for a, b in pairs if a[key] is not None and b[key]]
+    if config == "eager" or len(ratios) < 2:
+        return "-"
+    low, high = median_interval(ratios)
+    return f"{statistics.median(ratios):.2f} ({low:.2f}-{high:.2f}), lower in {sum(r < 1 for r in ratios)}/{len(ratios)}"
 
 
 def _rel_diff(out: str, model_name: str, config: str) -> float:
