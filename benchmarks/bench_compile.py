@@ -64,6 +64,7 @@ def _timed_allreduce(timer, bucket):
 
     if timer.first_launch is None:
         timer.first_launch = time.perf_counter()
+    timer.launches.append(time.perf_counter())
     reduced = default_hooks.allreduce_hook(None, bucket)
     if not timer.link_ms:
         return reduced
@@ -144,6 +145,7 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
             self.times, self.wrapper, self.exposed, self.overlap, self.waited = [], None, [], [], []
             self.first_launch = self.last_grad = None
             self.link_ms, self.link_lock, self.link_free = link_ms, threading.Lock(), 0.0
+            self.launches, self.launch_offsets = [], []  # each bucket's launch, ms before the last gradient
             self.grad_hook = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -157,12 +159,14 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                     lambda p: setattr(self, "last_grad", time.perf_counter())
                 )
             self.first_launch = self.last_grad = None
+            self.launches = []
             self.started = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             # backward has returned, DDP's reducer has waited for every bucket: the wait past the last gradient
             if self.last_grad is not None and trainer.global_step >= warmup:
                 self.waited.append((time.perf_counter() - self.last_grad) * 1e3)
+                self.launch_offsets.append([round((self.last_grad - t) * 1e3, 1) for t in self.launches])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self.started)
@@ -191,6 +195,8 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
                 "exposed_ms": statistics.median(self.exposed) if self.exposed else None,
                 "overlap_ms": statistics.median(self.overlap) if self.overlap else None,
                 "waited_ms": statistics.median(self.waited) if self.waited else None,
+                "launches_ms_before_last_grad": [statistics.median(b) for b in zip(*self.launch_offsets)],
+                "buckets": str(torch_compat.ddp_logging_data(self.wrapper).get("rebuilt_bucket_sizes")),
                 "decision": str(decision) if decision else None,
             }
             with open(os.path.join(out, f"{model_name}-{config}.json"), "w") as f:

@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lightning_solo import SoloDDP
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.ddp.compile import CompiledSteps, decide_compile
 from tests.helpers.modules import TinyModule
@@ -52,13 +53,21 @@ def _aot_graphs(trainer, module) -> int:
     return int(counters["aot_autograd"]["total"])
 
 
-def _fit(out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, **strategy) -> list[dict]:
+def _buckets(trainer, module) -> list[list[int]]:
+    """The parameters of each of DDP's buckets, as the last wrapper rebuilt them from the gradients' order."""
+    indices = torch_compat.ddp_logging_data(trainer.strategy.model).get("rebuilt_per_bucket_param_indices")
+    return [[int(i) for i in bucket.split()] for bucket in indices.split(", ")] if indices else []
+
+
+def _fit(
+    out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, accumulate=1, **strategy
+) -> list[dict]:
     os.makedirs(out, exist_ok=True)
     recorder = RankRecorder(
         out,
         on_train_start={"frames0": _frames, "aot0": _aot_graphs},
         on_train_batch_end={"frames": _frames, "ddp": "wrapper"},
-        on_train_end={"params": "named_params", "aot": _aot_graphs},
+        on_train_end={"params": "named_params", "aot": _aot_graphs, "buckets": _buckets},
         on_fit_end=("decisions",),  # after the strategy's on_train_end
         suffix=".pt",
     )
@@ -67,6 +76,7 @@ def _fit(out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, *
         devices=2,
         strategy=SoloDDP(start_method="fork", **strategy),
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
         callbacks=[recorder, *callbacks],
         logger=False,
         enable_progress_bar=False,
@@ -150,25 +160,34 @@ def test_rewraps_recompile_at_most_twice(tmp_path):
 @pytest.mark.timeout(90)
 def test_ddp_optimizer_splits_the_graph_at_ddp_buckets(tmp_path):
     """Compiled inside DDP's forward, the graph is split at DDP's 1 MiB buckets (one AOTAutograd graph per
-    bucket: each bucket's all-reduce can start while backward continues); with optimize_ddp off, one graph."""
+    bucket: each bucket's all-reduce can start while backward continues); with optimize_ddp off, one graph.
+    And DDP builds the same buckets as in an eager fit (the first synchronising step of each wrapper runs
+    eagerly): built from the compiled backward's order, they differ here (a 1 MiB weight's gradient came first
+    and filled the first bucket alone, where eager's holds the head and the last layer)."""
     import torch._dynamo
 
     graphs = {}
-    for optimize in (True, False):
-        with torch._dynamo.config.patch(optimize_ddp=optimize):  # the forked ranks inherit it
+    # None: eager; "accumulate": split, 2 batches a step (the bucket order comes from the synchronising one)
+    for optimize in (True, False, None, "accumulate"):
+        with torch._dynamo.config.patch(optimize_ddp=bool(optimize)):  # the forked ranks inherit it
             records = _fit(
                 tmp_path / str(optimize),
                 _model(widths=(8, 512, 512, 512, 4)),  # two 1 MiB layers
-                2,
-                compile=CHEAP,
+                8,  # past the unused window: the last wrapper rebuilds its buckets
                 bucket_cap_mb=1,
+                accumulate=2 if optimize == "accumulate" else 1,
+                **({} if optimize is None else {"compile": CHEAP}),
             )
         graphs[optimize] = records[0]
     split = graphs[True]["decisions"]["compile"]["reason"]
     assert "DDPOptimizer splits the graph" in split
     assert "not DDPOptimizer" in graphs[False]["decisions"]["compile"]["reason"]
-    aot = {k: v["aot"] - v["aot0"] for k, v in graphs.items()}
+    aot = {k: v["aot"] - v["aot0"] for k, v in graphs.items() if k is not None}
     assert aot[True] >= 3 and aot[False] == 1, aot
+    eager = graphs[None]["buckets"]
+    assert len(eager) >= 3, eager
+    for optimize in (True, False, "accumulate"):
+        assert graphs[optimize]["buckets"] == eager, (optimize, graphs[optimize]["buckets"], eager)
 
 
 @pytest.mark.multiproc

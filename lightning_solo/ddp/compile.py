@@ -10,7 +10,12 @@ overlap kept; a graph compiled outside DDP would deliver every gradient at the e
 compiled code holds the LightningModule, not the wrapper, so SoloDDP's re-wraps (after the unused-parameter
 window, on a trainable-set change, between comm_hook="auto"'s trials) leave it valid; and the module object is
 not replaced, so its ``state_dict`` has no ``_orig_mod.`` keys and checkpoints are interchangeable with eager
-runs. A trainable-set change recompiles once (``requires_grad`` is guarded); back to an earlier set, Dynamo
+runs. DDP orders its buckets once per wrapper, by the order gradients arrive in its first synchronising
+backward; a compiled backward hands a sub-graph's gradients over all at once, in no set order, and buckets built
+from that straddle DDPOptimizer's split (a transformer's last sub-graph then launched two buckets after the last
+gradient instead of one: benchmarks/RESULTS.md). So each wrapper's first synchronising step runs eagerly, and its
+buckets follow eager's order, the reverse of the parameters' use, the order DDPOptimizer splits by. A
+trainable-set change recompiles once (``requires_grad`` is guarded); back to an earlier set, Dynamo
 reuses that set's graph. ``"auto"`` compiles only when its trial starts (after the unused-parameter window and
 comm_hook="auto"'s trials), times compiled and eager steps interleaved, and keeps the faster if it pays
 (:func:`decide_compile`), the same choice on every rank.
@@ -29,12 +34,14 @@ import inspect
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
@@ -111,6 +118,8 @@ class CompiledSteps:
         self._started: float | None = None
         self._stepped = False
         self._after_first = False  # the first compiled training step is done
+        self._ran_compiled = False  # a training step of the current optimizer step ran compiled
+        self._ordered: weakref.ref | None = None  # the DDP wrapper whose buckets an eager step ordered
         self._recompiles = 0
         self._steps = 0  # optimizer steps in this fit
         self._failed_seen = 0
@@ -151,9 +160,15 @@ class CompiledSteps:
             for name in _EAGER_METHODS:  # instance attributes, removed at teardown
                 setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
         log = "self.log traced, as stock" if self.setting is False else "self.log eager"
+        order = (
+            ""
+            if self.setting is False
+            else "; each DDP wrapper's first synchronising step runs eagerly, so its buckets follow eager's "
+            "gradient order, the order the split follows"
+        )
         where = (
             f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; {log}); "
-            f"{_ddp_note()}"
+            f"{_ddp_note()}{order}"
         )
         if self.setting == "auto":
             self._state = _WAITING
@@ -168,12 +183,13 @@ class CompiledSteps:
         return self.decision
 
     def at_boundary(
-        self, settled: bool, device: torch.device, planned_steps: Callable[[], Any]
+        self, settled: bool, device: torch.device, planned_steps: Callable[[], Any], wrapper: Any = None
     ) -> Decision | None:
         """At every batch start, on every rank alike. ``settled``: no re-wrap is pending from the unused-parameter
-        policy or comm_hook="auto" (the trial then times steady steps). Returns a new decision, if any."""
+        policy or comm_hook="auto" (the trial then times steady steps, once ``wrapper``'s buckets are ordered).
+        Returns a new decision, if any."""
         new = self._check_fallback()
-        if self._state == _WAITING and settled:
+        if self._state == _WAITING and settled and not self._orders_buckets(wrapper):
             self._state = _TRIAL
             self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
             left = _planned(planned_steps) - self._steps
@@ -198,18 +214,25 @@ class CompiledSteps:
         return new
 
     @contextlib.contextmanager
-    def step_context(self) -> Iterator[None]:
-        """Around each training step: "auto" runs eagerly before and between its compiled trial steps; the
-        frames Dynamo compiles inside a step after the first compiled one are counted (``recompiles``)."""
+    def step_context(self, wrapper: Any = None) -> Iterator[None]:
+        """Around each training step: "auto" runs eagerly before and between its compiled trial steps, and the
+        first synchronising step of each DDP ``wrapper`` that orders its buckets runs eagerly; the frames Dynamo
+        compiles inside a step after the first compiled one are counted (``recompiles``)."""
         if not self.compiled:  # stock: nothing read, nothing counted
             yield
             return
-        eager = self._state == _WAITING or (
-            self._state == _TRIAL and self._schedule[len(self._times)] == "eager"
+        orders = self._orders_buckets(wrapper)
+        eager = (
+            orders
+            or self._state == _WAITING
+            or (self._state == _TRIAL and self._schedule[len(self._times)] == "eager")
         )
         before = _frames_ok()
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             yield
+        if orders:
+            self._ordered = weakref.ref(wrapper)
+        self._ran_compiled |= not eager
         if self._after_first:
             self._recompiles += _frames_ok() - before
 
@@ -219,8 +242,9 @@ class CompiledSteps:
             self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
         )
         self._steps += 1
-        if not self._after_first and self.compiled and first:
+        if not self._after_first and self.compiled and first and self._ran_compiled:
             self._after_first = True
+        self._ran_compiled = False
         if self._state != _TRIAL or self._started is None:
             return
         self._times.append(_now(device) - self._started)
@@ -260,6 +284,18 @@ class CompiledSteps:
         if not self.decision.value and self._module is not None:
             self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)
         return self.decision
+
+    def _orders_buckets(self, wrapper: Any) -> bool:
+        """This step is ``wrapper``'s first synchronising backward, where DDP records the gradients' order for
+        its buckets (not with ``find_unused_parameters=True`` and no static graph: that reducer keeps its
+        buckets), and it runs eagerly for it. ``compile=False`` leaves the user's compile as stock runs it."""
+        return (
+            self.setting is not False
+            and isinstance(wrapper, DistributedDataParallel)
+            and (wrapper.static_graph or not wrapper.find_unused_parameters)
+            and wrapper.require_backward_grad_sync
+            and (self._ordered is None or self._ordered() is not wrapper)
+        )
 
     def _compile(self, module: Any) -> None:
         from_compiled(torch.compile(module, **self.options))  # type: ignore[arg-type]  # an OptimizedModule

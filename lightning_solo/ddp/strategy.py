@@ -516,7 +516,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._decide(self._unused.decision)
         # compile="auto" times steady steps: once no re-wrap is pending; its choice is a collective.
         settled = self._unused.phase is not Phase.WINDOW and self._comm.decided
-        if decision := self._compile.at_boundary(settled, self.root_device, lambda: self._planned_steps):
+        if decision := self._compile.at_boundary(
+            settled, self.root_device, lambda: self._planned_steps, self._wrapped
+        ):
             self._decide(decision)
 
     @override
@@ -531,7 +533,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         with (
             searching or contextlib.nullcontext(),
             self._watchdog.phase(hb.TRAINING_STEP),
-            self._compile.step_context(),
+            self._compile.step_context(self._wrapped),
         ):
             output = super().training_step(*args, **kwargs)
         self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
