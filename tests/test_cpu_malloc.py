@@ -29,29 +29,40 @@ def steady_faults(record: dict, after: int) -> float:
     return statistics.median(record["faults"][after:])
 
 
+def _steps(phase: str, rank: dict) -> list[tuple[bool, bool]]:
+    """Steps 2-11 of ``phase``: (faulted in a quarter of the gradients' pages or more, malloc's memory from the
+    kernel grew by as much)."""
+    quarter = rank["grad_pages"] / 4
+    return [(f >= quarter, g >= quarter * 4096) for f, g in zip(rank[phase][2:], rank[f"{phase}_growth"][2:])]
+
+
+def _refaulted(phase: str, rank: dict) -> int:
+    """Steps that faulted a quarter of the gradients in again without the heap growing: memory handed back to the
+    kernel and taken again."""
+    return sum(f and not g for f, g in _steps(phase, rank))
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
     # DDP with bucket views, steps under no_sync (accumulation, post-local-SGD): glibc as it starts hands the
     # 16 MiB gradients back to the kernel and faults them in again at most steps; after decide(), never. What
     # faults in then is the heap growing: glibc's best fit leaves the freed gradients' blocks split by smaller
     # allocations now and then, so the heap grows by one gradient at a random step (0-2 times in 10 steps per rank
     # in 10 runs measured), and keeps what it grew.
-    ranks = run("malloc_steps.py", out=tmp_path)
-
-    def steps(phase: str, rank: dict) -> list[tuple[bool, bool]]:
-        """Steps 2-11 of ``phase``: (faulted in a quarter of the gradients' pages or more, malloc's memory from the
-        kernel grew by as much)."""
-        quarter = rank["grad_pages"] / 4
-        return [
-            (f >= quarter, g >= quarter * 4096) for f, g in zip(rank[phase][2:], rank[f"{phase}_growth"][2:])
-        ]
-
-    refaulted = [sum(f and not g for f, g in steps("default", rank)) for rank in ranks]
-    assert max(refaulted) >= 3, [(r["default"], r["default_growth"]) for r in ranks]
+    # glibc as it starts is adaptive, and now and then its layout settles early and it stops handing memory back
+    # (fewer than 3 refaulting steps on both ranks: 2 of 9 runs measured, one of them a CI failure). Such a run
+    # cannot tell the setting's effect from glibc's luck: fresh processes run again, up to three times.
+    for attempt in range(3):
+        ranks = run("malloc_steps.py", out=tmp_path / f"attempt{attempt}")
+        if max(_refaulted("default", rank) for rank in ranks) >= 3:
+            break
+    assert max(_refaulted("default", rank) for rank in ranks) >= 3, [
+        (r["default"], r["default_growth"]) for r in ranks
+    ]
     for rank in ranks:
-        reuse = steps("reuse", rank)
-        assert not any(f and not g for f, g in reuse), (rank["reuse"], rank["reuse_growth"])
+        reuse = _steps("reuse", rank)
+        assert _refaulted("reuse", rank) == 0, (rank["reuse"], rank["reuse_growth"])
         assert min(rank["reuse_growth"][2:]) >= 0 and sum(g for _, g in reuse) <= 3, rank["reuse_growth"]
     assert all(rank["decision"]["value"] == "reuse freed memory" for rank in ranks), ranks[0]["decision"]
 
