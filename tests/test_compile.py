@@ -162,8 +162,8 @@ def test_ddp_optimizer_splits_the_graph_at_ddp_buckets(tmp_path):
     """Compiled inside DDP's forward, the graph is split at DDP's 1 MiB buckets (one AOTAutograd graph per
     bucket: each bucket's all-reduce can start while backward continues); with optimize_ddp off, one graph.
     And DDP builds the same buckets as in an eager fit (the first synchronising step of each wrapper runs
-    eagerly): built from the compiled backward's order, they differ here (a 1 MiB weight's gradient came first
-    and filled the first bucket alone, where eager's holds the head and the last layer)."""
+    eagerly): built from the compiled backward's order, they held other parameters here (a bias alone in the
+    first bucket, where eager's holds it with the head's)."""
     import torch._dynamo
 
     graphs = {}
