@@ -59,6 +59,40 @@ def _buckets(trainer, module) -> list[list[int]]:
     return [[int(i) for i in bucket.split()] for bucket in indices.split(", ")] if indices else []
 
 
+class _Launches(L.Callback):
+    """For each synchronising step: how many of DDP's buckets were launched (their all-reduce started) before
+    backward computed its last gradient (the first layer's weight), and how many in all. A comm hook doing DDP's
+    own all-reduce notes each launch, on every wrapper SoloDDP builds."""
+
+    def __init__(self) -> None:
+        self.wrapper, self.events, self.counts = None, [], []
+
+    @staticmethod
+    def _allreduce(self: _Launches, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.events.append("launch")
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def on_train_start(self, trainer, module):
+        next(module.parameters()).register_post_accumulate_grad_hook(lambda p: self.events.append("last"))
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.strategy.model is not self.wrapper:
+            self.wrapper = trainer.strategy.model
+            self.wrapper.register_comm_hook(self, self._allreduce)
+        self.events = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        launches = [e for e in self.events if e == "launch"]
+        if launches:
+            self.counts.append((self.events.index("last") if "last" in self.events else -1, len(launches)))
+
+
+def _launch_counts(trainer, module) -> list[tuple[int, int]]:
+    return next((c.counts for c in trainer.callbacks if isinstance(c, _Launches)), [])
+
+
 def _fit(
     out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, accumulate=1, **strategy
 ) -> list[dict]:
@@ -67,7 +101,12 @@ def _fit(
         out,
         on_train_start={"frames0": _frames, "aot0": _aot_graphs},
         on_train_batch_end={"frames": _frames, "ddp": "wrapper"},
-        on_train_end={"params": "named_params", "aot": _aot_graphs, "buckets": _buckets},
+        on_train_end={
+            "params": "named_params",
+            "aot": _aot_graphs,
+            "buckets": _buckets,
+            "launches": _launch_counts,
+        },
         on_fit_end=("decisions",),  # after the strategy's on_train_end
         suffix=".pt",
     )
@@ -160,7 +199,9 @@ def test_rewraps_recompile_at_most_twice(tmp_path):
 @pytest.mark.timeout(90)
 def test_ddp_optimizer_splits_the_graph_at_ddp_buckets(tmp_path):
     """Compiled inside DDP's forward, the graph is split at DDP's 1 MiB buckets (one AOTAutograd graph per
-    bucket: each bucket's all-reduce can start while backward continues); with optimize_ddp off, one graph.
+    bucket), so each bucket's all-reduce starts while backward continues, as in eager: all buckets but the last
+    are launched before the last gradient is computed. With optimize_ddp off, one graph, and every bucket is
+    launched after it.
     And DDP builds the same buckets as in an eager fit (the first synchronising step of each wrapper runs
     eagerly): built from the compiled backward's order, they held other parameters here (a bias alone in the
     first bucket, where eager's holds it with the head's)."""
@@ -176,6 +217,7 @@ def test_ddp_optimizer_splits_the_graph_at_ddp_buckets(tmp_path):
                 8,  # past the unused window: the last wrapper rebuilds its buckets
                 bucket_cap_mb=1,
                 accumulate=2 if optimize == "accumulate" else 1,
+                callbacks=[_Launches()],
                 **({} if optimize is None else {"compile": CHEAP}),
             )
         graphs[optimize] = records[0]
@@ -188,6 +230,12 @@ def test_ddp_optimizer_splits_the_graph_at_ddp_buckets(tmp_path):
     assert len(eager) >= 3, eager
     for optimize in (True, False, "accumulate"):
         assert graphs[optimize]["buckets"] == eager, (optimize, graphs[optimize]["buckets"], eager)
+    # Overlap: all but the last bucket leave before backward computes its last gradient, as in eager; the
+    # unsplit graph hands every gradient over at its end, so every bucket leaves after it.
+    launches = {k: v["launches"][-3:] for k, v in graphs.items()}
+    assert launches[None] == [(len(eager) - 1, len(eager))] * 3, launches
+    assert launches[True] == launches["accumulate"] == launches[None], launches
+    assert launches[False] == [(0, len(eager))] * 3, launches
 
 
 @pytest.mark.multiproc
