@@ -6,6 +6,9 @@ The two arms alternate within each round (the order flips every round); the figu
 CPU time (user + system) and wall time of each child, and the median of the per-round ratios with a bootstrap
 interval.
 
+``--freeze`` compares the import followed by ``gc.freeze()`` (what ``python -m lightning_solo.run`` and
+``python -m lightning_solo.evaluate`` do first) against the import alone: the start and the interpreter's exit.
+
 ``--with-site DIR`` compares another pair: the same import as installed against the same import with ``DIR`` on
 ``PYTHONPATH`` (e.g. a ``pip install --target DIR scipy``: what an optional package that torchmetrics imports when it
 finds it costs every process).
@@ -14,6 +17,7 @@ Usage::
 
     python -m benchmarks.bench_startup              # 10 rounds, ~3 min on 2 cores
     python -m benchmarks.bench_startup --rounds 20 --module lightning_solo.app.run
+    python -m benchmarks.bench_startup --module lightning_solo.app.run --freeze
     pip install --no-deps --target /tmp/scipy_site scipy
     python -m benchmarks.bench_startup --module lightning_solo.app.run --with-site /tmp/scipy_site
 """
@@ -52,10 +56,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--with-site", help="compare the import as installed against it with this on PYTHONPATH"
     )
+    parser.add_argument(
+        "--freeze", action="store_true", help="compare the import then gc.freeze() against it alone"
+    )
     args = parser.parse_args(argv)
     code = f"import {args.module}"
     # (name, code, site): the first arm is the one measured, the second the one it is compared against.
-    if args.with_site:
+    if args.freeze:
+        arms = [("frozen", f"{code}; import gc; gc.freeze()", None), ("not frozen", code, None)]
+    elif args.with_site:
         arms = [("installed", code, None), (f"with {args.with_site}", code, args.with_site)]
     else:  # lightning_solo's __init__ imports Lightning with the GC paused; Lightning first: the GC runs throughout
         arms = [("GC paused", code, None), ("GC running", f"import lightning.pytorch; {code}", None)]

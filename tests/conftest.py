@@ -1,3 +1,4 @@
+import gc
 import getpass
 import os
 import tempfile
@@ -8,6 +9,13 @@ import pytest
 # One intra-op thread per process: tests start several ranks on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
+# The test worker's imports (torch, Lightning) go to the collector's permanent generation, as the runner's do
+# (lightning_solo.app.run.freeze_imported_objects): the ranks the tests fork from here then run their full
+# collections without walking, and copying the pages of, ~0.4 M objects that are not garbage.
+import lightning_solo  # noqa: F401 - imported for the freeze below
+
+gc.freeze()
 
 # A test that starts real processes (marked ``multiproc``) gets this limit unless it sets its own with
 # ``@pytest.mark.timeout(...)``: a rank stuck in a collective then fails the test instead of the suite.

@@ -37,6 +37,7 @@ from lightning_solo.app.run import (
     check_run_config,
     close_process_group,
     config_path,
+    freeze_imported_objects,
     make_trainer,
     report_bad_input,
     strategy_options,
@@ -254,6 +255,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> float | None:
     """``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them."""
+    freeze_imported_objects()
     sys.argv[1:] = strategy_options(sys.argv[1:])
     return _hydra_main()
 
