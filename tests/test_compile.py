@@ -68,10 +68,10 @@ class _Launches(L.Callback):
         self.wrapper, self.events, self.counts = None, [], []
 
     @staticmethod
-    def _allreduce(self: _Launches, bucket):
+    def _allreduce(state: _Launches, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        self.events.append("launch")
+        state.events.append("launch")
         return default_hooks.allreduce_hook(None, bucket)
 
     def on_train_start(self, trainer, module):
@@ -84,9 +84,8 @@ class _Launches(L.Callback):
         self.events = []
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
-        launches = [e for e in self.events if e == "launch"]
-        if launches:
-            self.counts.append((self.events.index("last") if "last" in self.events else -1, len(launches)))
+        if launched := self.events.count("launch"):  # "last"'s index: the launches before it
+            self.counts.append((self.events.index("last") if "last" in self.events else -1, launched))
 
 
 def _launch_counts(trainer, module) -> list[tuple[int, int]]:
