@@ -10,13 +10,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
-# The test worker's imports (torch, Lightning) go to the collector's permanent generation, as the runner's do
-# (lightning_solo.app.run.freeze_imported_objects): the ranks the tests fork from here then run their full
-# collections without walking, and copying the pages of, ~0.4 M objects that are not garbage.
-import lightning_solo  # noqa: F401 - imported for the freeze below
-
-gc.freeze()
-
 # A test that starts real processes (marked ``multiproc``) gets this limit unless it sets its own with
 # ``@pytest.mark.timeout(...)``: a rank stuck in a collective then fails the test instead of the suite.
 MULTIPROC_TIMEOUT_S = 60
@@ -29,6 +22,16 @@ COST_S = {"slow": 30.0, "cli": 15.0, "multiproc": 6.0}
 
 def _cost(item) -> float:
     return max((c for mark, c in COST_S.items() if item.get_closest_marker(mark) is not None), default=0.3)
+
+
+def pytest_collection_finish(session):
+    """The test worker's imports (torch, Lightning, the test modules) go to the collector's permanent generation,
+    as the runner's do (lightning_solo.app.run.freeze_imported_objects): the ranks the tests fork from here then run
+    their full collections without walking, and copying the pages of, ~0.4 M objects that are not garbage.
+
+    After collection, not at this file's import: Lightning imported before pytest's log handlers are on the root
+    logger keeps its messages to its own handler (``propagate = False``), out of ``caplog``'s reach."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
