@@ -1,3 +1,4 @@
+import compileall
 import gc
 import getpass
 import os
@@ -5,6 +6,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 # One intra-op thread per process: tests start several ranks on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -22,6 +25,16 @@ COST_S = {"slow": 30.0, "cli": 15.0, "multiproc": 6.0}
 
 def _cost(item) -> float:
     return max((c for mark, c in COST_S.items() if item.get_closest_marker(mark) is not None), default=0.3)
+
+
+def pytest_configure(config):
+    """The checkout's own modules compiled once, in the controller: with ``PYTHONDONTWRITEBYTECODE`` set (as
+    in some CI images) no process writes a ``__pycache__``, and each of the ~100 interpreters the suite starts
+    (ranks, commands, scripts) would compile the package and the test helpers from source again, ~0.3 s of CPU
+    each. Python reads the cached bytecode either way; this writes it, as a plain ``import`` would."""
+    if not hasattr(config, "workerinput"):  # not again in each xdist worker
+        for package in ("lightning_solo", "tests", "benchmarks"):
+            compileall.compile_dir(REPO / package, quiet=1)
 
 
 def pytest_collection_finish(session):

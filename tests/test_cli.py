@@ -45,17 +45,6 @@ def _one_line_error(proc) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_resnet_4gpu_without_gpus_stops_with_a_clear_message(tmp_path):
-    # A preflight error: the key, what the machine has, and the hint.
-    proc = run_cli(
-        ["+experiment=resnet_4gpu", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False
-    )
-    line = _one_line_error(proc)
-    assert "parallelism.devices=4" in line and "asks for 4 GPU(s)" in line and "+dryrun=cpu" in line
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-@pytest.mark.timeout(120)
 def test_bad_input_fails_before_any_worker_starts(tmp_path):
     # The other bad-input cases are checked in-process in test_configs.py; these show the CLI path.
     proc = run_cli(
@@ -191,14 +180,14 @@ def test_readme_first_command_then_its_evaluate_commands(tmp_path):
 
     # The README's other form: a checkpoint inside the run directory, more processes, every stage.
     other = [a.replace("<run>", run.name) for a in _readme_command("lightning_solo.evaluate", "last.ckpt")]
-    proc = run_cli([*other, "hydra.run.dir=eval4", "trainer.enable_progress_bar=false"], cwd=tmp_path,
+    proc = run_cli([*other, "hydra.run.dir=eval3", "trainer.enable_progress_bar=false"], cwd=tmp_path,
                    timeout=150, module="lightning_solo.evaluate")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads((tmp_path / "eval4" / "evaluation.json").read_text())
-    assert report["world_size"] == 4 and report["metrics"]["test/acc"] == pytest.approx(
+    report = json.loads((tmp_path / "eval3" / "evaluation.json").read_text())
+    assert report["world_size"] == 3 and report["metrics"]["test/acc"] == pytest.approx(
         trained["val_acc"], abs=1e-6
     )
-    assert len((tmp_path / "eval4" / "predictions_predict.csv").read_text().splitlines()) == 361
+    assert len((tmp_path / "eval3" / "predictions_predict.csv").read_text().splitlines()) == 361
 
     # A checkpoint that does not fit the model: one line, exit status 2, before any worker starts.
     proc = run_cli([*evaluate, "model=resnet18", "hydra.run.dir=bad"], cwd=tmp_path, timeout=100,

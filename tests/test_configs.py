@@ -6,13 +6,14 @@ import inspect
 
 import hydra
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, HydraException
 from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf.errors import ConfigKeyError
 
 from lightning_solo.app.config_check import ConfigError, check_config
 from lightning_solo.app.preflight import check_devices, check_world_size_env
-from lightning_solo.app.run import progress_bar
+from lightning_solo.app.run import check_run_config, progress_bar
 from lightning_solo.core.cluster import PreflightError
 from tests.helpers import CONF, composed
 
@@ -134,6 +135,19 @@ def test_device_preflight():
     with pytest.raises(PreflightError, match="num_nodes"):
         check_devices("cpu", 2, 0)
     check_devices("cpu", 4, 1)  # more gloo processes than cores is allowed (the dry run uses it)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() >= 4, reason="this machine has the 4 GPUs the experiment asks for"
+)
+def test_gpu_experiment_without_gpus_stops_before_any_worker_with_the_dry_run_hint(tmp_path):
+    # What `python -m lightning_solo.run +experiment=resnet_4gpu` checks before starting anything; the CLI prints
+    # such an error as one line with exit status 2 (test_fsdp.py's parallelism=fsdp command, test_cli.py).
+    with composed(["+experiment=resnet_4gpu"], tmp_path) as cfg, pytest.raises(PreflightError) as err:
+        check_run_config(cfg)
+    message = str(err.value)
+    assert "parallelism.devices=4" in message and "asks for 4 GPU(s)" in message
+    assert "python -m lightning_solo.run +experiment=resnet_4gpu +dryrun=cpu" in message
 
 
 def test_world_size_env_must_match(monkeypatch):
