@@ -1,5 +1,4 @@
 import compileall
-import gc
 import getpass
 import os
 import tempfile
@@ -39,12 +38,14 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """The test worker's imports (torch, Lightning, the test modules) go to the collector's permanent generation,
-    as the runner's do (lightning_solo.app.run.freeze_imported_objects): the ranks the tests fork from here then run
-    their full collections without walking, and copying the pages of, ~0.4 M objects that are not garbage.
+    as the runner's do: the ranks the tests fork from here then run their full collections without walking, and
+    copying the pages of, ~0.4 M objects that are not garbage.
 
     After collection, not at this file's import: Lightning imported before pytest's log handlers are on the root
     logger keeps its messages to its own handler (``propagate = False``), out of ``caplog``'s reach."""
-    gc.freeze()
+    from lightning_solo.app.run import freeze_imported_objects
+
+    freeze_imported_objects()
 
 
 def pytest_collection_modifyitems(config, items):
