@@ -87,6 +87,28 @@ def test_lightning_reads_exist():
     assert "explained" in str(err)
 
 
+def test_the_logged_sample_count_is_told_from_other_reduced_tensors():
+    # A sync_dist epoch mean: Lightning's _ResultMetric reduces its value, then its integer sample count.
+    import sys
+
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    seen = []
+
+    def reduce(tensor, reduce_op=None, group=None):
+        seen.append((tensor.dtype, lightning_compat.logged_sample_count(sys._getframe(1), tensor)))
+        return tensor
+
+    meta = _Metadata(fx="training_step", name="loss", on_step=False, on_epoch=True, reduce_fx="mean")
+    meta.sync = _Sync(_should=True, fn=reduce, _op="mean")
+    metric = _ResultMetric(meta, is_tensor=True)
+    metric.update(torch.tensor(2.0), batch_size=3)
+    assert float(metric.compute()) == 2.0
+    assert seen == [(torch.float32, False), (torch.int64, True)]
+    assert lightning_compat.logged_sample_count(sys._getframe(), torch.tensor(3)) is False
+
+
 def test_eval_loader_accessors_work():
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 

@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics import MeanMetric
 
 from lightning_solo import SoloDDP
@@ -240,3 +240,37 @@ def test_a_run_directory_gives_the_model_and_data_it_trained(tmp_path):
         cfg, decision = with_run_config(cfg, run, overrides)
         assert cfg.model.arch == "resnet18" and cfg.data._target_.endswith("DigitsDataModule")
         assert decision.value["from_run"] == ["data"] and "model chosen by this command" in decision.reason
+
+
+class _UnequalCounts(L.LightningModule):
+    """Rank r logs the value r once, over r + 1 samples: the epoch mean over all samples is 2/3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            rank = self.global_rank
+            self.log("v", torch.tensor(float(rank)), batch_size=rank + 1, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("exact_eval", "expected"), [(True, 2 / 3), (False, 1.0)])
+def test_sync_dist_epoch_means_count_every_sample_exactly(tmp_path, exact_eval, expected):
+    # Stock (and exact_eval=False) averages the ranks' integer sample counts (1 and 2) with truncation: 1, not 1.5.
+    data = DataLoader(TensorDataset(torch.ones(8, 1)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork", exact_eval=exact_eval),
+        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(_UnequalCounts(), data, data)
+    assert float(trainer.callback_metrics["v"]) == pytest.approx(expected)

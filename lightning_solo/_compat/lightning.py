@@ -20,6 +20,7 @@ from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -181,3 +182,14 @@ def compiled_by_user(module: Any) -> bool:
     """Whether Lightning compiled ``module``'s steps from a ``fit(torch.compile(model))``: its ``_compiler_ctx``,
     set by ``lightning.pytorch.utilities.compile.from_compiled`` (checked on lightning 2.6.6)."""
     return getattr(module, "_compiler_ctx", None) is not None
+
+
+def logged_sample_count(frame: Any, tensor: Any) -> bool:
+    """Whether ``tensor``, reduced from ``frame``, is the sample count of a ``self.log(..., sync_dist=True)`` epoch
+    mean: ``_ResultMetric.compute`` syncs its ``cumulated_batch_size`` through ``strategy.reduce`` (checked on
+    lightning 2.6.6)."""
+    return (
+        frame is not None
+        and frame.f_code is _ResultMetric.compute.__code__
+        and getattr(frame.f_locals.get("self"), "cumulated_batch_size", None) is tensor
+    )

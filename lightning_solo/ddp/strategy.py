@@ -29,6 +29,7 @@ import contextlib
 import gc
 import inspect
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -40,7 +41,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
@@ -592,11 +593,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Lightning averages integer tensors (the batch sizes behind sync_dist epoch means) with truncation.
+        # Lightning averages the integer sample counts behind sync_dist epoch means with truncation: those (and
+        # only those, not a user's own integer tensor) average in float.
+        if self._exact_eval:
+            tensor = mean_operand(tensor, reduce_op, caller=sys._getframe(1))
         with self._watchdog.collective("reduce"):
-            return super().reduce(
-                mean_operand(tensor, reduce_op) if self._exact_eval else tensor, group, reduce_op
-            )
+            return super().reduce(tensor, group, reduce_op)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -684,22 +686,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
     # ---------------------------------------------------------------------------------------------- the end
     @override
     def on_train_end(self) -> None:
+        # Not the end of the fit: a LearningRateFinder callback runs the fit loop (and this hook) before the real
+        # fit goes on with the same DDP wrapper. What ends with the fit happens in teardown (_end_fit).
         super().on_train_end()
         if self._comm.averager is not None:
             # Post-local-SGD: between averages the ranks' models differ; end on their average, not rank 0's.
             self._comm.average_parameters(self._module)
-        if self._sigterm is not None:
-            self._sigterm.close()  # the agreement in flight
-        self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
-        self._rewrap_listeners = []
-        self._unused.finish(self._wrapped)
-        self._decide(self._unused.decision)
-        self._decide(self._compile.finish())
-        if self._compile.fallback is not None:
-            self._decide(self._compile.fallback)
-        if isinstance(self.model, DistributedDataParallel):
-            self._advice = ddp_advice(self.model, self._unused)
-            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self._advice))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -711,6 +703,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        trainer = self._attached_trainer
+        if (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING  # not after an exception (INTERRUPTED)
+        ):
+            self._end_fit()
         self._rewrap_listeners = []  # also after an exception
         self._watchdog.teardown()
         if self._sigterm is not None:
@@ -726,6 +725,20 @@ class SoloDDP(DecisionLog, DDPStrategy):
         cpu_malloc.restore()  # the fit's malloc setting ends with it (lightning_solo.core.cpu_malloc)
 
     # ---------------------------------------------------------------------------------------------- helpers
+    def _end_fit(self) -> None:
+        """The fit completed, on every rank: the collectives in flight settle, the decisions and advice are final."""
+        if self._sigterm is not None:
+            self._sigterm.close()  # the agreement in flight
+        self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
+        self._unused.finish(self._wrapped)
+        self._decide(self._unused.decision)
+        self._decide(self._compile.finish())
+        if self._compile.fallback is not None:
+            self._decide(self._compile.fallback)
+        if isinstance(self.model, DistributedDataParallel):
+            self._advice = ddp_advice(self.model, self._unused)
+            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self._advice))
+
     def _side_channel(self) -> Any:
         return self._groups.side(self._timeout)
 

@@ -913,3 +913,68 @@ def validate_and_test_before_fit(trainer):
     before = [t.validate(model, val_loader(), verbose=False), t.test(model, val_loader(), verbose=False)]
     t.fit(model, loader(), val_loader())
     return model, before
+
+
+# ---------------------------------------------------------------- the strategy's own collectives, tuners
+
+
+@pattern()
+def lr_finder_callback(trainer):
+    """Lightning's LearningRateFinder as a callback: its range test runs the fit loop (and the strategy's
+    on_train_end) before the real fit goes on."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    model = Classifier()
+    finder = LearningRateFinder(
+        num_training_steps=20, early_stop_threshold=None, update_attr=True, attr_name="lr"
+    )
+    trainer(max_epochs=2, callbacks=[finder]).fit(model, loader(128), val_loader())
+    return model, {"lr": model.hparams.lr}
+
+
+@pattern(
+    solo=dict(exact_resume=False),
+    why="exact_resume (documented): after the restore of its range test the resumable loader orders epoch 1 by "
+    "epoch 1; stock's re-made loader repeats epoch 0's order",
+)
+def lr_finder_at_milestones(trainer):
+    """The subclass in LearningRateFinder's docstring: a range test at chosen epochs, from inside the fit."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    class FineTuneLearningRateFinder(LearningRateFinder):
+        def __init__(self, milestones, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.milestones = milestones
+
+        def on_fit_start(self, *args, **kwargs):
+            return
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch in self.milestones or trainer.current_epoch == 0:
+                self.lr_find(trainer, pl_module)
+
+    model = Classifier()
+    finder = FineTuneLearningRateFinder(
+        milestones=(1,), num_training_steps=20, early_stop_threshold=None, attr_name="lr"
+    )
+    trainer(max_epochs=2, callbacks=[finder]).fit(model, loader(128))
+    return model, {"lr": model.hparams.lr}
+
+
+class ReducedCounts(Classifier):
+    """Counts with the strategy's own reduce, as Lightning's docs show ``trainer.strategy.reduce``."""
+
+    def on_train_epoch_end(self):
+        seen = torch.tensor(64 + self.global_rank)  # an integer tensor, as a sample count is
+        self.reduced = {
+            op: (r.dtype, r.tolist())
+            for op in ("mean", "sum")
+            for r in [self.trainer.strategy.reduce(seen, reduce_op=op)]
+        }
+
+
+@pattern()
+def strategy_reduce_integers(trainer):
+    model = ReducedCounts()
+    trainer().fit(model, loader())
+    return model, {op: [str(dtype), value] for op, (dtype, value) in model.reduced.items()}
