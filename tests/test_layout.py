@@ -86,3 +86,49 @@ def test_nothing_outside_ddp_reads_a_private_attribute_of_the_strategy():
         if pattern.search(line)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Each module's imports of other modules of the package (a ``from package import name`` of a module names
+    that module; of anything else, the package), lazy imports inside functions included."""
+    imports = _imports()
+    modules = set(imports)
+    edges: dict[str, set[str]] = {}
+    for module, names in imports.items():
+        for name in names:
+            target = name if name in modules else name.rsplit(".", 1)[0]
+            if target in modules and target != module:
+                edges.setdefault(module, set()).add(target)
+    return edges
+
+
+def test_no_cycle_between_modules():
+    edges = _module_edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in edges.get(module, ()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"modules in an import cycle: {cycles}"

@@ -59,7 +59,7 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -76,8 +76,17 @@ from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.carry import LEFT_BEHIND, pack, unpack
 from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
 
-if TYPE_CHECKING:
-    from lightning_solo.ddp.strategy import SoloDDP
+
+@runtime_checkable
+class _Carried(Protocol):
+    """SoloDDP's seams a notebook's parent takes the fit's state back through (without importing the strategy,
+    which imports this module)."""
+
+    comm_hook: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 _STATE_KEY = "lightning_solo_state"
 
@@ -134,7 +143,7 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
         # Every rank is here: the comm hook's state (PowerSGD gathers each rank's error feedback) is a collective.
         self._comm_state: dict[str, Any] | None = None
-        if trainer.state.fn == TrainerFn.FITTING and _is_solo(trainer.strategy):
+        if trainer.state.fn == TrainerFn.FITTING and isinstance(trainer.strategy, _Carried):
             self._comm_state = trainer.strategy.comm_hook.state_dict()
         return super()._collect_rank_zero_results(trainer, results)
 
@@ -213,7 +222,7 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         else [],
         "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
             name: pack(value, f"strategy.{name}")
-            for name, value in (trainer.strategy.state_dict() if _is_solo(trainer.strategy) else {}).items()
+            for name, value in (trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}).items()
         },
         "loggers": [
             {
@@ -234,12 +243,6 @@ def _state_dict(obj: Any) -> Any:
         return obj.state_dict()
     except Exception as err:  # noqa: BLE001 - a callback's failing state_dict loses only itself
         return err  # not data: pack() leaves it behind
-
-
-def _is_solo(strategy: Any) -> TypeGuard[SoloDDP]:
-    from lightning_solo.ddp.strategy import SoloDDP  # here: ddp/strategy.py imports this module
-
-    return isinstance(strategy, SoloDDP)
 
 
 def _training_state(trainer: L.Trainer, launcher: SoloLauncher) -> dict[str, bytes | None]:
@@ -300,7 +303,7 @@ def _restore_training_state(strategy: Any, state: dict[str, bytes | None]) -> No
     if (carried := unpack(state["precision_plugin"], "the precision plugin's state")) is not LEFT_BEHIND:
         strategy.precision_plugin = _settled_precision(strategy.precision_plugin, carried)
     hook_state = unpack(state["comm_hook"], "the comm hook's state")
-    if hook_state not in (LEFT_BEHIND, None) and _is_solo(strategy):
+    if hook_state not in (LEFT_BEHIND, None) and isinstance(strategy, _Carried):
         # The next fit's ranks apply it when they register the hook.
         strategy.comm_hook.load_state_dict(hook_state)
 
@@ -317,7 +320,7 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     _restore_callbacks(trainer.callbacks, state["callbacks"])  # type: ignore[attr-defined]
     if state.get("optimizers"):
         _restore_optimizers(trainer, state["optimizers"], state["lr_schedulers"])
-    if _is_solo(trainer.strategy):
+    if isinstance(trainer.strategy, _Carried):
         results = {name: unpack(blob, f"strategy.{name}") for name, blob in state["strategy"].items()}
         trainer.strategy.load_state_dict({k: v for k, v in results.items() if v is not LEFT_BEHIND})
     for logger, packed in zip(trainer.loggers, state["loggers"]):
