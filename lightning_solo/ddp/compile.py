@@ -182,6 +182,25 @@ class CompiledSteps:
             self.decision = Decision("compile", True, f"{where}; re-wraps reuse the compiled code")
         return self.decision
 
+    def step_hooks(self) -> dict[str, Callable[..., Any]]:
+        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none while the steps
+        run eagerly as stock (``compile=False``, no ``fit(torch.compile(model))``)."""
+        if not self.compiled:
+            return {}
+        return {"batch_start": self._batch_start, "step": lambda strategy: self.step_context(strategy.model),
+                "after_step": lambda strategy, optimizer: self.after_step(strategy.root_device)}  # fmt: skip
+
+    def _batch_start(self, strategy: Any) -> None:
+        trainer = strategy.lightning_module.trainer
+        decision = self.at_boundary(
+            strategy.settled,
+            strategy.root_device,
+            lambda: float(trainer.estimated_stepping_batches),
+            strategy.model,
+        )
+        if decision is not None:
+            strategy.record(decision)
+
     def at_boundary(
         self, settled: bool, device: torch.device, planned_steps: Callable[[], Any], wrapper: Any = None
     ) -> Decision | None:

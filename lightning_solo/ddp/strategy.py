@@ -3,24 +3,16 @@
 Example::
 
     import lightning as L
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # or strategy="solo_ddp"
     trainer.fit(model, datamodule)
     print(trainer.strategy.decisions)        # what SoloDDP chose on your behalf, and why
 
-Wiring only: SoloDDP overrides each Lightning hook once, and the hook's body calls the components in the order they
-run: the unused-parameter policy (:class:`~lightning_solo.ddp.unused.policy.UnusedParameters`), the gradient
-communication (:class:`~lightning_solo.ddp.comm.CommHook`), exact resume
-(:class:`~lightning_solo.ddp.resume.session.ExactResume`), exact eval means (:mod:`lightning_solo.ddp.eval`),
-``compile=`` (:class:`~lightning_solo.ddp.compile.CompiledSteps`), compiled submodules' checkpoint keys
-(:class:`~lightning_solo.ddp.compiled_keys.CompiledKeys`), the SIGTERM agreement (:mod:`lightning_solo.ddp.sigterm`),
-the uneven-data agreement (:mod:`lightning_solo.ddp.uneven`) and the hang watchdog (:mod:`lightning_solo.ddp.watchdog`).
-Every choice made for the user is a
-:class:`~lightning_solo.core.decision.Decision` in ``decisions``. Callbacks, the launcher, the app and the
-diagnostics read only the public seams: ``comm_hook``, ``barrier_group``, ``side_group``,
-``sync_batchnorm_threshold``, ``decisions``, ``advice``, ``heartbeats()``, ``record()``, ``add_resume_state()``,
-``add_rewrap_listener()``, ``state_dict()``.
+Wiring only: each Lightning hook is overridden once and calls the features in the order they run; the per-step
+moments go through :mod:`lightning_solo.ddp.component`, so a feature that is off costs no call. Every choice made
+for the user is a :class:`~lightning_solo.core.decision.Decision` in ``decisions``. The options, each with its
+feature's page: docs/soloddp.md.
 """
 
 from __future__ import annotations
@@ -57,6 +49,7 @@ from lightning_solo.ddp import precision as amp
 from lightning_solo.ddp.advice import ddp_advice
 from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
 from lightning_solo.ddp.compiled_keys import CompiledKeys
+from lightning_solo.ddp.component import StepHooks
 from lightning_solo.ddp.eval import mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
@@ -72,94 +65,8 @@ from lightning_solo.ddp.watchdog import heartbeat as hb
 
 
 class SoloDDP(DecisionLog, DDPStrategy):
-    """DDP with sound defaults: ``gradient_as_bucket_view=True``, a launcher chosen by context,
-    nccl on CUDA and gloo on CPU. A SIGTERM on any rank stops every rank at the same batch, without Lightning's
-    per-batch broadcast (:mod:`lightning_solo.ddp.sigterm`).
-
-    Args:
-        gradient_as_bucket_view: let gradients alias DDP's buckets (saves one copy of the gradients).
-        find_unused_parameters: ``"auto"`` (default), ``True`` or ``False``. ``"auto"``: the first steps on
-            ``True`` as evidence, then DDP's fast path if every parameter was used (parameters never used are
-            named and excluded), else ``True``; ``True`` also whenever something communicates inside backward
-            (SyncBN, ``all_gather(sync_grads=True)``). On the fast path a parameter that goes unused later is
-            completed exactly as ``True`` would, then ``True``. Whatever the setting, DDP is re-wrapped when the
-            set of trainable parameters changes (fine-tuning), so every trainable parameter is synchronised.
-            See :mod:`lightning_solo.ddp.unused.policy`. The end-of-fit advice from DDP's logging data is in ``self.advice``.
-        start_method: ``"auto"`` (fork in notebooks, popen in scripts), or one of Lightning's launchers. With
-            fork/spawn/forkserver, the notebook gets the fit's state back (true ``global_step``, callback state,
-            decisions) and can fit again on the same Trainer: see :mod:`lightning_solo.ddp.launcher`.
-        timeout: collective timeout, a ``timedelta`` or seconds.
-        checkpoint_io: defaults to :class:`~lightning_solo.checkpoint.io.SoloCheckpointIO` (atomic, fsynced,
-            manifest-verified files, ``weights_only=True`` loads). Every checkpoint also carries the training
-            sampler's position and every rank's RNG states, so a mid-epoch resume continues exactly
-            (:mod:`lightning_solo.ddp.resume.record`).
-        sync_batchnorm: ``True``, ``False`` or ``"auto"``: synchronise BatchNorm statistics over the global
-            batch with a backend-agnostic SyncBN (works on CPU/gloo), reverted to the original classes
-            after fit. ``"auto"`` turns it on when there is BatchNorm, more than one process and a
-            per-device batch below ``sync_batchnorm_threshold`` (see :func:`lightning_solo.ddp.syncbn.decide`).
-            ``Trainer(sync_batchnorm=True)`` counts as ``True``.
-        sync_batchnorm_threshold: per-device batch size below which ``"auto"`` synchronises.
-        precision: ``"auto"``, ``"bf16-mixed"``, ``"16-mixed"`` (fp16 + GradScaler, real fp16 on CPU too),
-            ``"32-true"``, or ``None`` to leave it to ``Trainer(precision=...)``. ``"auto"``: bf16 on GPUs that
-            support it, fp16 on GPUs that don't, fp32 on CPU. A different explicit ``Trainer(precision=...)``
-            raises ``ValueError`` (``"auto"`` defers to it; the Trainer's ``"32-true"`` counts as unset, being
-            its default); see :func:`lightning_solo.ddp.precision.decide_precision`.
-        scaler: GradScaler settings for 16-mixed: ``init_scale``, ``growth_factor`` (> 1), ``backoff_factor``
-            (in (0, 1)), ``growth_interval`` (>= 1). On resume the saved scale is kept and these factors apply.
-        skip_lr_on_overflow: hold step-interval LR schedulers on a step skipped for inf/nan gradients.
-        comm_hook: gradient communication, registered on every device (gloo/CPU too, unlike Lightning):
-            ``None`` (exact all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` (its state is checkpointed and
-            restored), or ``"post_local_sgd"`` (local steps outside DDP's reducer, parameters averaged every
-            ``local_sgd_period`` steps after ``local_sgd_warmup`` synchronous ones; every rank resumes its own
-            replica; the model is averaged once more at the end of fit), or ``"auto"`` (each of exact, fp16, bf16, powersgd for a few steps, the fastest kept:
-            :mod:`lightning_solo.ddp.comm.auto`). See :class:`lightning_solo.ddp.comm.CommHook`. Lightning's
-            ``ddp_comm_hook=`` callables are also registered on every device.
-        powersgd_rank, powersgd_start_iter, local_sgd_period, local_sgd_warmup: the comm hook's options, as
-            :class:`~lightning_solo.ddp.comm.CommHook` takes them (``None``: its default).
-        exact_eval: ``sync_dist`` epoch means count the samples exactly (Lightning averages the integer sample
-            counts with truncation: 101 samples on 2 ranks count as 50). The evaluation loaders stay Lightning's
-            (``DistributedSampler``: every rank the same batches, up to ``W - 1`` padding repeats), and
-            :func:`lightning_solo.ddp.eval.eval_rows` names the repeats for a module to drop. ``False``:
-            Lightning's means.
-        exact_resume: exact mid-epoch resume (default): training samples load with RNGs seeded from (seed, epoch,
-            index) (per batch for a dataset with ``__getitems__``), and a validation inside fit leaves the
-            training RNG as it found it, so random streams differ from stock Lightning's (the ``resumable_data``
-            decision says which). ``False``: Lightning's own training loader and RNG streams, and a mid-epoch
-            resume restarts the epoch's data as stock does.
-        cpu_malloc_reuse: on CPU, keep freed tensor memory in glibc's heap for the next step instead of
-            faulting fresh pages in every step, until the fit ends (glibc's starting thresholds after it; left
-            alone where jemalloc/tcmalloc is preloaded or glibc's malloc is set in the environment):
-            :mod:`lightning_solo.core.cpu_malloc`.
-        sigterm_agreement: a SIGTERM on any rank stops every rank at the same batch, agreed asynchronously on a
-            gloo group (:mod:`lightning_solo.ddp.sigterm`); ``False``: Lightning's per-batch broadcast of rank 0's flag.
-        sigterm_checkpoint: on that agreed stop every rank saves ``on_sigterm.ckpt`` in the checkpoint callback's
-            directory, which ``resume=auto`` and ``fit(ckpt_path="auto")`` pick up; ``False``: stop without saving,
-            as stock.
-        uneven_data: ``"shortest"`` (default): where the ranks' ``IterableDataset`` loaders (training or
-            evaluation) run out at different batches, every rank ends at the batch where the first one does, agreed
-            asynchronously at each batch (:mod:`lightning_solo.ddp.uneven`); ``False``: as stock, where uneven data
-            hangs or fails.
-        watchdog: a hang on any rank ends the run with one line naming the stuck rank(s), their phase and step,
-            and what the others wait in, each rank's Python stacks in ``<default_root_dir>/hang/``, and exit status
-            86, within ``factor`` × the median step + ``margin_s`` (2 × median + 55 s by default) instead of the
-            collective timeout: :mod:`lightning_solo.ddp.watchdog`. A mapping sets
-            :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
-            torch's flight recorder is switched on too (``TORCH_FR_BUFFER_SIZE=2000``, and under NCCL
-            ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; unless set), and the line says which rank issued a collective the
-            others never entered.
-        compile: ``False`` (default, stock: eager unless ``fit(torch.compile(model))``), ``True``, a dict of
-            ``torch.compile`` options, or ``"auto"`` (compiled and eager steps timed once the unused-parameter
-            policy and the comm hook settle; compile kept if its steady gain pays back the compile time within
-            the planned steps). The LightningModule's steps are compiled inside DDP's forward, so DDPOptimizer
-            keeps the overlap and re-wraps recompile nothing: :mod:`lightning_solo.ddp.compile`.
-        strip_compiled_prefix: ``False`` (default, stock): a compiled submodule (``self.net = torch.compile(Net())``)
-            saves torch's keys (``net._orig_mod.weight``), which ``Model.load_from_checkpoint`` of that class needs;
-            ``True``: the eager module's keys (``net.weight``). Either way a checkpoint loads through the Trainer with
-            either spelling into either module, so it moves between compiled and eager runs:
-            :mod:`lightning_solo.ddp.compiled_keys`.
-        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``,
-            ``static_graph``, ``broadcast_buffers``, ...).
-    """
+    """DDP with sound defaults (see docs/soloddp.md for every option). ``**ddp_kwargs`` go to
+    :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``, ``static_graph``, ...)."""
 
     strategy_name = "solo_ddp"
 
@@ -258,6 +165,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
         self._watchdog = WatchdogSession(watchdog)
         self._groups = comm.SideGroups(gloo=gloo_side_group)  # made at the first setup
+        self._hooks = StepHooks()  # the training-step moments of the features taking part (ddp/component.py)
         self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
         self._advice: list[str] = []
         self._rewrap_listeners: list[
@@ -431,6 +339,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 decide=self._decide,
             )
             self._watchdog.start(trainer.default_root_dir, self.global_rank, self.world_size)
+        self._rebuild_hooks()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -500,8 +409,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         trainer = self._attached_trainer
         if trainer is not None and trainer.training and not trainer.sanity_checking:
-            self._resume.before_batch(trainer)  # the first resumed batch starts from the checkpoint's RNG
-            self._watchdog.batch(trainer.global_step)
+            for hook in self._hooks.by_moment["batch"]:
+                hook(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # ------------------------------------------------------------------------------------------------ steps
@@ -511,34 +420,22 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # A batch boundary: the policy decides alike on every rank (from all-reduced evidence and the trainable
         # set), so every rank re-wraps together; comm_hook="auto" re-wraps between its trials too.
         rewrap = self._unused.at_boundary(self._wrapped)
-        if self._comm.at_boundary(self.root_device) or rewrap:
+        for hook in self._hooks.by_moment["boundary"]:  # comm_hook="auto" between its trials
+            rewrap |= hook(self)
+        if rewrap:
             self._rewrap()
         if self.decisions.get("find_unused_parameters") is not self._unused.decision:
             self._decide(self._unused.decision)
-        # compile="auto" times steady steps: once no re-wrap is pending; its choice is a collective.
-        settled = self._unused.phase is not Phase.WINDOW and self._comm.decided
-        if decision := self._compile.at_boundary(
-            settled, self.root_device, lambda: self._planned_steps, self._wrapped
-        ):
-            self._decide(decision)
+        for hook in self._hooks.by_moment["batch_start"]:  # compile="auto" times steady steps (see settled)
+            hook(self)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
-            # Post-local-SGD's local steps skip DDP's reducer, as no_sync does (see CommHook.local_step). Only
-            # ever set False: Lightning's accumulation restores the flag it found when its no_sync ends.
-            self.model.require_backward_grad_sync = False
         # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
         # non-reentrant (lightning_solo.ddp.unused.watch).
         searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
-        with (
-            searching or contextlib.nullcontext(),
-            self._watchdog.phase(hb.TRAINING_STEP),
-            self._compile.step_context(self._wrapped),
-        ):
-            output = super().training_step(*args, **kwargs)
-        self._resume.after_training_step()  # a batch that does not step: where a validation leaves the RNG
-        return output
+        with searching or contextlib.nullcontext(), self._around("step", self):
+            return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -553,7 +450,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             if self._unused.phase is Phase.WINDOW
             else None
         )
-        with watch or contextlib.nullcontext(), self._watchdog.phase(hb.BACKWARD):
+        with watch or contextlib.nullcontext(), self._around("backward"):
             self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         self._unused.after_backward(self._wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
@@ -562,20 +459,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with (
-            self._resume.stepping(),
-            self._watchdog.phase(hb.OPTIMIZER_STEP),
-        ):  # the closure runs training_step
+        with self._around("optimizer_step"):  # the closure runs training_step
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._comm.averager is not None:  # post-local-SGD's averager (see _enable_model_averaging)
-            self._comm.average_after_step(optimizer)
-        if self._comm.local_step and isinstance(self.model, DistributedDataParallel):
-            # As after a synchronised step, the next forward (training or validation) broadcasts rank 0's buffers
-            # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
-            self.model.require_forward_param_sync = True
-        self._comm.after_step(self.root_device)  # comm_hook="auto" times its trials
-        self._compile.after_step(self.root_device)  # and compile="auto"
-        self._resume.after_optimizer_step(self._module.trainer)  # the point a checkpoint's record describes
+        for hook in self._hooks.by_moment["after_step"]:
+            hook(self, optimizer)
         return output
 
     @override
@@ -588,7 +475,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
             if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
                 return all_gather_grad_on(tensor, group, self._side_channel())
-        with self._watchdog.collective("all_gather"):
+        with self._around("collective", "all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
@@ -597,12 +484,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # only those, not a user's own integer tensor) average in float.
         if self._exact_eval:
             tensor = mean_operand(tensor, reduce_op, caller=sys._getframe(1))
-        with self._watchdog.collective("reduce"):
+        with self._around("collective", "reduce"):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._watchdog.collective("broadcast"):
+        with self._around("collective", "broadcast"):
             return super().broadcast(obj, src)
 
     @override
@@ -619,7 +506,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the NCCL/gloo timeout.
-        with self._watchdog.collective(f"barrier {name!r}" if name else "barrier"):
+        with self._around("collective", f"barrier {name!r}" if name else "barrier"):
             if self._groups.barrier is None or not torch.distributed.is_initialized():
                 return super().barrier(name, *args, **kwargs)
             comm.monitored_barrier(name, self._collective_timeout, self._groups.barrier)
@@ -711,6 +598,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         ):
             self._end_fit()
         self._rewrap_listeners = []  # also after an exception
+        self._hooks = StepHooks()
         self._watchdog.teardown()
         if self._sigterm is not None:
             self._sigterm.uninstall()
@@ -768,6 +656,16 @@ class SoloDDP(DecisionLog, DDPStrategy):
             exact_allreduce=self._exact_allreduce,
         )
         self._register_ddp_hooks()
+        self._rebuild_hooks()  # comm_hook="auto" takes no part once decided
+
+    def _around(self, moment: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+        """The contexts of the features taking part in ``moment`` (ddp/component.py); none: no call made."""
+        return (
+            self._hooks.around(moment, *args) if self._hooks.by_moment[moment] else contextlib.nullcontext()
+        )
+
+    def _rebuild_hooks(self) -> None:
+        self._hooks.rebuild([self._comm, self._watchdog, self._compile, self._resume])
 
     def _note_reentrant(self) -> None:
         if "reentrant_checkpoint" not in self.decisions:
@@ -783,10 +681,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return self._comm.name is None and self._ddp_comm_hook is None
 
     @property
-    def _planned_steps(self) -> float | None:
-        """The fit's optimizer steps as Lightning estimates them (``inf``: unbounded); None without a trainer."""
-        trainer = self._attached_trainer
-        return None if trainer is None else float(trainer.estimated_stepping_batches)
+    def settled(self) -> bool:
+        """No re-wrap is pending from the unused-parameter policy or a feature taking part in batch boundaries
+        (``comm_hook="auto"`` while it measures): steps are steady."""
+        return self._unused.phase is not Phase.WINDOW and not self._hooks.by_moment["boundary"]
 
     @property
     def _attached_trainer(self) -> pl.Trainer | None:

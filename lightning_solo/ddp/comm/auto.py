@@ -26,6 +26,7 @@ Example::
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,6 +116,13 @@ class AutoCommHook(CommHook):
         return Decision(
             "comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}"
         )
+
+    def step_hooks(self) -> dict[str, Callable[..., Any]]:
+        """While measuring: every batch start (a re-wrap between trials) and step end (the times)."""
+        if self.decided:
+            return super().step_hooks()
+        return {"boundary": lambda strategy: self.at_boundary(strategy.root_device),
+                "after_step": lambda strategy, optimizer: self.after_step(strategy.root_device)}  # fmt: skip
 
     def at_boundary(self, device: torch.device) -> bool:
         """At every batch start, on every rank alike. True: re-wrap DDP now (the next candidate, or the one

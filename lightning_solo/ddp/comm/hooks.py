@@ -18,8 +18,10 @@ Example::
 """
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
+import contextlib
 import socket
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -208,6 +210,29 @@ class CommHook:
             f"{self.local_sgd_warmup} synchronous steps, then {self._between} between steps and parameters "
             f"averaged over all {world} ranks every {self.local_sgd_period} steps",
         )
+
+    def step_hooks(self) -> dict[str, Callable[..., Any]]:
+        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): post-local-SGD's
+        local steps and averaging; none for a hook DDP runs by itself."""
+        if self.name != "post_local_sgd":
+            return {}
+        return {"step": self._around_local_step, "after_step": self._after_local_step}
+
+    @contextlib.contextmanager
+    def _around_local_step(self, strategy: Any) -> Iterator[None]:
+        if self.local_step and isinstance(strategy.model, DistributedDataParallel):
+            # Local steps skip DDP's reducer, as no_sync does (see local_step). Only ever set False: Lightning's
+            # accumulation restores the flag it found when its no_sync ends.
+            strategy.model.require_backward_grad_sync = False
+        yield
+
+    def _after_local_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+        if self.averager is not None:  # Lightning's averager replaced (SoloDDP._enable_model_averaging)
+            self.average_after_step(optimizer)
+        if self.local_step and isinstance(strategy.model, DistributedDataParallel):
+            # As after a synchronised step, the next forward (training or validation) broadcasts rank 0's buffers
+            # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
+            strategy.model.require_forward_param_sync = True
 
     def at_boundary(self, device: torch.device) -> bool:
         """At every batch start, on every rank: True to have SoloDDP re-wrap DDP and register again (a fixed

@@ -112,6 +112,18 @@ class ExactResume:
                 if plan.mid_epoch:
                     resume.quiet_not_resumable_warning(trainer)
 
+    def step_hooks(self) -> dict[str, Callable[..., Any]]:
+        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none when off."""
+        if not self.enabled:
+            return {}
+        return {"batch": self.before_batch, "step": self._around_training_step, "optimizer_step": self.stepping,
+                "after_step": lambda strategy, optimizer: self.after_optimizer_step(strategy.lightning_module.trainer)}  # fmt: skip
+
+    @contextlib.contextmanager
+    def _around_training_step(self, strategy: Any) -> Iterator[None]:
+        yield
+        self.after_training_step()
+
     def before_batch(self, trainer: Any) -> None:
         """A training batch is about to move to the device."""
         self.close_loaders(trainer)  # (a reload of the loaders between epochs has no on_train_start)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,15 @@ class WatchdogSession:
         self._dog.writer.collective(name)
         yield
         self._dog.writer.collective(None)
+
+    def step_hooks(self) -> dict[str, Callable[..., Any]]:
+        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none without a
+        watchdog running."""
+        if self._dog is None:
+            return {}
+        return {"batch": lambda trainer: self.batch(trainer.global_step),
+                "step": lambda strategy: self.phase(hb.TRAINING_STEP), "backward": lambda: self.phase(hb.BACKWARD),
+                "optimizer_step": lambda: self.phase(hb.OPTIMIZER_STEP), "collective": self.collective}  # fmt: skip
 
     def data_wait(self, step: int) -> None:
         """Training starts: waiting for the first batch."""

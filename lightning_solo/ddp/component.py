@@ -1,0 +1,68 @@
+"""The moments of a training step at which SoloDDP calls its features, and the lists it calls.
+
+A feature takes part in a moment by returning it from ``step_hooks()``, as a mapping ``{moment: callable}``;
+SoloDDP calls, at each moment, the callables of the features taking part, in the order it lists the features. A feature that is off (``watchdog=False``, ``compile=False``, ``comm_hook=None`` ...),
+or that is done (``comm_hook="auto"`` once decided), returns nothing and costs no call. The unused-parameter
+policy, always on, is called by the strategy itself.
+
+=================  ===================================================  ============================================
+moment             when                                                 callable
+=================  ===================================================  ============================================
+``batch``          a training batch arrives (``batch_to_device``)       ``fn(trainer)``
+``boundary``       a training batch starts                              ``fn(strategy) -> bool`` (True: re-wrap DDP)
+``batch_start``    then, after any re-wrap                              ``fn(strategy)``
+``step``           around ``training_step``                             ``fn(strategy)`` -> a context manager
+``backward``       around the backward                                  ``fn()`` -> a context manager
+``optimizer_step`` around the optimizer step (its closure: the above)   ``fn()`` -> a context manager
+``after_step``     after the optimizer step                             ``fn(strategy, optimizer)``
+``collective``     around the strategy's collectives                    ``fn(name)`` -> a context manager
+=================  ===================================================  ============================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+MOMENTS = (
+    "batch",
+    "boundary",
+    "batch_start",
+    "step",
+    "backward",
+    "optimizer_step",
+    "after_step",
+    "collective",
+)
+
+
+class Component(Protocol):
+    def step_hooks(self) -> Mapping[str, Callable[..., Any]]: ...
+
+
+class StepHooks:
+    """Each moment's callables, rebuilt (:meth:`rebuild`) when a feature starts or stops taking part."""
+
+    def __init__(self) -> None:
+        self.by_moment: dict[str, list[Callable[..., Any]]] = {m: [] for m in MOMENTS}
+
+    def rebuild(self, components: Iterable[Component]) -> None:
+        by_moment: dict[str, list[Callable[..., Any]]] = {m: [] for m in MOMENTS}
+        for component in components:
+            for moment, fn in component.step_hooks().items():
+                by_moment[moment].append(fn)  # a KeyError names a moment that does not exist
+        self.by_moment = by_moment
+
+    def around(self, moment: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+        """A context inside every context ``moment``'s callables return (at least one), the first outermost."""
+        fns = self.by_moment[moment]
+        return fns[0](*args) if len(fns) == 1 else _all(fns, args)
+
+
+@contextlib.contextmanager
+def _all(fns: list[Callable[..., Any]], args: tuple[Any, ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for fn in fns:
+            stack.enter_context(fn(*args))
+        yield
