@@ -11,11 +11,7 @@ Example::
 
     run_ranks(work, 2, 10.0)   # [10.0, 10.0]
 
-``run_ranks(fn, world_size, *args)`` forks ``world_size`` processes, joins them into a gloo process group,
-calls ``fn(rank, world_size, *args)`` in each and returns the list of their results (index = rank).
-A rank that raises makes the whole call raise with that rank's traceback; a rank that hangs makes it
-raise after ``timeout`` seconds. Training through Lightning uses ``SoloDDP(start_method="fork")`` instead.
-"""
+See docs/testing.md."""
 
 from __future__ import annotations
 

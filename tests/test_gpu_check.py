@@ -2,7 +2,6 @@
 its harness kills a check's whole process group at its limit, its table states the targets, and every check with
 a CPU form runs its logic on CPU at tiny sizes."""
 
-import contextlib
 import importlib.util
 import os
 import subprocess
@@ -112,22 +111,34 @@ def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
 
 def _child(pid: int, marker: str, deadline: float) -> int:
     """The child of ``pid`` whose command line holds ``marker``, once it has started. Other children may come and
-    go meanwhile (an import that runs a tool in a subprocess): they are passed over."""
+    go meanwhile (an import that runs a tool in a subprocess): they are passed over, and so is a child forked but
+    not yet exec'd, whose command line still reads as its parent's. A process that ends while it is polled is
+    passed over too; ``pid`` ending first fails the test naming it."""
     while time.monotonic() < deadline:
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                if marker in Path(f"/proc/{child}/cmdline").read_text():
-                    return int(child)
+        own = _read(f"/proc/{pid}/cmdline")
+        children = _read(f"/proc/{pid}/task/{pid}/children")
+        if own is None or children is None or not _running(pid):
+            raise AssertionError(f"process {pid} ended before a child running {marker!r} started")
+        for child in children.split():
+            cmdline = _read(f"/proc/{child}/cmdline")
+            if cmdline is not None and marker in cmdline and cmdline != own:
+                return int(child)
         time.sleep(0.2)
     raise AssertionError(f"no child of {pid} running {marker!r}")
 
 
+def _read(path: str) -> str | None:
+    """The file's text, or None where its process has ended meanwhile."""
+    try:
+        return Path(path).read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie (a killed orphan waits for whichever process adopted it to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+    stat = _read(f"/proc/{pid}/stat")
+    return stat is not None and stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def test_precision_table_states_the_targets():

@@ -1,23 +1,11 @@
 """The evaluation runner: ``python -m lightning_solo.evaluate ckpt=PATH|auto [ckpt_dir=DIR] [group=option ...]``.
 
-``evaluate(cfg)`` is a plain function; ``main`` the thin Hydra wrapper over ``conf/evaluate.yaml``, which takes
-the training groups (model, data, parallelism, trainer, logger, paths). A checkpoint is only meaningful with the
-model and data it was trained on, so when it lies in a run directory (``ckpt_dir=outputs/train/<run>``, or a
-``.ckpt`` inside one) the model and data come from that run's own ``.hydra/config.yaml``, with this command's
-``model.*``/``data.*`` overrides on top (``model=X``/``data=Y`` pick another option instead); where and how to
-evaluate (parallelism, trainer) stay this command's. A checkpoint that does not fit the model is bad input, one
-line and exit status 2, like a bad key. It loads the checkpoint (``ckpt=auto``:
-the newest in ``ckpt_dir`` that verifies, corrupt or half-written ones passed over), then runs ``stages``
-(validate, test, predict) under SoloDDP on any number of processes: every sample evaluated exactly once
-(:mod:`lightning_solo.ddp.eval`), the metrics equal to one process's, the sample count reported, and each
-stage's predictions gathered to rank 0 in dataset order (``predictions_<stage>.csv`` in the run directory,
-beside ``evaluation.json``).
-
 Example::
 
     python -m lightning_solo.evaluate ckpt=auto ckpt_dir=outputs/train/2026-01-01_12-00-00
     python -m lightning_solo.evaluate ckpt=outputs/train/<run>/checkpoints/last.ckpt stages=[test,predict]
-"""
+
+See docs/evaluation.md."""
 
 from __future__ import annotations
 

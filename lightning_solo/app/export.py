@@ -1,14 +1,5 @@
 """``python -m lightning_solo.export CKPT OUTDIR``: a training checkpoint as deployable artefacts.
 
-Writes into ``OUTDIR``:
-
-* ``weights.pt``: the plain ``state_dict`` of the network (no ``model.``/``module.``/``_orig_mod.``
-  prefixes, no optimizer), which loads into the bare torchvision model with
-  ``torch.load(..., weights_only=True)``;
-* ``model.pt2``: a ``torch.export`` program with a dynamic batch dimension (``torch.export.load(p).module()``);
-* ``model.onnx`` when ``onnx`` is installed;
-* ``export.json``: what was written, from which checkpoint, and how to load it.
-
 Example::
 
     python -m lightning_solo.export outputs/checkpoints/last.ckpt exported/ --input-shape 3 32 32
@@ -16,11 +7,7 @@ Example::
     net = torchvision.models.get_model("resnet18", num_classes=10)
     net.load_state_dict(torch.load("exported/weights.pt", weights_only=True))
 
-The network is rebuilt from the checkpoint's ``hyper_parameters`` (``arch``, ``num_classes``, ``stem``:
-:class:`~lightning_solo.app.models.ImageClassifier` saves them); checkpoints of other LightningModules get
-``weights.pt`` only. ``stem="cifar"`` models have their ResNet stem swapped, so they load into
-``lightning_solo.app.models.classifier.build_backbone(arch, num_classes, "cifar")`` rather than the stock one.
-"""
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """RunProgressBar: Lightning's tqdm bar that shows metrics it reads only when it refreshes.
 
-A metric logged with ``prog_bar=True`` on every step is turned into a Python number by Lightning at the end of
-every batch (``_ResultCollection.metrics``), a host sync per step on GPUs, whatever the bar's refresh rate. The
-runner's model therefore logs ``train/loss`` for the loggers only, and this bar reads it from the callback metrics
-when it refreshes (every ``progress_bar_refresh_rate`` batches, the loggers' cadence by default).
-
 Example::
 
     trainer = L.Trainer(callbacks=[RunProgressBar(refresh_rate=10, show=("train/loss",))])
-"""
+
+See docs/runner.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Where a library setting lives in the runner's config: the one map from what the diagnostics name to the keys.
 
-The library's diagnostics (the doctor's remedies, Preflight's and LossWatch's findings) name the setting that
-applies a fix as the object and its argument, ``"DataLoader.num_workers"``, written as a call in their text,
-``DataLoader(num_workers=3)``. They do not know the runner. The runner shows the same advice with its own config
-keys beside it (``data.num_workers=3``), from this map alone, so a renamed config key changes one line here.
-
 Example::
 
     config_key("SoloDDP.comm_hook")                      # "parallelism.strategy.comm_hook"
     config_override("DataLoader.pin_memory", True)       # "data.pin_memory=true"
     with_config_keys("... set DataLoader(num_workers=3).")
     # "... set DataLoader(num_workers=3). [runner: data.num_workers=3]"
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

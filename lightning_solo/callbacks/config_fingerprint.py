@@ -1,13 +1,10 @@
 """ConfigFingerprint: every rank must train the configuration rank 0 trains.
 
-Under the popen launcher each rank composes the config itself; an interpolation that differs per
-process (``${now:}``, an environment variable, a random resolver) would silently train different ranks
-with different settings. Once, at setup, the ranks compare a hash of their resolved config.
-
 Example::
 
     Trainer(strategy=SoloDDP(), callbacks=[ConfigFingerprint(OmegaConf.to_yaml(cfg, resolve=True))])
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

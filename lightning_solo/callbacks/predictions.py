@@ -6,11 +6,7 @@ Example::
     trainer.test(model, datamodule)      # <default_root_dir>/predictions_test.csv: index,prediction
     trainer.callbacks[0].written         # {"test": Path(...)} on rank 0, with .counts {"test": N}
 
-A step's return value is the per-row prediction (a tensor with one row per batch row, padded rows
-included), or a dict holding it under ``key``. Rows are matched to dataset indices through
-:func:`lightning_solo.ddp.eval.eval_rows`, padded rows are dropped, and every rank's rows are gathered to
-rank 0 (one collective per loader and epoch, on every rank), sorted by index: each sample appears once.
-"""
+See docs/evaluation.md."""
 
 from __future__ import annotations
 

@@ -6,23 +6,7 @@ Example::
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[SlurmRequeue()])   # sbatch --signal=SIGUSR1@90 ...
     trainer.fit(model, dm)   # a requeued job resumes: fit(ckpt_path=None) on SLURM, or the runner's resume=auto
 
-Who does what:
-
-* **Lightning's handler** owns the signal (``SLURMEnvironment(auto_requeue=True)`` and nothing else had taken it):
-  it saves ``hpc_ckpt_<n>.ckpt`` through the strategy's checkpoint IO (``SoloCheckpointIO``: atomic, with a
-  manifest) and runs ``scontrol requeue``; this callback only records that. Lightning saves inside the signal
-  handler, wherever each rank happens to be.
-* **Another handler** owns it (submitit's, which makes Lightning install none), or none does: this callback takes
-  the signal and chains. The handler only raises a flag; the ranks agree at batch ends whether any rank was
-  flagged (:class:`~lightning_solo.ddp.agreement.Agreement`, as for SIGTERM: an asynchronous all-reduce on a gloo
-  group, read one check later), all save ``hpc_ckpt_<n>.ckpt`` together at the same batch, and rank 0 calls the
-  previous handler (submitit requeues the job and exits) or, with none, runs ``scontrol requeue`` itself; then
-  training stops.
-
-Either way the requeued job resumes from that file: Lightning picks the newest ``hpc_ckpt_*`` on SLURM when
-``fit(ckpt_path=None)``, and ``resume=auto`` (which the runner turns on when ``SLURM_RESTART_COUNT`` > 0) ranks it
-with the other verified checkpoints.
-"""
+See docs/sigterm.md."""
 
 from __future__ import annotations
 

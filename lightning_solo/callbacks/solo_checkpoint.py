@@ -3,7 +3,7 @@
 Example::
 
     import lightning as L
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
     from lightning_solo.callbacks import SoloCheckpoint
     from lightning_solo.checkpoint import resolve_ckpt_path
 
@@ -11,19 +11,7 @@ Example::
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ckpt])
     trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "ckpts"))   # newest checkpoint that verifies
 
-What it changes over ``ModelCheckpoint`` (paired with SoloDDP's default ``SoloCheckpointIO``):
-
-* ``last.ckpt`` (``save_last=True`` by default) is replaced atomically by a file that verified, and
-  ``save_last="link"`` swaps its symlink atomically too;
-* a checkpoint is deleted (keep-last-k, best-k rotation) only once its successor is on disk intact, so
-  the only good checkpoint is never the one removed;
-* ``keep_last_k=k`` keeps the newest ``k`` checkpoints (by global step) without a metric;
-* the save decisions stay collective on every rank, including "is the monitored metric there at all";
-* ``save_on_exception=True`` never enters a collective: the failing rank cannot know what the others
-  are blocked in, so only rank 0 saves, from its own state, with no barrier, under a time limit, to
-  ``on_exception.ckpt`` (never to ``last``: the state may be mid-step); other ranks and a save that
-  cannot finish give up quietly. The original exception always propagates (Lightning #20187).
-"""
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 

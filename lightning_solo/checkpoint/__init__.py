@@ -1,11 +1,11 @@
 """Checkpoint files: atomic, verified writes and loads (``io``, ``manifest``), the newest valid one
 (``select``), sharded directories (``sharded``) and per-rank files beside a checkpoint (``rank_shards``); the
-map of the package is docs/design.md.
+map of the package is docs/design.md; the files, resume and exact resume: docs/checkpoints.md.
 
 Example::
 
     import lightning as L
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
     from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path, verify
 
     trainer = L.Trainer(strategy=SoloDDP())          # SoloCheckpointIO is SoloDDP's default

@@ -1,15 +1,12 @@
 """State that differs per rank, kept beside a checkpoint as one verified file per rank: PowerSGD's error
 feedback, post-local-SGD's replicas between averages.
 
-Layout: ``<checkpoint>.<kind>/rank<r>.<sha256 prefix>.pt``; the checkpoint records every rank's sha256. The
-digest in the name keeps the files a checkpoint references intact while the same path is saved again
-(``last.ckpt``).
-
 Example::
 
     record = rank_shards.write(ckpt_path, "powersgd", {"layer.weight": error})   # every rank (a collective)
     mine = rank_shards.read(ckpt_path, record, dist.get_rank(), "PowerSGD error feedback")
-"""
+
+See docs/checkpoints.md."""
 
 import glob
 import hashlib

@@ -1,15 +1,11 @@
 """Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically and verified.
 
-A sharded checkpoint ``<name>.ckpt/`` holds each rank's shards (``__<rank>_0.distcp``), DCP's ``.metadata`` (which
-names every shard's file, offset and length) and Lightning's ``meta.pt`` (epoch, step, loops, callbacks) written by
-:class:`~lightning_solo.checkpoint.io.SoloCheckpointIO`, so it carries the manifest. All ranks write into a
-temporary directory beside the target; rank 0 swaps it in once everything is on disk.
-
 Example::
 
     save_sharded({"state_dict": model_state, "optimizer_0": optim_state}, meta, "ckpts/last.ckpt", rank, barrier)
     verify_sharded("ckpts/last.ckpt")     # -> meta.pt's manifest, or CheckpointVerificationError
-"""
+
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Runs started by an external launcher (torchrun, SLURM): which one, the run directory every rank of every node
 shares, and resuming after the launcher restarted or requeued the job.
 
-Under torchrun and SLURM every process runs the Hydra app itself, so each would compute its own
-``${now:...}`` run directory. :func:`decide_run_dir` agrees on one before Hydra composes: global rank 0's
-timestamp, shared through torchrun's store (kept across elastic restarts), or the SLURM job id (kept across
-requeues); the other ranks write no ``.hydra/`` and log to ``train_ddp_process_<rank>.log``, as Lightning's
-own child processes do.
-
 Example::
 
     args, decision = decide_run_dir(sys.argv[1:])    # the runner's command line, before Hydra sees it
     restart = decide_restart_resume(cfg.resume)      # resume=auto after torchrun restarted the workers
-"""
+
+See docs/multi-node.md."""
 
 from __future__ import annotations
 

@@ -1,41 +1,13 @@
 """On CPU, keep the memory of freed tensors for the next step instead of faulting fresh pages in every step, for
 the length of a fit.
 
-Tensors on CPU come from glibc's ``malloc``. It hands freed blocks back to the kernel: blocks above its
-(adaptive) mmap threshold at once, and the heap's free top once it exceeds the trim threshold. A training step
-frees and re-allocates the same tensor sizes every step, so every step then first-touches fresh zeroed pages,
-about 2 µs per 4 KiB page. Measured on this project's CPU benchmarks (``benchmarks/RESULTS.md``): SoloDDP on
-ResNet-18 took ~34,000 page faults per batch (gradient bucket views shift the allocation pattern), stock
-Lightning ~7,400, and ~350 with this setting; a DDP-wrapped wide MLP outside DDP's reducer faulted all its
-~12,300 gradient pages every step, the same model unwrapped none.
-
-:func:`decide` (SoloDDP's ``setup_environment`` on CPU) sets the mmap threshold to glibc's ceiling (32 MiB on
-64-bit) and the trim threshold to 1 GiB: blocks up to 32 MiB stay in the heap and are reused. :func:`restore`
-(SoloDDP's ``teardown``) undoes it when the fit, validate, test or predict ends.
-
-Why undo it rather than set it only in the processes the pack starts: the processes that run ranks are mostly
-the user's own. With the ``popen`` launcher rank 0 is the user's script, with ``devices=1``, torchrun or SLURM
-every rank is, and a notebook goes on (predict, plots) in the process a fit ran in. Leaving those alone would
-leave rank 0 faulting its pages in, and DDP runs at the pace of its slowest rank.
-
-What "undone" means: mallopt is process-wide and glibc has no call that gives its adaptive thresholds back, so
-:func:`restore` sets glibc's starting values (mmap threshold and trim threshold 128 KiB, ``malloc.h``'s
-``DEFAULT_MMAP_THRESHOLD_MIN`` and ``DEFAULT_TRIM_THRESHOLD``), now fixed, and returns the heap the fit kept to
-the kernel (``malloc_trim(0)``). After it, every block of 128 KiB or more is mapped and handed back when freed,
-as in a process that never freed a large block; what is lost is only glibc's raising of that threshold, by
-itself, after later frees. Loader workers forked during the fit inherit the setting and end with their loader.
-
-It leaves the allocator alone where the user chose one: another allocator preloaded (jemalloc or tcmalloc, as
-``python -m torch.backends.xeon.run_cpu`` advises for CPU training), or glibc's own knobs set in the
-environment (``MALLOC_*_`` variables, ``GLIBC_TUNABLES=glibc.malloc...``); :func:`restore` then has nothing to
-undo.
-
 Example::
 
     print(decide(reuse=True))  # SoloDDP does this on CPU; SoloDDP(cpu_malloc_reuse=False) does not
     ...                        # the fit
     restore()                  # SoloDDP's teardown: glibc's starting values, and the kept heap given back
-"""
+
+See docs/cpu-training.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """A fork that does not inherit OpenMP's thread pool: without this, a forked rank can hang at its first parallel op.
 
-torch's CPU ops run in an OpenMP thread pool (GNU libgomp in the pip wheels). The pool belongs to the thread that
-opened it; ``fork`` copies that bookkeeping into the child but not the pool's threads, so the child's first
-parallel region with more than one thread waits forever for threads that do not exist (no error, no timeout;
-the main thread sits in ``gomp_team_barrier_wait_end``). A notebook hits it whenever the kernel has run a large
-enough CPU op before ``trainer.fit`` and the ranks run with several threads each: Lightning gives each rank
-``cpu_count // ranks`` threads, or the user's ``OMP_NUM_THREADS``.
-
-OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)``, called in the parent right before the fork, ends the
-pool's threads; the parent's next parallel op opens a new pool, and the children start with none. Checked with
-torch 2.14.1's libgomp on CPU (tests/test_start_method.py).
-
 Example::
 
     release_thread_pool()     # then fork
-"""
+
+See docs/cpu-training.md."""
 
 from __future__ import annotations
 

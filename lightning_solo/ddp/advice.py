@@ -1,16 +1,12 @@
 """End-of-fit advice from DDP's own logging data: unused parameters, ``static_graph``, comm hook, buckets.
 
-DDP records what it saw (``DistributedDataParallel._get_ddp_logging_data()``: unused-parameter bytes, the
-comm hook, bucket sizes, sampled backward compute and communication times) but nobody reads it.
-:func:`ddp_advice` turns it into a few lines, each a fact and, where there is one, the setting to change.
-:class:`~lightning_solo.SoloDDP` calls it at the end of fit and keeps the lines in ``strategy.advice``.
-
 Example::
 
     ddp = trainer.strategy.model                 # while fitting, e.g. in on_train_end
     for line in ddp_advice(ddp):
         print("-", line)
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

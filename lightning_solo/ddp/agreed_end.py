@@ -1,17 +1,12 @@
 """Every rank's iterator ends at the same item, the first rank's end, agreed at each item without a blocking
 collective: the mechanism of :mod:`lightning_solo.ddp.uneven`.
 
-Each ``next`` reads this rank's iterator one item ahead, so a rank knows its end one item before it, and starts an
-asynchronous MIN all-reduce of "the end I know" (:class:`~lightning_solo.ddp.agreement.Agreement` on a gloo group;
-``inf`` while unknown), reading the one started at the item before. A rank whose data ends after item ``L - 1``
-knows it when it hands out that item; every rank reads it at the next ``next`` and ends there: all at item ``L``.
-The first item of an iteration waits for its own all-reduce (no item before it agreed, and a rank may have none).
-
 Example::
 
     for batch in AgreedEnd(iter(loader), gloo_group):   # on every rank: the same number of batches
         ...
-"""
+
+See docs/ranks.md."""
 
 from __future__ import annotations
 

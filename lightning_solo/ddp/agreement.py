@@ -2,12 +2,6 @@
 :mod:`lightning_solo.ddp.sigterm`, SLURM's requeue signal in :mod:`lightning_solo.callbacks.requeue`), and behind the
 end of uneven data (:mod:`lightning_solo.ddp.uneven`: the first end any rank's loader knows, a MIN of numbers).
 
-A signal handler may only note the signal: a collective issued from it would pair with whatever collective another
-rank is inside. So at each check, which every rank makes at the same point of training (a batch), every rank starts
-an asynchronous MAX all-reduce of its note on a gloo group (a CPU tensor: no host sync, nothing on the training
-stream) and reads the one it started at the check before. Every rank thus learns "some rank was flagged" at the
-same check, one check after the flag was raised, and they act together.
-
 Example::
 
     agreement = Agreement(group)        # a gloo group of every rank; None: one rank, nothing to agree
@@ -17,7 +11,8 @@ Example::
 
     ends = Agreement(group, op=dist.ReduceOp.MIN)
     agreed = ends.exchange(known_end)   # a number; the previous check's MIN over the ranks (None: no check before)
-"""
+
+See docs/sigterm.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """What may cross from a worker process back to the notebook parent: plain CPU data, and the guard on it.
 
-The launcher sends back ``state_dict()`` s and a few named results (:mod:`lightning_solo.ddp.launcher`). Each is
-copied here into plain data first: containers, numbers, strings, dataclasses and *plain CPU tensors*. A tensor
-is copied to the CPU and stripped of its subclass, because a subclass may report (or hold) a device, and
-unpickling a CUDA tensor in the parent would initialise CUDA there, after which no fork can use the GPU. A
-tensor whose data cannot be copied to the CPU (a meta tensor) is refused, as is anything that is not data
-(modules, parameters, optimizers, hooks, functions, open files): that value stays behind, and the parent keeps
-its own. :func:`check_plain` is the guard: it fails on any tensor in a structure that is not a plain CPU tensor.
-"""
+See docs/notebooks.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
 """``SoloDDP(compile=...)``: the LightningModule's steps compiled inside DDP's forward, re-wraps that cost no
 recompile, and ``"auto"``, which keeps compile only when the measured gain pays for it within the planned run.
 
-Where the compiled code sits. The LightningModule's ``training_step`` (and ``forward`` and the eval steps) is
-compiled, as Lightning's own ``fit(torch.compile(model))`` does (``from_compiled``), and not the DDP wrapper.
-Lightning calls every step through DDP's forward, so Dynamo compiles it while DDP is the active module and,
-with ``torch._dynamo.config.optimize_ddp`` (on by default), DDPOptimizer splits the graph at DDP's bucket
-boundaries: each bucket's gradients are ready, and its all-reduce starts, while backward continues (DDP's
-overlap kept; a graph compiled outside DDP would deliver every gradient at the end of one backward). The
-compiled code holds the LightningModule, not the wrapper, so SoloDDP's re-wraps (after the unused-parameter
-window, on a trainable-set change, between comm_hook="auto"'s trials) leave it valid; and the module object is
-not replaced, so its ``state_dict`` has no ``_orig_mod.`` keys and checkpoints are interchangeable with eager
-runs. DDP orders its buckets once per wrapper, by the order gradients arrive in its first synchronising
-backward; a compiled backward hands a sub-graph's gradients over all at once, in no set order, and buckets built
-from that straddle DDPOptimizer's split (a transformer's last sub-graph then launched two buckets after the last
-gradient instead of one: benchmarks/RESULTS.md). So each wrapper's first synchronising step runs eagerly, and its
-buckets follow eager's order, the reverse of the parameters' use, the order DDPOptimizer splits by. A
-trainable-set change recompiles once (``requires_grad`` is guarded); back to an earlier set, Dynamo
-reuses that set's graph. ``"auto"`` compiles only when its trial starts (after the unused-parameter window and
-comm_hook="auto"'s trials), times compiled and eager steps interleaved, and keeps the faster if it pays
-(:func:`decide_compile`), the same choice on every rank.
-
 Example::
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(compile=True))  # "auto", {"mode": ...}
     trainer.fit(model)                 # fit(torch.compile(model)) takes the same path
     print(trainer.strategy.decisions["compile"])
-"""
+
+See docs/compile.md."""
 
 from __future__ import annotations
 

@@ -2,33 +2,14 @@
 ``OptimizedModule`` holding the net as ``_orig_mod``, so its weights are ``net._orig_mod.weight``, where the eager
 module has ``net.weight``.
 
-* **Loading, always**: a checkpoint loads through the Trainer (``fit/validate/test(ckpt_path=...)``) with either
-  spelling into either module, so checkpoints move between compiled and eager runs in both directions. Stock
-  raises on the other spelling: this only acts where stock would fail.
-* **Saving**: torch's keys by default, as stock, because ``Model.load_from_checkpoint(path)`` (plain
-  ``load_state_dict``, no strategy involved) needs them for a class that compiles its submodule.
-  ``SoloDDP(strip_compiled_prefix=True)`` saves the eager module's keys instead (``net.weight``), for consumers
-  that build the eager module; ``Model.load_from_checkpoint`` of the compiling class then fails, as it would on an
-  eager checkpoint.
-
-Compiling the whole LightningModule (``fit(torch.compile(model))``, ``SoloDDP(compile=True)``) keeps the module
-object and adds no prefix: nothing to do there.
-
-Where: the strategy's ``lightning_module_state_dict`` and ``load_model_state_dict``, not state-dict hooks on the
-module. Lightning takes the weights of every checkpoint it writes from the first (``trainer.save_checkpoint``,
-ModelCheckpoint, SoloCheckpoint, the SIGTERM and requeue saves all reach ``dump_checkpoint``) and restores through
-the second, and ``fit(ckpt_path=...)`` restores before the strategy's setup, where hooks would not be registered
-yet. The module's own ``state_dict()`` stays torch's, so the notebook launcher's weights (``state_dict()`` in
-the rank, ``load_state_dict`` in the parent, the same structure on both sides) and user code see what torch
-gives; nothing is left on the module to remove at teardown.
-
 Example::
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())
     trainer.fit(model)              # model.net = torch.compile(Net()): "net._orig_mod.weight", as stock
     eager_trainer.fit(eager_model, ckpt_path="last.ckpt")     # loads into the eager module ("net.weight")
     SoloDDP(strip_compiled_prefix=True)                       # saves "net.weight"
-"""
+
+See docs/compile.md."""
 
 from __future__ import annotations
 

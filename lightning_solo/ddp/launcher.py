@@ -1,48 +1,5 @@
 """SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process.
 
-With ``ddp_notebook`` (fork) or ``ddp_spawn``, training runs in worker processes and Lightning sends back
-only rank 0's weights, the best checkpoint path, ``trainer.state`` and ``callback_metrics``. Everything
-else stays behind in the workers: ``trainer.global_step`` and ``current_epoch`` read 0 in the notebook,
-callbacks look untrained (no best score, an empty ``LearningRateMonitor.lrs``, a list your own callback
-filled is empty), the strategy's decisions are missing, a second ``trainer.fit()`` on the same Trainer
-raises ``NotImplementedError`` (Lightning #18775), and every fit leaves an empty temp directory behind.
-
-SoloLauncher sends back, from local rank 0, after the fit, what a checkpoint taken at the fit's end would keep,
-and the decisions made: ``state_dict()`` s and the public ``decisions`` of the objects that decide, each copied
-into plain CPU data and checked (:mod:`lightning_solo.ddp.carry`: a tensor is copied to the CPU and stripped of
-any subclass, a meta tensor is refused), so the parent never unpickles a device tensor:
-
-* the fit loop's ``state_dict()`` (so ``global_step``, ``current_epoch`` and the logging step are the true ones);
-* every callback's ``state_dict()``, loaded with ``load_state_dict`` as on a resume (a ``ModelCheckpoint``
-  whose directory the fit resolved first takes that directory, as a fit in one process leaves it, so its best
-  score reloads), and the ``decisions`` of the pack's callbacks, kept with their public ``record()``;
-* the module's ``state_dict()`` (Lightning's own file, loaded onto the CPU): its weights, and what its
-  ``get_extra_state()`` returns (torch's place for a module's plain state, such as a list of losses);
-* the optimizers' and lr schedulers' ``state_dict()`` s, loaded into the parent's own (its module's
-  ``configure_optimizers``), so ``trainer.optimizers`` holds the fit's momentum, step counts and lr;
-* the precision plugin's checkpoint state (its ``state_dict()`` and ``on_save_checkpoint``: the GradScaler's
-  scale and growth tracker, the skipped-step count, as numbers) with the settings it was built from, so the
-  parent settles the same plugin and loads that state into it; the plugin object itself never crosses (its
-  skipped-step counter lives on the device);
-* the comm hook's ``state_dict()`` (PowerSGD's iteration and every rank's error feedback, post-local-SGD's
-  counters), so a second fit continues them;
-* the strategy's ``state_dict()`` (its decisions and advice), the logged and progress-bar metrics, the loggers'
-  versions.
-
-The pack's callbacks keep their results in their ``state_dict()`` (``RunSummary.summary``, ``TrainingDoctor.report``
-and ``files`` once the fit has ended, ``WarmupScaledLR``'s schedule for ``plot_schedule``), so they come back too. Attributes outside a
-``state_dict()`` stay in the workers, as they would across a checkpoint: give your callback a ``state_dict()``,
-your module a ``get_extra_state()``, for what a notebook should read after the fit. The unused-parameter policy
-is the parent's own object, used by every fit's ranks as it is. Because the parent now holds the first fit's
-state, a second ``fit`` on the same Trainer continues the way it would in one process (new optimizers, like any
-second ``fit``; use ``ckpt_path=`` to resume the optimizer too), so Lightning's refusal is lifted.
-
-Limits: only local rank 0 of the node the notebook runs on reports back (as in Lightning); a callback without a
-``state_dict()`` (``LearningRateMonitor``) keeps its parent-side state, as in Lightning; a callback's
-``load_state_dict`` runs in the parent as on a resume; a second fit on the same Trainer with a ``CSVLogger``
-starts its ``metrics.csv`` afresh, because the worker creates the logger's writer anew and Lightning's writer
-clears an existing file (a new Trainer avoids it).
-
 Example::
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # in Jupyter: fork, SoloLauncher
@@ -50,7 +7,8 @@ Example::
     trainer.global_step, trainer.checkpoint_callback.best_model_score      # the workers' values
     trainer.fit_loop.max_epochs += 2
     trainer.fit(model, datamodule)                                          # two more epochs
-"""
+
+See docs/notebooks.md."""
 
 from __future__ import annotations
 

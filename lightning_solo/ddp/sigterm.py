@@ -1,38 +1,7 @@
 """SIGTERM noticed on any rank stops every rank at the same batch, with no collective on the training stream, and
 saves a checkpoint the run resumes from.
 
-Lightning 2.6 (``training_epoch_loop._broadcast_sigterm_tensor``, ``signal_connector._sigterm_notifier_fn``):
-
-- every training batch broadcasts rank 0's SIGTERM flag as a device tensor and reads it back: on GPUs a host sync
-  per step (Lightning #21487), on CPU a step every rank waits for;
-- its signal handler broadcasts once more, from wherever the signal interrupted that rank: a collective the other
-  ranks do not issue there, which pairs with another (hang, or wrong data);
-- the rank that got the signal raises at the end of its batch (or validation batch, or epoch) on its own, and the
-  others wait in their next collective until the timeout;
-- a loader worker that gets the signal too (SLURM signals every process of the job step) dies of it: torch's
-  worker handler only exits quietly on a SIGTERM from its own rank, and the rank then fails with "DataLoader
-  worker (pid ...) is killed by signal: Terminated" at whatever it was doing.
-
-:class:`SigtermAgreement` replaces those pieces on one trainer:
-
-- the handler notes the signal and, as Lightning's does, sets ``trainer.received_sigterm`` at once and passes the
-  signal to the launcher's child processes; nothing else, and nothing at all in a process forked from the rank
-  (a copy of the handler);
-- Lightning's own stops on one rank (``received_sigterm`` at the end of a training batch, a validation batch or an
-  epoch) are deferred to the agreement: the rank goes on with the others;
-- at each training batch the ranks agree whether any noted the signal, with
-  :class:`~lightning_solo.ddp.agreement.Agreement` (an asynchronous MAX all-reduce of every rank's note on a gloo
-  group, read one batch later). Any rank's SIGTERM thus stops every rank at the same batch, at most two batches
-  after it arrived (a SIGTERM during an in-fit validation: after that validation).
-  With one rank there is nothing to agree: it stops after the training batch the signal came in, as Lightning's;
-- on that agreed stop, every rank saves ``on_sigterm.ckpt`` in the first checkpoint callback's directory, all
-  together at a batch boundary, where ``resume=auto`` and ``fit(ckpt_path="auto")`` pick it up: a preempted run
-  loses only the batches since the signal. ``checkpoint=False`` (``SoloDDP(sigterm_checkpoint=False)``) stops
-  without saving, as stock Lightning does;
-- :meth:`shield_workers` makes the training and evaluation loaders' workers leave a SIGTERM that is not their
-  rank's to the ranks (they end their workers once they agree); one from their rank still ends them quietly. A
-  worker also ignores SLURM's requeue signals, whose handlers (copied from the rank) are the rank's.
-"""
+See docs/sigterm.md."""
 
 from __future__ import annotations
 

@@ -2,37 +2,14 @@
 ends its epoch (or evaluation) at the batch where the first rank runs out, agreed at each batch without a blocking
 collective.
 
-Stock DDP on uneven data: the rank whose loader ends first leaves the epoch; from then on the ranks' collectives
-(DDP's gradient all-reduce, ``sync_dist`` logging, an in-fit validation) no longer belong to the same step, and the
-run trains on misaligned steps until a collective has no partner: "Connection closed by peer" on gloo, the timeout
-on NCCL. An ``IterableDataset`` has no sampler to even the ranks out (``DistributedSampler`` does for map-style data),
-and its ``__len__``, where it has one, is the user's word.
-
-:class:`UnevenData` wraps each such loader's iterators (training, validation, test, predict) in
-:class:`~lightning_solo.ddp.agreed_end.AgreedEnd`: read one batch ahead, so that a rank knows one batch before that
-its next batch is its last, and at each batch an asynchronous MIN all-reduce of "the end I know", read at the next
-one; every rank ends at the first rank's end (the first batch of an iteration waits for its own all-reduce: one
-wait an epoch). Lightning's fetcher, which reads one batch ahead of training, sees every rank's loader end after
-the same batch, so ``is_last_batch`` (and with it the epoch-end validation, the epoch's schedulers and
-checkpoints) is the same on every rank.
-
-The longer ranks' extra batches are not read that epoch. A ``__len__`` that overstates ends as the data does, on
-every rank together (with no epoch-end validation, as on one process: Lightning waits for the promised batch).
-Lightning schedules each rank by its loader's ``len()`` (the epoch's end, its validation, an evaluation's limit).
-Where the ranks' lengths differ and that schedule would part them (a training loader of map-style data, whose every
-step has a collective; an ``IterableDataset`` whose ``__len__`` differs), every rank's loader reports the shortest
-length, agreed once at setup (one all-gather, where Lightning reduces the lengths too), and Lightning runs that
-many batches on every rank, as under ``limit_train_batches``. An uneven map-style *evaluation* loader is left as it
-is: stock runs it to each rank's own end where the evaluation has no per-batch collective. A loader that is not a
-torch ``DataLoader`` is left alone. ``SoloDDP(uneven_data=False)``: as stock.
-
 Example::
 
     uneven = UnevenData("shortest")
     decision = uneven.setup(world_size=2, group=gloo_group)     # each run, on every rank
     loader = uneven.on_dataloader(loader, trainer)              # every loader the strategy processes
     uneven.uninstall()                                          # at teardown
-"""
+
+See docs/ranks.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """LossWatch: a non-finite loss or gradient on any rank stops every rank, before any checkpoint holds it; spikes,
 a climbing trend and a loss that differs between ranks become advice.
 
-Per optimizer step, one SUM all-reduce of three numbers on the device (this rank's loss, whether it had one,
-whether it or the gradient norm is non-finite; torchtitan's MIN of a finite flag, with the mean loss in the same
-message): every rank learns whether any rank failed, so all stop together, naming the step and the rank(s) (a
-gather, only then, says which). The sums are read one step later (:func:`decide_stop`): reading them at once would
-stall the host at every step on a GPU. A non-finite step is then caught before the next optimizer step, and before
-any checkpoint is written (the check in flight is read first), so the newest checkpoint predates it;
-``LossWatch(stop_before_step=True)`` reads at once and stops before the bad step's update, a host sync per step.
-Every ``spread_every_n_steps`` steps one all-gather of each rank's mean and variance of its own losses flags
-ranks that see differently distributed data. The step counts agree on every rank, so every rank runs the same
-collectives.
-
-A checkpoint keeps the trend (computed from all-reduced losses, so the same on every rank) and the advice given,
-so a resumed run judges its steps as the uninterrupted run would. The rank-spread window starts afresh at the
-resumed step: its losses are each rank's own, and the checkpoint is rank 0's.
-
 Example::
 
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[LossWatch()])
     trainer.fit(model, dm)        # NonFiniteLossError on every rank at the first non-finite step
     trainer.callbacks[0].advice   # spikes, climbs, see-saw, rank spread, each with the fix
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Preflight: before a fit spends hours, every rank checks its launch, its peers and its training setup.
 
-At ``setup`` (the process group exists, nothing has run): the backend suits the device; the launcher's
-variables are consistent with each other and with this process's place; one ``all_gather_object`` collects
-every rank's versions (torch, CUDA, NCCL, lightning, lightning_solo, python), device model, driver and
-relevant environment flags, and a mismatch is an error that names the ranks and their values. Every rank
-decides from the same gathered list, so every rank raises (nothing waits for a timeout). At ``on_train_start``
-(the loader is loaded): warnings with the fix for DataParallel, ``num_workers=0`` with idle cores, a loader
-not split between ranks, unsynchronised BatchNorm at a small batch, ``pin_memory`` off on GPU, a batch too
-small for a GPU; also gathered, so ``strict=True`` (warnings become errors) stops every rank too.
-
 Example::
 
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[Preflight(strict=False)])
     trainer.fit(model, dm)
     trainer.callbacks[0].findings      # what was found (warnings; errors raise PreflightError)
 
-``python -m lightning_solo.preflight`` runs the same checks on a machine or an allocation without training.
-"""
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """ProfilerWindow: torch's profiler over a window of training batches, one Chrome/Kineto trace per GLOBAL rank.
 
-Lightning's ``PyTorchProfiler`` names its files by local rank, so the ranks of different nodes overwrite each
-other on a shared filesystem; here every rank writes ``<dirpath>/trace_rank<global rank>.json``, which
-Holistic Trace Analysis and ``chrome://tracing`` / Perfetto read. The schedule is torch's: ``wait`` batches
-skipped, ``warmup`` traced and dropped, ``active`` recorded, once.
-
 Example::
 
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ProfilerWindow(dirpath="run/profile", wait=5, active=3)])
     # the runner: python -m lightning_solo.run profile=window
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

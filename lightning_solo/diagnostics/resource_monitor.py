@@ -1,17 +1,13 @@
 """ResourceMonitor: CPU, resident memory and (via NVML) GPU utilisation and memory on every rank, logged to the
 run's loggers as the min and max across ranks, like Composer's SystemMetricsMonitor.
 
-It samples every ``every_n_steps`` optimizer steps; left ``None``, that is derived once from ``interval_s``
-and the step time measured over ``calibration_steps`` steps (the slowest rank's, agreed by one all-reduce,
-recorded as a Decision). Steps, not each rank's clock, decide when to sample, so every rank joins the same
-all-gather (one per sample, a few floats per rank).
-
 Example::
 
     trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ResourceMonitor(interval_s=30)])
     # logs system/cpu/process_percent_min, ..._max, system/gpu/util_percent_min, ... every ~30 s
     trainer.callbacks[0].peaks      # the highest value of each key on any rank
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -7,9 +7,7 @@ Example::
     sampler = ResourceSampler(torch.device("cuda", 0), nvml=decision.value == ["psutil", "nvml"])
     dict(zip(sampler.keys, sampler.sample()))            # {"cpu/system_percent": 31.0, ...}
 
-The keys depend only on the device type, so every rank of a job has the same ones; a value a rank cannot
-read is NaN.
-"""
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

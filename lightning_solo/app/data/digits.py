@@ -1,15 +1,10 @@
 """Handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data.
 
-The images are the test set of the UCI "Optical Recognition of Handwritten Digits" data set (E. Alpaydin,
-C. Kaynak, 1998; CC BY 4.0; https://archive.ics.uci.edu/dataset/80), the one scikit-learn's ``load_digits``
-returns. They ship in this package (``optdigits.tes.gz``: 64 pixel values 0..16, then the label, per row), so
-nothing is downloaded and no other library is imported for them. The held-out split is stratified and fixed by
-``split_seed`` alone (not the run's seed), so every run, rank and resume validates on the same images.
-
 Example::
 
     dm = DigitsDataModule(val_fraction=0.2, batch_size=32)   # 1,437 train / 360 val images, 1×8×8
-"""
+
+See docs/runner.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """A learnable synthetic image classification set, generated in-process (no download, any size).
 
-Each class owns a smooth random template (low-frequency noise upsampled to the image size); a sample is
-its class template, randomly shifted and scaled, plus pixel noise. Labels are therefore predictable
-from the image, unlike random labels, and the task is easy enough for a few hundred steps on a CPU.
-
 Example::
 
     dm = SyntheticDataModule(num_classes=10, image_size=32, train_size=4096, batch_size=32)
-"""
+
+See docs/runner.md."""
 
 from __future__ import annotations
 

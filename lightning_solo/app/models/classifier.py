@@ -7,10 +7,7 @@ Example::
     model = ImageClassifier("resnet50", num_classes=10, stem="cifar",
                             optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
 
-The optimizer and scheduler are factories (Hydra ``_partial_: true``) so the module owns no config.
-Validation and test are exact under DDP: padded rows (:func:`lightning_solo.ddp.eval.eval_rows`) are dropped
-before the loss, the accuracy and the sample count.
-"""
+See docs/runner.md."""
 
 from __future__ import annotations
 

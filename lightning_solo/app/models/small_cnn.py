@@ -1,13 +1,11 @@
 """SmallCNN: a four-convolution network sized for small images (the 8×8 digits, 16×16 synthetic images).
 
-Built by name through :func:`~lightning_solo.app.models.classifier.build_backbone` (``arch="small_cnn"``), so
-:class:`~lightning_solo.app.models.ImageClassifier`, the runner and the exporter treat it like a torchvision model.
-
 Example::
 
     net = SmallCNN(num_classes=10, in_channels=1)      # 1×8×8 digits: 66k parameters
     logits = net(torch.randn(4, 1, 8, 8))
-"""
+
+See docs/runner.md."""
 
 from __future__ import annotations
 

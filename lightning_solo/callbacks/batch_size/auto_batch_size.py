@@ -7,13 +7,7 @@ Example::
     trainer.fit(model, datamodule)   # datamodule.batch_size set before the loaders, SyncBN and the lr read it
     trainer.callbacks[0].decisions["per_device_batch_size"]
 
-When fitting starts (the ``setup`` hook: the process group exists, the loaders do not yet), every rank probes
-the same batches (:mod:`lightning_solo.callbacks.batch_size.probe`: the CUDA allocator's peak on GPU, resident-memory growth
-under ``cap_mb`` on CPU) and the largest fraction any rank measured decides each step of the search
-(:mod:`lightning_solo.callbacks.batch_size.search`), so all ranks agree on the smallest fit. The batch goes where the loader
-reads it (the datamodule's or LightningModule's ``batch_size``); the global batch, SyncBN's ``"auto"`` rule and
-WarmupScaledLR's scaled lr follow. A resumed fit keeps the batch it was trained with (saved in the checkpoint).
-"""
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

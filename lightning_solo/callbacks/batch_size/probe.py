@@ -1,31 +1,12 @@
 """Peak memory of one training step at a given per-device batch, as a fraction of a budget (``auto_batch_size``).
 
-A probe runs two training steps of the LightningModule (``training_step``, backward, a step of a throwaway
-optimizer from ``configure_optimizers``) and measures the second, when gradients and optimizer state exist as
-in steady training (the very first probe takes one more step before it, to leave one-time setup out). The
-weights, buffers, gradients and RNG are put back afterwards.
-
-* GPU: the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) over the device's memory (or ``cap``),
-  with the reserved peak beside it (``reserved``); each new batch size first runs one step unmeasured, so that
-  cuDNN's autotuning workspaces (``trainer.benchmark``) do not count. An error that means the memory ran out
-  (:func:`is_out_of_memory`: torch's ``OutOfMemoryError``, a raw ``cudaMalloc`` failure, cuDNN finding no
-  algorithm that fits) measures ``inf``.
-* CPU: the growth of the process's resident memory during the steps over ``cap`` (default: the memory
-  available now, split between this machine's processes). The peak is the kernel's high-water mark, reset
-  through ``/proc/self/clear_refs`` (Linux), else the highest of psutil samples taken every millisecond.
-  Before each probe ``malloc_trim(0)`` hands the free heap back, so that each probe starts from the same
-  resident memory. Where SoloDDP's malloc setting is in force (:mod:`lightning_solo.core.cpu_malloc`), glibc also maps
-  large blocks directly during the probes (``M_MMAP_THRESHOLD`` at its starting 128 KiB), so freed memory
-  leaves the process at once, and that setting is put back after them. Otherwise (``cpu_malloc_reuse=False``,
-  ``MALLOC_*``/``GLIBC_TUNABLES`` or another allocator chosen by the user, no fit) the thresholds are left as
-  they are: glibc's cannot be given back once set.
-
 Example::
 
     probe = MemoryProbe(trainer.strategy.root_device, cap_bytes=None, local_processes=trainer.num_devices)
     with probe.session(pl_module, trainer):
         probe.measure(pl_module, trainer.precision_plugin, batch)     # e.g. 0.42
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The search for the per-device batch whose peak memory lands in a target band, as pure functions.
 
-``measure(batch)`` returns the peak memory of a training step at that per-device batch as a fraction of the
-budget (``inf`` for out of memory); :func:`search_batch_size` finds a batch whose fraction lies in
-``[low, high]``, aiming at the middle: a straight line of memory against batch size through the two
-measurements that bracket the target (or the last two), bisection when the line does not help. It never
-returns a batch whose measurement was above ``high``. :mod:`lightning_solo.callbacks.batch_size.probe` measures;
-:class:`~lightning_solo.callbacks.AutoBatchSize` runs both on every rank with one agreed ``measure``.
-
 Example::
 
     search = search_batch_size(lambda b: 0.1 + 0.01 * b, start=8, low=0.6, high=0.8, max_batch=1024)
     search.batch, search.fraction, search.in_band        # (60, 0.7, True) after 3 probes
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """The optimizers' param groups as :class:`~lightning_solo.callbacks.WarmupScaledLR` drives them: the user's lr
 × the schedule's factor from the start of each batch through the optimizer's update, the user's lr otherwise.
 
-Each optimizer gets a step pre-hook (apply the factor, in case nothing did since the last step) and a post-hook
-(put the user's lr back), so schedulers step on the user's values and checkpoints written after a step hold them.
-
 Example::
 
     groups = ScaledParamGroups(trainer.optimizers, user_lrs, factor=lambda: schedule.factor(trainer.global_step))
     groups.apply_all()          # at a batch start
     ...                         # optimizer.step(): applied before the update, the user's lr back after it
     groups.remove()             # at the end of fit
-"""
+
+See docs/lr-scaling.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math, and the
 options it is built from (checked once, in :class:`ScheduleOptions`).
 
-The lr used at optimizer step ``s`` is ``base_lr × LRSchedule.factor(s)``, where ``base_lr`` is the lr
-as configured (or as the user's own scheduler currently sets it). The multiplier is:
-
-* the batch scale ``k`` (Goyal et al. 2017): ``linear`` → ``G / G_ref``, ``sqrt`` → ``√(G / G_ref)``
-  (for adaptive optimizers such as Adam), ``none`` → 1, with ``G`` the global batch;
-* during warmup (steps ``0 .. W-1``) a straight line from ``start`` to ``k``: the lr rises by the same
-  amount each step, from ``start_factor × base_lr`` (never above the target) to ``k × base_lr``;
-* afterwards ``k × decay(s)``: 1 (``"none"``), a half cosine from 1 to ``min_factor`` over the
-  remaining steps (``"cosine"``), or ``gamma`` per milestone passed (``"step"``).
-
 Example::
 
     from lightning_solo.callbacks.lr.schedule import LRSchedule, scale_factor
     k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
     sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
     lrs = [0.1 * sched.factor(s) for s in range(10_000)]
-"""
+
+See docs/lr-scaling.md."""
 
 from __future__ import annotations
 

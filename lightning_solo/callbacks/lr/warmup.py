@@ -3,7 +3,7 @@
 Example::
 
     import lightning as L
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
     from lightning_solo.callbacks import WarmupScaledLR
 
     lr = WarmupScaledLR(rule="linear", reference_batch_size=256, warmup_epochs=5)
@@ -12,15 +12,7 @@ Example::
     print(lr.decisions)                    # global batch, scale, warmup, composition, re-scaling on resume
     lr.plot_schedule("lr.png")
 
-How it composes with everything else: the lr the optimizer *steps with* is ``user_lr × factor(step)``,
-where ``user_lr`` is the lr the user configured, as their own scheduler (if any) has moved it, and
-``factor`` is :class:`~lightning_solo.callbacks.lr.schedule.LRSchedule` (scale × warmup × built-in decay), taken at
-``trainer.global_step``. The param groups hold the applied lr from the start of each batch through the
-optimizer's update (``LearningRateMonitor``, ``training_step`` and the update all see it); an optimizer
-step post-hook then puts ``user_lr`` back, so schedulers step on their own values (chainable ones never
-compound the factor) and checkpoints written after a step hold the user's lr. The callback state keeps
-``user_lr`` too, and is applied in ``on_train_start``, after Lightning has restored the optimizer.
-"""
+See docs/lr-scaling.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """``comm_hook="auto"``: try exact all-reduce and each compression hook for a few steps, keep the fastest.
 
-Whether fp16/bf16 compression or PowerSGD pays depends on the link, the model and the device: over gloo on
-one machine they measured slower than exact all-reduce (benchmarks/RESULTS.md), across nodes they can win
-big. So measure: at the start of training each candidate runs ``warmup_steps`` untimed steps and then
-``trial_steps`` timed ones (batch start → end of the optimizer step; on CUDA synchronised, during the trial
-only). DDP accepts one comm hook per wrapper, so SoloDDP re-wraps DDP between candidates. Each timed step is
-reduced with MAX over the ranks (a step takes as long as its slowest rank), a candidate's time is its fastest
-such step (other jobs on the machine only ever add time), and every rank takes the same argmin of the same
-numbers (:func:`decide_comm_hook`); a hook must beat exact all-reduce by ``min_gain`` to be kept, for the
-precision it costs. The trial changes the gradients' rounding for a few dozen steps at most.
-
-A checkpoint holds the choice, which a resume keeps without measuring again, or the trial's progress (the
-candidate, its step, its hook's state and the times so far), which a resume continues: either way the resumed
-run registers the hooks the uninterrupted one would have. With other candidates or another number of ranks
-the trial starts again.
-
 Example::
 
     strategy = SoloDDP(comm_hook="auto")
     trainer.fit(model)
     strategy.decisions["comm_hook"]       # value None (exact) or the hook; the measured times in the reason
     strategy.comm_hook.measured_ms            # {"exact": 12.1, "fp16": 12.9, "bf16": 12.6, "powersgd": 19.8}
-"""
+
+See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
 import time

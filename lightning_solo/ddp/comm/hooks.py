@@ -1,21 +1,17 @@
 """DDP gradient communication hooks chosen by name (exact, fp16/bf16, PowerSGD, post-local-SGD), registered
 on every device, with state that goes into a checkpoint and comes back on resume.
 
-Lightning registers ``ddp_comm_hook`` only on CUDA (a torch 1.8 limit that is long gone) and drops it
-silently elsewhere; :class:`CommHook` registers on any backend (gloo on CPU included) and keeps the hook's
-state (PowerSGD's iteration count, error feedback and warm-start memory; post-local-SGD's counters) in a
-form that goes into a checkpoint and comes back on resume, whatever DDP's bucket layout is then.
-
 Example::
 
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
     trainer = L.Trainer(devices=4, strategy=SoloDDP(comm_hook="powersgd", powersgd_rank=2))
 
     # on a raw DDP model (the process group is already initialised)
     hook = CommHook("fp16")
     print(hook.register(ddp_model))         # Decision: what was registered and why
     extra = hook.state_dict(ckpt_path)      # every rank: writes its error-feedback shard beside ckpt_path
-"""
+
+See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import contextlib

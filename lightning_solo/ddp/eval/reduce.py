@@ -1,15 +1,13 @@
 """Exact epoch means for ``self.log(..., sync_dist=True)``: averages of integer tensors taken in floating point.
 
-Lightning's epoch mean of a logged value is ``mean_ranks(Σ value·batch_size) / mean_ranks(Σ batch_size)``, with
-the batch sizes summed in an integer tensor. Its cross-rank mean divides that integer tensor by the world size
-in place (gloo; NCCL's integer average truncates too), so 101 samples on 2 ranks count as 50: the logged mean is
-off by 1%. :class:`~lightning_solo.SoloDDP` passes that sample count, and only it, through :func:`mean_operand`:
-a user's own ``strategy.reduce`` of an integer tensor averages as stock does.
+Only Lightning's logged sample count averages in float: a user's own ``strategy.reduce`` of an integer tensor
+averages as stock does.
 
 Example::
 
     mean_operand(torch.tensor(101), "mean")    # tensor(101., dtype=torch.float64): averages to 50.5, not 50
-"""
+
+See docs/evaluation.md."""
 
 from __future__ import annotations
 

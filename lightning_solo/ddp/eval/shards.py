@@ -1,29 +1,6 @@
 """Which rows of an evaluation batch are real, under Lightning's own evaluation samplers.
 
-SoloDDP leaves the validate, test and predict loaders as stock Lightning makes them. Validate and test get a
-``DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...`` of the dataset order, so every rank
-sees the whole range of a sorted set (an ImageFolder's classes), and the last round is padded with repeats of the
-first samples, so that every rank runs the same number of batches of the same sizes: per-step collectives
-(``self.log(sync_dist=True)`` on step, a torchmetrics sync) and a user's ``all_gather`` of eval outputs hold.
-At most ``W - 1`` rows of the whole set are repeats, each the last row of its rank. Predict gets Lightning's
-unrepeated sampler: no repeats, ranks may differ by one sample.
-
-:func:`eval_rows` names the repeats, for a LightningModule that wants every sample counted once::
-
-    from lightning_solo.ddp.eval import eval_rows
-
-    def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        x, y = batch
-        logits = self(x)
-        rows = eval_rows(self.trainer, batch_idx, dataloader_idx)   # None: not known for this loader
-        if rows is not None and rows.padded:
-            keep = rows.valid.to(logits.device)
-            logits, y = logits[keep], y[keep]
-        loss = F.cross_entropy(logits, y, reduction="sum") / max(len(y), 1)  # a batch may be all repeats
-        self.log("val/loss", loss, sync_dist=True, batch_size=len(y))
-
-A module that ignores ``eval_rows`` counts the repeats, as under stock ``DDPStrategy``.
-"""
+See docs/evaluation.md."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Example::
 
     import lightning as L
-    from lightning_solo.ddp.strategy import SoloDDP
+    from lightning_solo import SoloDDP
 
     # fp16 autocast + a tuned GradScaler, on CPU or GPU (real fp16 on CPU: no silent switch to bf16)
     strategy = SoloDDP(precision="16-mixed", scaler={"init_scale": 2.0**12, "growth_interval": 500})
@@ -13,19 +13,7 @@ Example::
     from lightning_solo.ddp.precision import SoloMixedPrecision
     trainer = L.Trainer(plugins=[SoloMixedPrecision("16-mixed", "cpu", scaler={"growth_factor": 4.0})])
 
-What stock Lightning lacks and this module adds (see research notes §2):
-
-* a GradScaler configured from plain values (``init_scale``, ``growth_factor``, ``backoff_factor``,
-  ``growth_interval``), validated up front;
-* scaler state saved under the key ``"MixedPrecision"``, which stock Lightning reads and writes, whatever
-  the plugin's class is called (Lightning keys it by class qualname, so a subclass would lose it);
-* on resume the saved scale and growth tracker are kept, but the *configured* factors and interval win
-  (``GradScaler.load_state_dict`` would silently restore the old ones); a change is logged;
-* optimizer steps skipped for inf/nan gradients are counted, logged (``amp/skipped_steps``,
-  ``amp/scale``) and checkpointed; optionally a step-interval LR scheduler is held on a skipped step;
-* the precision itself is resolved once, with a reason, from ``SoloDDP(precision=...)`` and
-  ``Trainer(precision=...)`` (:func:`decide_precision` states the rule).
-"""
+See docs/precision.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """The training loader made resumable: a sampler that fast-forwards to a position, and samples loaded with RNGs
 seeded from (seed, epoch, index) so augmentation and loader workers do not depend on which batches were skipped.
 
-:func:`make_resumable` wraps the training loader SoloDDP is given; :mod:`lightning_solo.ddp.resume.record` saves the position
-and restores it. The user's dataset stays the user's: ``loader.dataset[i]`` is the user's sample,
-``isinstance(loader.dataset, UserDataset)`` holds, and its attributes and ``__getitems__`` are there.
-
 Example::
 
     sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=2, rank=0), batch_size=32)
     sampler.resume_once(epoch=3, skip_samples=5 * 32)      # the next iteration starts at batch 5 of epoch 3
-"""
+
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -148,18 +145,7 @@ class SeededDataset(Dataset):
     """The user's dataset, as the user sees it, whose training samples load with the torch, Python and numpy RNGs
     seeded from ``(seed, epoch, index)``, putting the caller's RNG states back afterwards.
 
-    A worker's RNG otherwise depends on the seed its iterator drew, on which worker got the sample and on
-    everything that worker loaded before (across epochs with ``persistent_workers``), none of which a resume
-    that skips batches can replay; in the main process (``num_workers=0``) the draws would shift the training
-    RNG. Here a sample's augmentation is a function of the sample, so a resumed epoch loads exactly what the
-    uninterrupted one would. A dataset with its own ``__getitems__`` (Hugging Face datasets, ``Subset``) keeps
-    its batched fetching: it is called once per batch with plain indices, the RNGs seeded from (seed, epoch, the
-    batch's indices). Randomness in a ``collate_fn`` or ``worker_init_fn`` is not covered.
-
-    Only the sampler's :class:`Key` are seeded: any other index (``dataset[0]`` in a callback) is the user's
-    own ``dataset[0]``, untouched. ``isinstance(wrapped, UserDataset)`` holds (``__class__`` is the user's
-    class) and the user's attributes are read through.
-    """
+    See docs/checkpoints.md."""
 
     class Key(NamedTuple):
         """An index from :class:`ResumableSampler`, with the epoch it was drawn in (no user index is one)."""

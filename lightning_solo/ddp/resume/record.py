@@ -1,22 +1,7 @@
 """Exact mid-epoch resume: the record a checkpoint carries, and the resume it decides (no sample repeated or
 skipped, every rank's RNG back).
 
-Lightning restores the loop counters of a mid-epoch checkpoint but restarts the training dataloader
-from the first batch of the epoch (it warns "your dataloader is not resumable"), so the resumed epoch
-repeats the batches already trained on and never reaches its last ones; it saves no RNG state either.
-SoloDDP closes the gap with the pieces below, so nothing changes for the data modules:
-
-* ``make_resumable`` wraps each training loader's sampler (Lightning's ``DistributedSampler``, whose
-  order is a function of seed and epoch, or a sampler that draws its order when the epoch starts) in a
-  :class:`ResumableSampler`;
-* ``capture`` (every rank, inside ``trainer.save_checkpoint``) records the batches of this epoch already
-  trained on, each loader's epoch, and every rank's RNG states into ``checkpoint[RESUME_KEY]``;
-* :class:`ResumePlan` turns that record, after Lightning restored its loops, into "epoch e, each loader skips
-  its batches done, and this rank's RNG is back right before the first batch".
-
-The loader side (:class:`ResumableSampler`, :class:`SeededDataset`, ``make_resumable``) is
-:mod:`lightning_solo.ddp.resume.loader`.
-"""
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Exact resume across one strategy's fits: what a checkpoint carries beyond Lightning's, and how a fit continues
 from it. :class:`~lightning_solo.ddp.strategy.SoloDDP` holds one :class:`ExactResume` and calls it from its hooks.
 
-A checkpoint holds every training loader's position and every rank's RNG as of the last optimizer step
-(:mod:`lightning_solo.ddp.resume.record`; all ranks run ``save_checkpoint``), replayed after a restore; a validation
-inside fit leaves the training RNG where the last training batch's work left it. ``fit(ckpt_path="auto")`` picks the
-newest verified checkpoint on rank 0 (:func:`load_auto_checkpoint`).
-
 Example (the order SoloDDP's hooks call it in)::
 
     resume = ExactResume(enabled=True)
@@ -18,7 +13,8 @@ Example (the order SoloDDP's hooks call it in)::
     resume.after_optimizer_step(trainer)
     resume.after_validation(trainer)                       # on_validation_end
     resume.add_to_checkpoint(checkpoint, trainer)          # save_checkpoint
-"""
+
+See docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -20,13 +20,6 @@ from lightning_solo._compat import torch as torch_compat
 class FastPathStep:
     """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step.
 
-    A hook per parameter records whether its gradient arrived in the synchronised backward. Right after
-    backward a rank feeds zeros to what it missed, releasing DDP's held-back buckets. Every rank learns
-    whether any rank had such an event from ``sentinel``, a one-element parameter in DDP's last bucket whose
-    gradient carries each rank's flag through DDP's own all-reduce (``sentinel=None``: the usage map goes over
-    ``group`` instead). After an event the usage map says what no rank used (gradient ``None``, as ``True``
-    leaves it) and which excluded parameters got a gradient (all-reduced by hand).
-
     Args:
         named: the trainable ``(name, parameter)`` pairs at bind time ("our" indices).
         synced: our indices of the parameters DDP synchronises, in the reducer's order.
@@ -35,7 +28,8 @@ class FastPathStep:
         signal_early: every event shows by the end of backward (nothing excluded): signal as soon as the last
             synchronised gradient arrives, so DDP's last bucket leaves on time.
         ddp, sentinel_index: the wrapper and the sentinel's reducer index, when there is a sentinel.
-    """
+
+    See docs/unused-parameters.md."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], ignored: list[int], group: Any,
                  *, signal_early: bool, sentinel: Parameter | None = None, ddp: DistributedDataParallel | None = None,

@@ -1,11 +1,6 @@
 """``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
 ``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
 
-How it decides, and why each step is exact and safe: ``docs/design.md``, "find_unused_parameters='auto'".
-
-Every fit starts from fresh evidence (:meth:`UnusedParameters.fresh`). ``static_graph`` is never switched
-on automatically: it promises that the graph can never change, the one thing "auto" cannot know.
-
 Example::
 
     policy = UnusedParameters("auto")
@@ -23,7 +18,8 @@ Example::
         optimizer.step(); optimizer.zero_grad()
     policy.finish(ddp)                                   # every rank, at the end
     print(policy.decision)
-"""
+
+See docs/unused-parameters.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Taking a DDP wrapper apart and building the next one: what ``find_unused_parameters="auto"`` needs to re-wrap.
 
-DDP knows only the parameters that required grad when it was built, and its reducer indexes them in its own
-order. Re-wrapping therefore means: detach the old wrapper (its hooks, its bucket-aliased gradients), tell the
-new one which parameters to leave out, and know the reducer's order to read its usage map. The policy that
-decides when is :mod:`lightning_solo.ddp.unused.policy`.
-
 Example::
 
     user_ignore = ddp_ignore_list(ddp.module)
@@ -12,7 +7,8 @@ Example::
     ddp, sentinel, params = build_with_sentinel(module, lambda m: DistributedDataParallel(m))
     ...
     restore_ignore_list(ddp.module, user_ignore)      # at the end of fit
-"""
+
+See docs/unused-parameters.md."""
 
 from __future__ import annotations
 

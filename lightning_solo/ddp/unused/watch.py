@@ -1,28 +1,14 @@
 """What DDP's unused-parameter search cannot see for itself, watched while ``find_unused_parameters="auto"``
 has it searching (``True``): reentrant activation checkpointing, and collectives inside backward.
 
-**Reentrant checkpointing.** DDP's search marks every parameter it cannot reach from the output as unused, and
-the parameters inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` are not reachable: their
-gradients come from a second, inner backward, so DDP sees their hooks fire after it marked them ready and fails
-with "marked as ready twice". Stock ``DDPStrategy`` (``find_unused_parameters=False``) never searches, so it
-trains. Within :func:`search_safe_checkpointing` such calls run through the non-reentrant implementation: the
-same forward values and gradients (both recompute under the saved RNG state), reachable by the search. A call
-none of whose inputs requires grad keeps the reentrant path, which gives its parameters no gradient; the search
-is then right to call them unused.
-
-**Collectives inside backward** (a contrastive ``GatherLayer``, ``torch.distributed.nn.functional.all_gather``,
-an MoE ``all_to_all``): on DDP's fast path a parameter unused on one rank makes DDP hold back buckets until
-after backward, so such a collective could pair with a bucket on another rank. Within
-:func:`watch_collectives` every ``torch.distributed`` collective called through the module is reported, so the
-evidence window can stay on ``True``, which never holds a bucket back.
-
 Example::
 
     with search_safe_checkpointing(on_substitute=lambda: print("substituted")):
         loss = ddp(batch).sum()       # the model calls checkpoint(block, x, use_reentrant=True) inside
     with watch_collectives(lambda what: print(what, "inside backward")):
         loss.backward()
-"""
+
+See docs/unused-parameters.md."""
 
 from __future__ import annotations
 

@@ -6,10 +6,7 @@ Example::
     every = gather_objects(mine)                      # diagnostics.collectives: a list, index = rank
     findings = agreement.compare(every)               # pure: lightning_solo.diagnostics.checks.agreement
 
-``RankFacts.shared`` holds what must be the same on every rank; the rest places the rank (host, local rank,
-device) and carries the problems it found alone (its launch variables, say), so that once gathered, every rank
-decides from the same list and all of them stop, or none.
-"""
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

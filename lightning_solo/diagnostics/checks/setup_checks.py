@@ -1,14 +1,6 @@
 """Warnings, each with its fix, about a training setup that works but wastes the devices.
 
-:func:`read_setup` reads a :class:`TrainingSetup` from a trainer whose train loader is loaded (``on_train_start``);
-:func:`check_setup` is pure, so each rule is tested as a table row. Example::
-
-    check_setup(TrainingSetup(device_type="cuda", world_size=8, pin_memory=False, ...))
-    # [Finding("loader.pin_memory", "pin_memory is off on GPU ...: set DataLoader(pin_memory=True).")]
-
-Fixes name library settings as calls (``DataLoader(num_workers=3)``, ``SoloDDP(sync_batchnorm='auto')``); the
-runner adds its config keys where it shows them (:mod:`lightning_solo.app.remedies`).
-"""
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
 the straggler and the verdict, printed as a table and kept as a dict (``doctor.json``).
 
-Throughput is measured on every rank and reduced, never rank 0's times the world size: per device it is a
-rank's samples over its own step time, globally the samples of all ranks over the slowest rank's time.
-
 Example::
 
     ranks = gather_ranks(timer.take_window(), timer.total, timer.bins, {"peak_memory_mib": 812.0}, device)
     report = summarize(ranks, "window", setup, reference=None)      # every rank computes the same
     print(format_table(report))
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
 """Where one rank's training time goes: data wait, forward+backward, optimizer step and the communication DDP
 could not hide, summed per optimizer step into a few hundred bins (the chart) and running totals (the verdict).
 
-* **Clock.** The host clock on CPU. On CUDA, events recorded on the current stream and read back only once
-  they have completed (a bin later), so the split is the device's own and the host keeps running ahead; the
-  one wait is at a report. Data wait on CUDA is then the time the device sat idle between two batches.
-* **Exposed communication** is DDP's own measurement: per synchronised iteration its reducer records
-  communication (first bucket ready → every bucket reduced) and overlap (communication start → end of backward
-  compute); exposed = communication − overlap. It keeps a running mean, so reading it once per bin gives the
-  sum over the bin. The reducer samples iterations 1-10 and then every ``sample_rate``-th (DDP's default: 100);
-  :class:`ExposedComm` sets the rate on every DDP wrapper it meets, before its 10th iteration. A wrapper that
-  SoloDDP re-wraps is read out (:meth:`ExposedComm.read_out`, its ``add_rewrap_listener`` seam) before it is
-  dropped, so that no reference here keeps its gradient buckets beside the next wrapper's. Nothing is
-  recorded under ``no_sync`` (gradient accumulation) nor in eval: one value per optimizer step, from the
-  micro-batch that synchronises. Work a comm hook does synchronously in the backward thread counts as backward
-  compute there, not communication.
-* **SyncBN's waits** are communication too: SoloSyncBatchNorm times its own all-reduces while a reader listens
-  (:mod:`lightning_solo.ddp.syncbn.wait`; host clock on CPU, event pairs on CUDA read back with the timer's own), and
-  :class:`ExposedComm` listens from its first :meth:`~ExposedComm.watch` to :meth:`~ExposedComm.release`. DDP
-  counts that stall as overlap (it lies inside backward), so nothing is counted twice.
-
 Example::
 
     timer = StepTimer(torch.device("cpu"), comm=ExposedComm())
@@ -27,7 +9,8 @@ Example::
         timer.comm.watch(trainer.strategy.model)
         timer.batch_start(); ...; timer.before_optimizer(); ...; timer.batch_end(len(batch), loss)
     window = timer.take_window()              # Sums since the last call; timer.bins for the chart
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
 """TrainingDoctor: where the time of every rank goes, and what bounds the run, measured live on every rank.
 
-Per optimizer step, on every rank: data wait, forward+backward, optimizer step and the communication DDP
-could not hide behind backward (from DDP's own reducer timings; :mod:`lightning_solo.diagnostics.doctor.timing`);
-samples/s per device and global (measured on every rank and reduced), peak memory (CUDA allocator on GPU,
-RSS on CPU), scaling efficiency against a one-process reference when given, and the slowest rank, with the phase
-of its own work it is slow in (data wait, training_step, optimizer step, validation, checkpoint save), read from
-SoloDDP's watchdog heartbeat (``strategy.heartbeats()``; a rank that stops altogether is the watchdog's). At the end
-of training, and every ``every_n_steps`` steps if asked, the ranks' sums are gathered (one collective, at the
-same step on every rank) and the verdict (:mod:`lightning_solo.diagnostics.doctor.verdict`) names the bound (data,
-communication, compute, straggler) with remedies that name the setting to change, ranked by expected gain. Rank 0 logs a
-table and writes ``doctor.json`` and ``doctor.png`` (matplotlib: the ``plot`` extra) in the run directory.
-
-Cheap enough to leave on (benchmarks/RESULTS.md): host timestamps on CPU, CUDA events read back a bin later
-on GPU (no per-step synchronisation), DDP's logging data read once per bin of steps.
-
 Example::
 
     doctor = TrainingDoctor(every_n_steps=500, reference_throughput=1450.0)  # samples/s on one process
@@ -21,7 +7,8 @@ Example::
     trainer.fit(model, dm)
     doctor.report["verdict"]["bound"]         # "data" | "communication" | "compute" | "straggler"
     doctor.files                              # {"json": ".../doctor.json", "chart": ".../doctor.png"}
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """The doctor's verdict: from a small record of measured times to what bounds the run and what to change.
 
-A pure function (no torch, no trainer), so it can be read, argued with and tested as a table. Shares are
-fractions of the measured step, per rank, from the :class:`~lightning_solo.diagnostics.doctor.timing.StepTimer`:
-
-* **straggler**: how far the slowest rank's own work (data + compute + optimizer) is behind the others'
-  (every other rank waits that long inside the all-reduce, so it shows there as exposed communication);
-* **communication**: the exposed communication of the slowest rank, the one rank that never waits for
-  another (what is left is the all-reduce itself);
-* **data**: the other ranks' data wait; **compute**: their forward+backward and optimizer step.
-
-The bound is the largest share. Each remedy names the library setting that applies it (``DataLoader.num_workers``,
-``SoloDDP.comm_hook``, ``Trainer.accumulate_grad_batches``: the object and its argument; the runner maps each to
-its config key, :mod:`lightning_solo.app.remedies`) and the fraction of the step it is expected to save (the measured share it acts on × the part of it that lever removes, a
-stated estimate: 0.9 for the first loader workers, 1/2 of the all-reduce for twice the batch, ...); they
-come ranked by that gain. Remedies are only offered where they were measured to pay: compression hooks
-never on CPU (measured slower than exact all-reduce over gloo, see benchmarks/RESULTS.md), nor where
-``comm_hook="auto"`` already measured them slower.
-
 Example::
 
     ranks = [RankTimes(data_ms=40, compute_ms=8, comm_ms=1, optimizer_ms=1)] * 2
@@ -24,7 +7,8 @@ Example::
     verdict.bound                    # "data"
     verdict.remedies[0].setting      # "DataLoader.num_workers"
     str(verdict.remedies[0])         # "DataLoader(num_workers=3): load batches in worker processes, ..."
-"""
+
+See docs/diagnostics.md."""
 
 from __future__ import annotations
 
