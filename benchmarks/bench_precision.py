@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> dict:
     from lightning.pytorch.plugins.precision import Precision
     from torch.utils.data import DataLoader, Dataset
 
-    from lightning_solo.ddp.precision import SoloMixedPrecision, to_channels_last
+    from lightning_solo.ddp.precision import SoloMixedPrecision
 
     torch.manual_seed(0)
     tf32 = args.precision == "32-tf32"  # strict fp32 otherwise: cuDNN allows TF32 unless told not to
@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> dict:
             super().__init__()
             self.model = torchvision.models.get_model(args.arch, num_classes=10)
             if args.channels_last:
-                to_channels_last(self.model)
+                self.model.to(memory_format=torch.channels_last)
 
         def training_step(self, batch, batch_idx):
             x, y = batch

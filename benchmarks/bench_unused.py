@@ -75,7 +75,7 @@ class _Run:
             rewrap = self.policy.at_boundary(self.ddp)  # what SoloDDP.on_train_batch_start does
             t1 = time.perf_counter()
             if rewrap:  # what SoloDDP._rewrap does
-                self.ddp = self.policy.rewrap(self.ddp, lambda module: DDP(
+                self.ddp = self.policy.rebuild(self.policy.unwrap(self.ddp), lambda module: DDP(
                     module, find_unused_parameters=self.policy.find_unused, gradient_as_bucket_view=True,
                     init_sync=False), self.group)  # fmt: skip
             t1b = time.perf_counter()

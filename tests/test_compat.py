@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -116,7 +117,7 @@ def test_eval_loader_accessors_work():
         pass
 
     batches = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
-    wrapped = lightning_compat.index_batch_sampler(batches)
+    wrapped = _IndexBatchSamplerWrapper(batches)  # as Lightning's predict loop wraps a batch sampler
     assert lightning_compat.inner_batch_sampler(wrapped) is batches
     assert lightning_compat.inner_batch_sampler(batches) is batches
     assert [list(b) for b in wrapped] == [[0, 1], [2, 3], [4]] and wrapped.seen_batch_indices == [

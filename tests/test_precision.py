@@ -24,7 +24,6 @@ from lightning_solo.ddp.precision import (
     decide_precision_plugin,
     precision_options,
     scaler_settings,
-    to_channels_last,
 )
 from tests.distributed import run_ranks
 from tests.helpers.modules import TinyModule
@@ -210,11 +209,6 @@ def test_soloddp_settles_the_plugin_on_its_device():
     # An explicit conflicting pair is an error, not a silent winner.
     with pytest.raises(ValueError, match="disagree"):
         _settle(SoloDDP(precision="16-mixed"), precision="bf16-mixed")
-
-
-def test_channels_last_helper():
-    net = to_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3)))
-    assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in net)
 
 
 # --- fp16 training on CPU: grow, back off, skip, count (single process) ------------------------

@@ -97,7 +97,7 @@ def _train(rank: int, name: str, setting, accumulate: int, group):
     for step in range(RAW_STEPS):
         if policy.at_boundary(ddp):
             errors += ddp._get_ddp_logging_data().get("has_error", 0)
-            ddp = policy.rewrap(ddp, lambda module: DDP(module, find_unused_parameters=policy.find_unused,
+            ddp = policy.rebuild(policy.unwrap(ddp), lambda module: DDP(module, find_unused_parameters=policy.find_unused,
                                                         gradient_as_bucket_view=True, init_sync=False), group)  # fmt: skip
             wrappers += 1
         use_b, use_head = plan(step, rank)
@@ -194,7 +194,7 @@ def _freeze_inside_a_step(rank: int, world_size: int):
     ddp = policy.bind(DDP(model, find_unused_parameters=True), group)
     for step in range(RAW_STEPS):
         if policy.at_boundary(ddp):
-            ddp = policy.rewrap(ddp, lambda module: DDP(module, init_sync=False), group)
+            ddp = policy.rebuild(policy.unwrap(ddp), lambda module: DDP(module, init_sync=False), group)
         if step == 6:
             model.b.requires_grad_(False)  # inside the step: DDP was built with b trainable
         policy.before_backward(ddp)

@@ -141,12 +141,6 @@ def inner_batch_sampler(batch_sampler: Any) -> Any:
     return batch_sampler
 
 
-def index_batch_sampler(batch_sampler: Any) -> Any:
-    """``batch_sampler`` wrapped in ``_IndexBatchSamplerWrapper``, from which Lightning's predict loop reads the
-    batch indices it gives prediction writers (checked on lightning 2.6.6)."""
-    return _IndexBatchSamplerWrapper(batch_sampler)
-
-
 def dataloader_init_args(dataloader: Any, sampler: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments that re-create ``dataloader`` (a DataLoader subclass too) around ``sampler``, as Lightning
     takes them to inject its own: ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs``

@@ -46,6 +46,7 @@ class _Carried(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+
 _STATE_KEY = "lightning_solo_state"
 
 
@@ -180,7 +181,9 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         else [],
         "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
             name: pack(value, f"strategy.{name}")
-            for name, value in (trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}).items()
+            for name, value in (
+                trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}
+            ).items()
         },
         "loggers": [
             {

@@ -8,7 +8,6 @@ from lightning_solo.ddp.precision.plugin import (
     SoloMixedPrecision,
     decide_precision_plugin,
     pending_plugin,
-    to_channels_last,
 )
 from lightning_solo.ddp.precision.rule import (
     CAPABILITIES,
@@ -39,5 +38,4 @@ __all__ = [
     "pending_plugin",
     "precision_options",
     "scaler_settings",
-    "to_channels_last",
 ]

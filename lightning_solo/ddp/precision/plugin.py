@@ -38,11 +38,6 @@ CHECKPOINT_KEY = MixedPrecision.__qualname__
 EXTRA_KEY = "lightning_solo.precision"  # a checkpoint key (the format), not the module path
 
 
-def to_channels_last(module: nn.Module) -> nn.Module:
-    """Store 4-D weights NHWC, which cuDNN's fp16/bf16 convolution kernels prefer (often 10-30% faster)."""
-    return module.to(memory_format=torch.channels_last)
-
-
 class SoloMixedPrecision(DecisionLog, MixedPrecision):
     """Lightning's :class:`MixedPrecision` with a configurable, resume-safe GradScaler and skip counting.
 

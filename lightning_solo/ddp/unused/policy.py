@@ -158,13 +158,6 @@ class UnusedParameters:
             )
         return ddp
 
-    def rewrap(self, ddp: DistributedDataParallel, build: Callable[[Module], DistributedDataParallel],
-               group: Any = None, *, keep_grads: bool = False, exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """:meth:`unwrap` ``ddp``, then :meth:`rebuild`. The caller's reference keeps ``ddp``, and its reducer's
-        gradient buckets, alive while the next wrapper is built: where memory is tight, call the two apart and
-        drop every reference in between, as SoloDDP does."""
-        return self.rebuild(self.unwrap(ddp, keep_grads), build, group, exact_allreduce=exact_allreduce)
-
     def rebuild(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
                 exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
         """``build`` the next wrapper of ``module`` (as :meth:`unwrap` left it) with
