@@ -424,13 +424,13 @@ def test_convert_revert_restore_original_classes_objects_and_keys():
     for native in (False, True):
         syncbn.convert(model, native=native)
         target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
-        # Synchronised, and still of their own class, by name too (torch's SyncBatchNorm is kept by native).
-        assert all(isinstance(m, (target, classes[name])) for name, m in layers.items()), native
-        assert all(isinstance(m, target) for name, m in layers.items() if name != "extra.3"), native
-        names = [(c.__name__, c.__qualname__, c.__module__) for c in classes.values()]
-        assert [
-            (type(m).__name__, type(m).__qualname__, type(m).__module__) for m in layers.values()
-        ] == names
+        # Synchronised, and still of their own class, by name too. Torch's SyncBatchNorm is kept by native, and
+        # is a plain SoloSyncBatchNorm on the CPU otherwise (DDP refuses a SyncBatchNorm there).
+        kept = {n: m for n, m in layers.items() if n != "extra.3"}
+        assert all(isinstance(m, target) and isinstance(m, classes[name]) for name, m in kept.items()), native
+        names = [(c.__name__, c.__qualname__, c.__module__) for n, c in classes.items() if n in kept]
+        assert [(type(m).__name__, type(m).__qualname__, type(m).__module__) for m in kept.values()] == names
+        assert type(model.extra[3]) is (nn.SyncBatchNorm if native else SoloSyncBatchNorm)
         assert model.extra[2].tag == "kept"
         assert list(model.state_dict()) == keys
         if not native:  # without a process group it is plain BatchNorm, and the original input check holds
@@ -492,6 +492,30 @@ def test_a_subclass_keeps_its_class_forward_and_pickles_as_before():
     syncbn.revert(model)
     assert [type(m) for m in model] == classes
     assert type(pickle.loads(pickle.dumps(model))[1]) is SequenceBatchNorm
+
+
+def _users_syncbatchnorm_in_ddp_on_cpu(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.SyncBatchNorm(3))
+    model = syncbn.convert(copy.deepcopy(ref))
+    ddp = nn.parallel.DistributedDataParallel(model)  # refuses any torch SyncBatchNorm on the CPU
+    x = torch.randn(8, 4)
+    y = ddp(x[4 * rank : 4 * (rank + 1)])
+    y.sum().backward()
+    ref[1].__class__ = nn.BatchNorm1d  # the reference: BatchNorm over the whole batch in one process
+    out = {
+        "y": rel_err(y, ref(x)[4 * rank : 4 * (rank + 1)]),
+        "synced": isinstance(model[1], SoloSyncBatchNorm),
+    }
+    syncbn.revert(model)
+    out["after"] = type(model[1]).__name__
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_users_torch_syncbatchnorm_runs_under_ddp_on_cpu():
+    for out in run_ranks(_users_syncbatchnorm_in_ddp_on_cpu, 2):
+        assert out["synced"] and out["y"] <= TOL and out["after"] == "SyncBatchNorm", out
 
 
 def test_layers_whose_forward_cannot_reach_the_sync_are_left_alone_and_named():
@@ -755,8 +779,8 @@ def test_solo_layer_sync_gives_its_group_to_converted_batchnorm_only():
     theirs = object()  # a SyncBatchNorm's own group (a subgroup, say) is the user's choice: kept
     model = nn.Sequential(nn.BatchNorm2d(3), nn.SyncBatchNorm(3, process_group=theirs))
     syncbn.policy._SoloLayerSync().apply(model)  # no process group here: SyncBN's group is the world (None)
-    assert all(isinstance(m, SoloSyncBatchNorm) for m in model)
-    assert isinstance(model[0], nn.BatchNorm2d) and isinstance(model[1], nn.SyncBatchNorm)
+    assert isinstance(model[0], SoloSyncBatchNorm) and isinstance(model[0], nn.BatchNorm2d)
+    assert type(model[1]) is SoloSyncBatchNorm  # a SyncBatchNorm on the CPU, which DDP would refuse
     assert model[0].process_group is None and model[1].process_group is theirs
     syncbn.revert(model)
     assert not hasattr(model[0], "process_group") and model[1].process_group is theirs

@@ -340,18 +340,26 @@ def convert(model: nn.Module, native: bool = False, process_group: Any = None) -
     ``torch.nn.SyncBatchNorm`` with ``native=True``, which works on CUDA only), and the original class is
     remembered for :func:`revert`. Swapping the class rather than building new modules keeps references held
     elsewhere (optimizers, EMA copies, hooks) valid. Layers that cannot be synchronised (:func:`left_alone`)
-    stay as they are.
+    stay as they are. A torch ``SyncBatchNorm`` on the CPU becomes a plain :class:`SoloSyncBatchNorm` for the
+    fit: DDP refuses any ``SyncBatchNorm`` instance there (stock cannot run it on the CPU at all).
     """
     target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
     for module in model.modules():
         if not _is_convertible(module, target) or isinstance(made := synced_class(type(module), target), str):
             continue
+        if not native and isinstance(module, nn.SyncBatchNorm) and _on_cpu(module):
+            made = SoloSyncBatchNorm
         original = type(module)
         module.__class__ = made
         setattr(module, _ORIGINAL_CLS, original)
         if not hasattr(module, "process_group") or process_group is not None:
             module.process_group = process_group
     return model
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    tensor = next(iter([*module.parameters(recurse=False), *module.buffers(recurse=False)]), None)
+    return tensor is None or tensor.device.type == "cpu"
 
 
 def left_alone(model: nn.Module, native: bool = False) -> list[str]:
