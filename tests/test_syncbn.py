@@ -548,6 +548,8 @@ def test_layers_whose_forward_cannot_reach_the_sync_are_left_alone_and_named():
          False, "left alone, as under DDP: bn (Act)"),
         (dict(option="auto", has_batchnorm=False, world_size=2, per_device_batch=64, left_alone=["bn (Act)"]),
          False, "64 >= 32"),
+        (dict(option=True, has_batchnorm=True, world_size=2, per_device_batch=8, left_alone=list("abcdef")),
+         True, "left alone, as under DDP: a, b, c, d and 2 more"),
     ],
 )  # fmt: skip
 def test_auto_policy(kwargs, value, reason):

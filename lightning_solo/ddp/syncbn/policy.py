@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 SyncOption = bool | Literal["auto"]
 _OPTIONS = (True, False, "auto")
+_NAMED = 4  # layers left alone named in the decision; the others counted
 
 
 def validate(option: Any, threshold: Any) -> None:
@@ -55,7 +56,8 @@ def decide(
                        trainer_flag)  # fmt: skip
     if not (decision.value and left_alone):
         return decision
-    alone = f"left alone, as under DDP: {', '.join(left_alone)}"
+    more = f" and {len(left_alone) - _NAMED} more" if len(left_alone) > _NAMED else ""
+    alone = f"left alone, as under DDP: {', '.join(left_alone[:_NAMED])}{more}"
     if not has_batchnorm:
         return Decision("sync_batchnorm", False, f"no BatchNorm layer can be synchronised; {alone}")
     return Decision("sync_batchnorm", True, f"{decision.reason}; {alone}")
