@@ -170,15 +170,15 @@ def decide_layer_sync(
         return Decision(
             "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
         ), requested
-    model = trainer.lightning_module
-    alone = left_alone(model)
+    model, trainer_flag = trainer.lightning_module, isinstance(requested, TorchSyncBatchNorm)
+    alone = left_alone(model) if option is not False or trainer_flag else []  # off: no class is made
     decision = decide(
         option,
         has_batchnorm=sum(isinstance(m, BatchNormBase) for m in model.modules()) > len(alone),
         world_size=trainer.world_size,
         per_device_batch=per_device_batch_size(trainer),
         threshold=threshold,
-        trainer_flag=isinstance(requested, TorchSyncBatchNorm),
+        trainer_flag=trainer_flag,
         left_alone=alone,
     )
     if not decision.value:
