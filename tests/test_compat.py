@@ -156,16 +156,12 @@ def test_torch_names_exist():
     assert getattr(module, torch_compat.DDP_IGNORE_LIST) == ["weight"]
 
 
-def test_dataloader_reinstantiation_and_batchnorm_input_check():
+def test_dataloader_reinstantiation():
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, shuffle=False)
     sampler = torch.utils.data.SequentialSampler(range(6))
     args, kwargs = lightning_compat.dataloader_init_args(loader, sampler)
     rebuilt = lightning_compat.reinstantiate(loader, args, {**kwargs, "dataset": list(range(6))})
     assert rebuilt.sampler is sampler and [b.tolist() for b in rebuilt] == [[0, 1, 2, 3], [4, 5]]
-    bn = torch.nn.BatchNorm2d(3)
-    torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3, 4, 4))
-    with pytest.raises(ValueError, match="4D"):
-        torch_compat.batchnorm_check_input_dim(torch.nn.BatchNorm2d, bn, torch.zeros(2, 3))
 
 
 def test_ddp_timing_keys_exist_and_the_sample_rate_applies():

@@ -20,6 +20,7 @@ from lightning_solo import SoloDDP
 from lightning_solo.app.export import export_checkpoint
 from lightning_solo.callbacks import SoloCheckpoint, TrainingDoctor
 from lightning_solo.ddp.compiled_keys import CompiledKeys
+from lightning_solo.ddp.syncbn import SoloSyncBatchNorm
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import LastGrads, RankRecorder, read_rank_records
 
@@ -39,7 +40,9 @@ def _model(cls: type[TinyModule] = TinyModule, **kwargs) -> TinyModule:
 
 
 def _layers(trainer, module) -> list[str]:
-    return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
+    synced = {True: " synced", False: ""}
+    return sorted({type(m).__name__ + synced[isinstance(m, SoloSyncBatchNorm)]
+                   for m in module.modules() if "BatchNorm" in type(m).__name__})  # fmt: skip
 
 
 def _fit(out, model, steps, callbacks=(), ckpt_path=None, precision=None, **strategy) -> list[dict]:
@@ -145,7 +148,7 @@ def test_syncbn_auto_the_doctor_and_export_hold_under_compile(tmp_path):
         for run in (compiled, eager):
             synced = run[rank]["decisions"]["sync_batchnorm"]
             assert synced["value"] is True and "per-device batch 4 < 32" in synced["reason"], synced
-            assert {tuple(x) for x in run[rank]["layers"]} == {("SoloSyncBatchNorm",)}, run[rank]["layers"]
+            assert {tuple(x) for x in run[rank]["layers"]} == {("BatchNorm1d synced",)}, run[rank]["layers"]
     _assert_close(grads["compiled"], grads["eager"], floor=1e-2)
     # The running statistics were synchronised: both ranks hold the same (per-rank BatchNorm would differ).
     for key in ("trunk.1.running_mean", "trunk.1.running_var"):

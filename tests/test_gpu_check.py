@@ -183,7 +183,7 @@ def test_every_check_with_a_cpu_form_passes_on_cpu(tmp_path, share):
         assert f"| {name} | PASS |" in table, table
     expected = {
         "scaler": ["weights held True", "skipped_steps 1"],
-        "syncbn_cuda": ["during fit: SoloSyncBatchNorm", "after: BatchNorm2d"],
+        "syncbn_cuda": ["during fit: BatchNorm2d synced", "after: BatchNorm2d"],
         "notebook": ["CUDA initialised here False"],
         "autobatch": ["said too big True"],
     }

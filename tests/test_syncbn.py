@@ -8,9 +8,11 @@ compute the single-process reference itself.
 from __future__ import annotations
 
 import copy
+import pickle
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import lightning as L
 import pytest
@@ -41,6 +43,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------- layer level, 2 gloo ranks
 
+
+class SequenceBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the channels of ``(batch, time, channels)`` input: a subclass with its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class BatchNormAct(nn.BatchNorm1d):
+    """BatchNorm then ReLU in a forward of its own that never calls ``super().forward`` (as timm's do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         self.momentum, self.eps)  # fmt: skip
+        return F.relu(y)
+
+
 LAYER_CASES = {
     # name: (layer factory, per-sample shape, per-rank batch sizes, input offset)
     "1d_2D": (lambda: nn.BatchNorm1d(5), (5,), (4, 4), 0.0),
@@ -51,6 +71,8 @@ LAYER_CASES = {
     "2d_affine_false": (lambda: nn.BatchNorm2d(4, affine=False), (4, 5, 5), (3, 4), 0.0),
     "2d_no_running_stats": (lambda: nn.BatchNorm2d(4, track_running_stats=False), (4, 5, 5), (3, 2), 0.0),
     "2d_cumulative_momentum": (lambda: nn.BatchNorm2d(4, momentum=None), (4, 5, 5), (2, 6), 0.0),
+    # (batch, time, channels) through the subclass's own forward, which reaches the sync through super().forward
+    "1d_subclass_forward": (lambda: SequenceBatchNorm(3), (7, 3), (3, 2), 1.0),
 }
 
 
@@ -63,6 +85,7 @@ def _compare_layers(rank: int, world_size: int) -> dict[str, float]:
             nn.init.uniform_(ref.weight, 0.5, 1.5)
             nn.init.uniform_(ref.bias, -0.5, 0.5)
         mine = syncbn.convert(copy.deepcopy(ref))
+        assert isinstance(mine, SoloSyncBatchNorm) and isinstance(mine, type(ref)), name
         start = sum(sizes[:rank])
         for step in range(3):  # several steps: momentum and running statistics accumulate
             x = torch.randn(sum(sizes), *shape) * (step + 1) + offset
@@ -401,7 +424,14 @@ def test_convert_revert_restore_original_classes_objects_and_keys():
     for native in (False, True):
         syncbn.convert(model, native=native)
         target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
-        assert all(type(m) is target for name, m in layers.items() if name != "extra.3"), native
+        # Synchronised, and still of their own class, by name too. Torch's SyncBatchNorm is kept by native, and
+        # is a plain SoloSyncBatchNorm on the CPU otherwise (DDP refuses a SyncBatchNorm there).
+        kept = {n: m for n, m in layers.items() if n != "extra.3"}
+        assert all(isinstance(m, target) and isinstance(m, classes[name]) for name, m in kept.items()), native
+        names = [(c.__name__, c.__qualname__, c.__module__) for n, c in classes.items() if n in kept]
+        assert [(type(m).__name__, type(m).__qualname__, type(m).__module__) for m in kept.values()] == names
+        assert type(model.extra[3]) is (nn.SyncBatchNorm if native else SoloSyncBatchNorm)
+        assert model.extra[2].tag == "kept"
         assert list(model.state_dict()) == keys
         if not native:  # without a process group it is plain BatchNorm, and the original input check holds
             torch.testing.assert_close(model.eval()(x), expected)
@@ -418,6 +448,86 @@ def test_convert_revert_restore_original_classes_objects_and_keys():
     fresh.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("extra")})
 
 
+class _Registered(nn.BatchNorm2d):
+    registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.registry[cls.__name__] = cls
+
+
+class _RegisteredBN(_Registered):
+    pass
+
+
+class _NoSubclasses(nn.BatchNorm2d):
+    def __init_subclass__(cls, **kwargs) -> None:
+        raise TypeError("final")
+
+
+class _OwnSyncForward(nn.SyncBatchNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_a_subclass_keeps_its_class_forward_and_pickles_as_before():
+    model = nn.Sequential(nn.Linear(4, 3), SequenceBatchNorm(3), nn.Flatten(), nn.Unflatten(1, (2, 3, 3)),
+                          _RegisteredBN(2))  # fmt: skip
+    keys, x = list(model.state_dict()), torch.randn(5, 6, 4)
+    classes = [type(m) for m in model]
+    syncbn.convert(model)
+    bn = model[1]
+    assert all(isinstance(bn, c) for c in (SequenceBatchNorm, nn.BatchNorm1d, SoloSyncBatchNorm))
+    names = (type(bn).__name__, type(bn).__qualname__, type(bn).__module__)
+    assert names == ("SequenceBatchNorm", SequenceBatchNorm.__qualname__, __name__)
+    # (batch, time, channels): the subclass's forward ran (BatchNorm1d's own would refuse 6 channels).
+    model(x)
+    assert bn.calls == 1 and list(model.state_dict()) == keys
+    assert _Registered.registry["_RegisteredBN"] is _RegisteredBN  # the made class did not take its place
+    assert type(syncbn.convert(nn.Sequential(SequenceBatchNorm(3)))[0]) is type(bn)  # made once per class
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert [type(m) for m in copied] == [type(m) for m in model]
+        torch.testing.assert_close(copied.eval()(x), model.eval()(x))
+        assert [type(m) for m in syncbn.revert(copied)] == classes
+    syncbn.revert(model)
+    assert [type(m) for m in model] == classes
+    assert type(pickle.loads(pickle.dumps(model))[1]) is SequenceBatchNorm
+
+
+def _users_syncbatchnorm_in_ddp_on_cpu(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.SyncBatchNorm(3))
+    model = syncbn.convert(copy.deepcopy(ref))
+    ddp = nn.parallel.DistributedDataParallel(model)  # refuses any torch SyncBatchNorm on the CPU
+    x = torch.randn(8, 4)
+    y = ddp(x[4 * rank : 4 * (rank + 1)])
+    y.sum().backward()
+    ref[1].__class__ = nn.BatchNorm1d  # the reference: BatchNorm over the whole batch in one process
+    out = {
+        "y": rel_err(y, ref(x)[4 * rank : 4 * (rank + 1)]),
+        "synced": isinstance(model[1], SoloSyncBatchNorm),
+    }
+    syncbn.revert(model)
+    out["after"] = type(model[1]).__name__
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_users_torch_syncbatchnorm_runs_under_ddp_on_cpu():
+    for out in run_ranks(_users_syncbatchnorm_in_ddp_on_cpu, 2):
+        assert out["synced"] and out["y"] <= TOL and out["after"] == "SyncBatchNorm", out
+
+
+def test_layers_whose_forward_cannot_reach_the_sync_are_left_alone_and_named():
+    model = nn.Sequential(BatchNormAct(3), _OwnSyncForward(3), _NoSubclasses(3), nn.BatchNorm1d(3))
+    alone = syncbn.left_alone(model)
+    assert [a.split(" (")[0] for a in alone] == ["0", "1", "2"]
+    assert "super().forward" in alone[0] and "SyncBatchNorm" in alone[1] and "subclassed" in alone[2]
+    syncbn.convert(model)
+    assert [type(m) for m in model[:3]] == [BatchNormAct, _OwnSyncForward, _NoSubclasses]
+    assert isinstance(model[3], SoloSyncBatchNorm) and isinstance(model[3], nn.BatchNorm1d)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "value", "reason"),
     [
@@ -431,6 +541,15 @@ def test_convert_revert_restore_original_classes_objects_and_keys():
         (dict(option=False, has_batchnorm=True, world_size=2, per_device_batch=2), False, "set by the user"),
         (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=512, trainer_flag=True),
          True, "Trainer(sync_batchnorm=True)"),
+        # Layers SyncBN cannot take run as under DDP, and the decision names them; with no other layer it is off.
+        (dict(option="auto", has_batchnorm=True, world_size=2, per_device_batch=8, left_alone=["bn (Act)"]),
+         True, "left alone, as under DDP: bn (Act)"),
+        (dict(option=True, has_batchnorm=False, world_size=2, per_device_batch=8, left_alone=["bn (Act)"]),
+         False, "left alone, as under DDP: bn (Act)"),
+        (dict(option="auto", has_batchnorm=False, world_size=2, per_device_batch=64, left_alone=["bn (Act)"]),
+         False, "64 >= 32"),
+        (dict(option=True, has_batchnorm=True, world_size=2, per_device_batch=8, left_alone=list("abcdef")),
+         True, "left alone, as under DDP: a, b, c, d and 2 more"),
     ],
 )  # fmt: skip
 def test_auto_policy(kwargs, value, reason):
@@ -489,14 +608,20 @@ class _Data(L.LightningDataModule):
 
 
 def _bn_classes(trainer, module) -> list[str]:
-    return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
+    """The BatchNorm layers' class names, each with " synced" where SoloSyncBatchNorm's forward is beneath."""
+    synced = {True: " synced", False: ""}
+    return sorted({type(m).__name__ + synced[isinstance(m, SoloSyncBatchNorm)]
+                   for m in module.modules() if "BatchNorm" in type(m).__name__})  # fmt: skip
 
 
-def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, callbacks=(), **trainer_kwargs):
-    # The layer classes during and after fit (after the strategy's teardown), the strategy's decisions.
+def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, callbacks=(), at_end=None,
+         **trainer_kwargs):  # fmt: skip
+    # The layer classes during and after fit (after the strategy's teardown), the strategy's decisions, and
+    # what the readers of ``at_end`` read when training ends (before the teardown).
     record = RankRecorder(
         tmp_path,
         on_train_start={"during": _bn_classes},
+        on_train_end=at_end or {},
         on_fit_end={"after": _bn_classes, "decisions": "decisions"},
     )
     module = TinyModule((), trunk=copy.deepcopy(net), loss="cross_entropy", lr=0.1, momentum=0.9)
@@ -537,7 +662,7 @@ def test_lightning_auto_sync_equals_single_process_and_checkpoint_loads_into_tor
     reference = _reference(net.double(), images.double(), labels)
 
     for record in records:
-        assert record["during"] == ["SoloSyncBatchNorm"]
+        assert record["during"] == ["BatchNorm2d synced"]
         assert record["after"] == ["BatchNorm2d"]  # the original class, not Lightning's _BatchNormXd
         decision = record["decisions"]["sync_batchnorm"]
         assert decision["value"] is True and "per-device batch 4 < 32" in decision["reason"]
@@ -569,10 +694,73 @@ def test_lightning_trainer_flag_and_sync_off(tmp_path, strategy_kwargs, trainer_
     for record in records:
         assert record["decisions"]["sync_batchnorm"]["value"] is synced
         assert reason in record["decisions"]["sync_batchnorm"]["reason"]
-        assert record["during"] == (["SoloSyncBatchNorm"] if synced else ["BatchNorm1d", "BatchNorm2d"])
+        during = ["BatchNorm1d synced", "BatchNorm2d synced"] if synced else ["BatchNorm1d", "BatchNorm2d"]
+        assert record["during"] == during
         assert record["after"] == ["BatchNorm1d", "BatchNorm2d"]
     err = _max_state_err(trained, _reference(net, images, labels))
     assert err <= TOL if synced else err > 100 * TOL, err
+
+
+def _is(trainer, module) -> list[bool]:
+    """Whether the (batch, time, channels) net's BatchNorm is what the user's code checks for, and is synced."""
+    return [isinstance(module.trunk[1], c) for c in (SequenceBatchNorm, nn.BatchNorm1d, SoloSyncBatchNorm)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_lightning_auto_syncs_a_subclass_through_its_own_forward(tmp_path):
+    torch.manual_seed(0)
+    # (batch, time, channels) input; the subclass normalises the channels by transposing around super().forward.
+    net = nn.Sequential(nn.Linear(6, 8), SequenceBatchNorm(8), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 8, 4))
+    images, labels = torch.randn(STEPS * 2 * BATCH, 5, 6), torch.randint(0, 4, (STEPS * 2 * BATCH,))
+    at_end = {
+        "is": _is,
+        "calls": lambda t, m: m.trunk[1].calls,
+        "running": lambda t, m: [m.trunk[1].running_mean.tolist(), m.trunk[1].running_var.tolist()],
+    }
+    trained, records = _fit(tmp_path, net, images, labels, SoloDDP(start_method="fork"), at_end=at_end)
+    reference = _reference(net, images, labels)
+    for record in records:
+        assert record["decisions"]["sync_batchnorm"]["value"] is True
+        assert "left alone" not in record["decisions"]["sync_batchnorm"]["reason"]
+        assert record["is"] == [True, True, True] and record["calls"] == STEPS
+        assert record["during"] == ["SequenceBatchNorm synced"] and record["after"] == ["SequenceBatchNorm"]
+    # Statistics of the global batch: the same on both ranks, and those of one process given the whole batch.
+    assert records[0]["running"] == records[1]["running"]
+    ref_running = torch.stack([reference[1].running_mean, reference[1].running_var])
+    assert rel_err(torch.tensor(records[0]["running"]), ref_running) <= TOL
+    assert _max_state_err(trained, reference) <= TOL
+    assert type(trained[1]) is SequenceBatchNorm
+
+
+def _act_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 8 * 8, 16), BatchNormAct(16),
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("option", ["auto", True])
+def test_lightning_leaves_a_layer_it_cannot_sync_alone_and_says_so(tmp_path, option):
+    torch.manual_seed(0)
+    images, labels = torch.randn(STEPS * 2 * BATCH, 3, 8, 8), torch.randint(0, 4, (STEPS * 2 * BATCH,))
+    at_end = {
+        "is": lambda t, m: [
+            isinstance(m.trunk[2], SoloSyncBatchNorm),
+            isinstance(m.trunk[4], SoloSyncBatchNorm),
+        ]
+    }
+    strategy = SoloDDP(start_method="fork", sync_batchnorm=option)
+    _, records = _fit(tmp_path, _act_net(), images, labels, strategy, at_end=at_end)
+    for record in records:
+        decision = record["decisions"]["sync_batchnorm"]
+        assert decision["value"] is True, decision
+        assert "left alone" in decision["reason"] and "trunk.2 (BatchNormAct" in decision["reason"], decision
+        assert record["is"] == [False, True]  # BatchNormAct as under DDP; the plain BatchNorm1d synced
+        assert record["during"] == ["BatchNorm1d synced", "BatchNormAct"]
+        assert record["after"] == ["BatchNorm1d", "BatchNormAct"]
 
 
 def test_custom_layer_sync_plugin_is_kept():
@@ -593,7 +781,8 @@ def test_solo_layer_sync_gives_its_group_to_converted_batchnorm_only():
     theirs = object()  # a SyncBatchNorm's own group (a subgroup, say) is the user's choice: kept
     model = nn.Sequential(nn.BatchNorm2d(3), nn.SyncBatchNorm(3, process_group=theirs))
     syncbn.policy._SoloLayerSync().apply(model)  # no process group here: SyncBN's group is the world (None)
-    assert [type(m) for m in model] == [SoloSyncBatchNorm, SoloSyncBatchNorm]
+    assert isinstance(model[0], SoloSyncBatchNorm) and isinstance(model[0], nn.BatchNorm2d)
+    assert type(model[1]) is SoloSyncBatchNorm  # a SyncBatchNorm on the CPU, which DDP would refuse
     assert model[0].process_group is None and model[1].process_group is theirs
     syncbn.revert(model)
     assert not hasattr(model[0], "process_group") and model[1].process_group is theirs

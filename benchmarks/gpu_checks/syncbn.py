@@ -21,8 +21,8 @@ from lightning_solo.testing import HostSyncRecorder, run_ranks
 
 
 def check_syncbn_cuda(device: str) -> tuple[bool, str]:
-    """``SoloDDP(sync_batchnorm=True)`` on the device converts BatchNorm to SoloSyncBatchNorm for the fit and
-    reverts it to the original class after."""
+    """``SoloDDP(sync_batchnorm=True)`` on the device synchronises BatchNorm for the fit (a BatchNorm2d still, with
+    SoloSyncBatchNorm's forward) and reverts it to the original class after."""
     from torch import nn
 
     during: dict = {}
@@ -47,7 +47,8 @@ def check_syncbn_cuda(device: str) -> tuple[bool, str]:
 
         def on_train_start(self):
             bn = self.net[1]
-            during.update(cls=type(bn).__name__, device=bn.running_mean.device.type)
+            synced = " synced" if isinstance(bn, syncbn.SoloSyncBatchNorm) else ""
+            during.update(cls=type(bn).__name__ + synced, device=bn.running_mean.device.type)
 
     g = torch.Generator().manual_seed(0)
 
@@ -57,7 +58,7 @@ def check_syncbn_cuda(device: str) -> tuple[bool, str]:
     bn = module.net[1]
     decision = trainer.strategy.decisions["sync_batchnorm"]
     ok = (
-        during.get("cls") == "SoloSyncBatchNorm"
+        during.get("cls") == "BatchNorm2d synced"
         and during.get("device") == device
         and type(bn) is nn.BatchNorm2d
         and bn.running_mean.abs().sum().item() > 0

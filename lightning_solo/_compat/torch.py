@@ -87,12 +87,6 @@ def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
     return scaler._init_scale
 
 
-def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.Tensor) -> None:
-    """``cls._check_input_dim(module, input)``: a BatchNorm class's own input check, which SyncBN variants
-    override and call for the class they replace (checked on torch 2.14.1)."""
-    cls._check_input_dim(module, input)  # type: ignore[attr-defined]  # private: why it is fenced here
-
-
 def default_store() -> Any:
     """``torch.distributed.distributed_c10d._get_default_store()``: the default process group's store, which the
     watchdog clones for its heartbeats (checked on torch 2.14.1)."""

@@ -560,6 +560,85 @@ def batchnorm(trainer):
     return model
 
 
+class SequenceBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over the channels of ``(batch, time, channels)`` input."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class SequenceClassifier(Classifier):
+    """Classifies sequences of ``DIM``-feature steps: per-step projection, BatchNorm, mean over time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, 32), SequenceBatchNorm(32), nn.ReLU())
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.net(x).mean(dim=1))
+
+
+def sequences(n: int = 64, steps: int = 5, shuffle: bool = True, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(n, steps, DIM, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    return DataLoader(TensorDataset(*data), batch_size=4, shuffle=shuffle)
+
+
+@pattern(
+    solo=dict(sync_batchnorm=False),
+    why="SoloDDP's sync_batchnorm='auto' synchronises BN at batch 4 (documented), through the subclass's forward",
+)
+def batchnorm_subclass_forward(trainer):
+    model = SequenceClassifier()
+    trainer().fit(model, sequences(), sequences(shuffle=False, seed=1))
+    return model
+
+
+class FrozenBatchNormNet(BatchNormNet):
+    """Keeps its BatchNorm layers in eval mode while training: running statistics as they are, no updates."""
+
+    def on_train_epoch_start(self):
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.eval()
+
+
+@pattern()  # frozen BN normalises with its running statistics: nothing for SyncBN to change
+def batchnorm_frozen_by_isinstance(trainer):
+    model = FrozenBatchNormNet()
+    trainer(max_epochs=2).fit(model, loader(), val_loader())
+    return model
+
+
+class BatchNormAct1d(nn.BatchNorm1d):
+    """BatchNorm1d followed by an activation, in one layer whose forward calls ``F.batch_norm`` itself."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         self.momentum, self.eps)  # fmt: skip
+        return self.act(x)
+
+
+class BatchNormActNet(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, 32), BatchNormAct1d(32), nn.Linear(32, CLASSES))
+
+
+@pattern()  # its forward never reaches BatchNorm's: sync_batchnorm='auto' leaves it as stock runs it (documented)
+def batchnorm_layer_with_own_forward(trainer):
+    model = BatchNormActNet()
+    trainer().fit(model, loader(), val_loader())
+    return model
+
+
 class DropoutNet(Classifier):
     def __init__(self) -> None:
         super().__init__()

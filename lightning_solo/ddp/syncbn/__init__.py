@@ -9,8 +9,10 @@
   their element counts, no communication in eval mode. The same code on CPU and CUDA (torch's SyncBN kernels
   there): no host sync, no copy of fp16/bf16 activations, the input gradient computed in fp32 and rounded once,
   same collectives on every rank whatever its autocast dtype. :func:`sync_batch_norm` is its functional form.
-* :func:`convert` / :func:`revert`: swap a model's BatchNorm layers in place and back to their
-  *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible).
+* :func:`convert` / :func:`revert`: synchronise a model's BatchNorm layers in place and give them back their
+  *original* classes (same objects, same state-dict keys, so checkpoints stay torchvision-compatible). A
+  converted layer stays an instance of its class, whose ``forward`` still runs: SoloSyncBatchNorm's sits beneath
+  it. :func:`left_alone` names the layers whose own ``forward`` would never reach it; they stay as they are.
 * :func:`decide`: the ``sync_batchnorm="auto"`` policy, returning a :class:`Decision`
   (:mod:`~lightning_solo.ddp.syncbn.policy`; the layer and the swap are :mod:`~lightning_solo.ddp.syncbn.layer`).
 
@@ -31,7 +33,14 @@ reverts at teardown; see :func:`decide_layer_sync`. Converting by hand, pass
 ``process_group=torch.distributed.new_group(backend="nccl")`` to :func:`convert` for the same.
 """
 
-from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm, convert, has_batchnorm, revert, sync_batch_norm
+from lightning_solo.ddp.syncbn.layer import (
+    SoloSyncBatchNorm,
+    convert,
+    has_batchnorm,
+    left_alone,
+    revert,
+    sync_batch_norm,
+)
 from lightning_solo.ddp.syncbn.policy import SyncOption, decide, decide_layer_sync, validate
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "decide",
     "decide_layer_sync",
     "has_batchnorm",
+    "left_alone",
     "revert",
     "sync_batch_norm",
     "validate",

@@ -9,11 +9,16 @@ BatchNorm layers to it and back to their original classes.
   fp16/bf16 activations, same collectives on every rank whatever its autocast dtype. On CUDA it runs torch's
   fused SyncBN kernels; elsewhere the same arithmetic from CPU-capable ops (:mod:`.kernels`).
 * :func:`convert` / :func:`revert`: in place, same objects, same state-dict keys, so checkpoints stay
-  torchvision-compatible.
+  torchvision-compatible. A converted layer keeps its class too: it becomes an instance of a class made from
+  its own with the synchronising forward beneath it (:func:`synced_class`), so ``isinstance``, the class's
+  ``forward`` (one that calls ``super().forward``) and its attributes hold during the fit.
 """
 
 from __future__ import annotations
 
+import copyreg
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -24,7 +29,6 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.lazy import LazyModuleMixin
 from typing_extensions import override
 
-from lightning_solo._compat import torch as torch_compat
 from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core import ranks
 from lightning_solo.ddp.syncbn import kernels
@@ -221,10 +225,8 @@ class SoloSyncBatchNorm(BatchNormBase):
 
     @override
     def _check_input_dim(self, input: Tensor) -> None:
-        original = getattr(self, _ORIGINAL_CLS, None)
-        if original is not None:
-            torch_compat.batchnorm_check_input_dim(original, self, input)
-        elif input.dim() < 2:
+        # A layer made by convert runs its own class's check: that class comes first in its MRO.
+        if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     @override
@@ -257,8 +259,74 @@ class SoloSyncBatchNorm(BatchNormBase):
         )
 
 
-def _is_convertible(module: nn.Module) -> bool:
-    if not isinstance(module, BatchNormBase) or hasattr(module, _ORIGINAL_CLS):
+_SYNC_CLASSES = (nn.SyncBatchNorm, SoloSyncBatchNorm)
+
+
+def _calls_super_forward(fn: Any) -> bool:
+    """Whether ``fn`` (a ``forward``) calls ``super().forward``, read from its code's names."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return code is not None and {"super", "forward"} <= set(code.co_names)
+
+
+_MADE: dict[tuple[type, type], type | str] = {}  # synced_class's answers, one per class and target
+
+
+def synced_class(cls: type, target: type[nn.Module] = SoloSyncBatchNorm) -> type | str:
+    """The class a layer of ``cls`` takes while synchronised by ``target``'s forward, or why there is none.
+
+    Made once per class as ``class cls'(cls, target)``: ``target`` sits beneath ``cls`` and above torch's
+    ``_BatchNorm`` in the MRO, so ``isinstance`` holds for ``cls`` and its bases, ``cls``'s own methods run,
+    and a ``forward`` of ``cls`` that calls ``super().forward`` reaches the synchronising one. It keeps
+    ``cls``'s ``__name__``, ``__qualname__`` and ``__module__``; pickled, it is made again from ``cls``. A
+    ``SyncBatchNorm`` (torch's or ours) with no ``forward`` above it gets ``target``'s. Where a ``forward`` of
+    ``cls`` would never reach ``target``'s (it calls no ``super().forward``, or reaches a SyncBatchNorm's), or
+    ``cls`` refuses the subclass, the reason instead (a ``str``). A forward that calls ``super().forward`` on
+    some ranks only would leave the others waiting in the all-reduce, as with torch's SyncBatchNorm.
+    """
+    if (cls, target) not in _MADE:
+        _MADE[cls, target] = _make(cls, target)
+    return _MADE[cls, target]
+
+
+def _make(cls: type, target: type[nn.Module]) -> type | str:
+    chain = [c for c in cls.__mro__[: cls.__mro__.index(BatchNormBase)] if "forward" in vars(c)]
+    replace = len(chain) == 1 and chain[0] in _SYNC_CLASSES
+    if not replace:
+        if any(c in _SYNC_CLASSES for c in chain):
+            return f"its forward reaches {next(c for c in chain if c in _SYNC_CLASSES).__name__}.forward"
+        if bad := [c for c in chain if not _calls_super_forward(vars(c)["forward"])]:
+            return f"{bad[0].__name__}.forward does not call super().forward"
+    body = {"__reduce_ex__": _reduce_ex, **({"forward": target.forward} if replace else {})}
+    try:  # under another name while made: __init_subclass__ registries keep the user's class
+        made = types.new_class(f"_Synced{cls.__name__}", (cls, target), exec_body=lambda ns: ns.update(body))
+    except Exception as err:  # noqa: BLE001 - a class that refuses the subclass is left alone, not a crash
+        return f"its class cannot be subclassed ({type(err).__name__}: {err})"
+    made.__name__, made.__qualname__, made.__module__ = cls.__name__, cls.__qualname__, cls.__module__
+    made.__doc__ = cls.__doc__
+    return made
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__ rebuilds an object with
+
+
+def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
+    """Pickling and deepcopy of a converted layer: the made class comes back from its two bases (pickle cannot
+    find it by name: the name is the user's class's)."""
+    made = type(self)
+    reduced = super(made, self).__reduce_ex__(protocol)
+    if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ and reduced[1][0] is made:
+        return (_remake, (*made.__bases__, *reduced[1][1:]), *reduced[2:])
+    return reduced
+
+
+def _remake(cls: type, target: type, *args: Any) -> nn.Module:
+    made = synced_class(cls, target)
+    assert isinstance(made, type), made  # it was made before the layer was pickled
+    return made.__new__(made, *args)
+
+
+def _is_convertible(module: nn.Module, target: type) -> bool:
+    if not isinstance(module, BatchNormBase) or isinstance(module, target) or hasattr(module, _ORIGINAL_CLS):
         return False
     # Lazy layers take their real class on the first forward; their parameters do not exist yet.
     return not (isinstance(module, LazyModuleMixin) and module.has_uninitialized_params())
@@ -267,22 +335,41 @@ def _is_convertible(module: nn.Module) -> bool:
 def convert(model: nn.Module, native: bool = False, process_group: Any = None) -> nn.Module:
     """Make every BatchNorm layer of ``model`` synchronised, in place; returns ``model``.
 
-    The layers keep their identity, parameters, buffers, hooks and state-dict keys: only their class
-    changes (to :class:`SoloSyncBatchNorm`, or ``torch.nn.SyncBatchNorm`` with ``native=True``, which
-    works on CUDA only), and the original class is remembered for :func:`revert`. Swapping the class
-    rather than building new modules keeps references held elsewhere (optimizers, EMA copies,
-    hooks) valid and lets revert restore the user's exact class with all its attributes.
+    The layers keep their identity, parameters, buffers, hooks and state-dict keys, and their class: each
+    becomes an instance of :func:`synced_class` of its own (with :class:`SoloSyncBatchNorm` beneath, or
+    ``torch.nn.SyncBatchNorm`` with ``native=True``, which works on CUDA only), and the original class is
+    remembered for :func:`revert`. Swapping the class rather than building new modules keeps references held
+    elsewhere (optimizers, EMA copies, hooks) valid. Layers that cannot be synchronised (:func:`left_alone`)
+    stay as they are. A torch ``SyncBatchNorm`` on the CPU becomes a plain :class:`SoloSyncBatchNorm` for the
+    fit: DDP refuses any ``SyncBatchNorm`` instance there (stock cannot run it on the CPU at all).
     """
     target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
     for module in model.modules():
-        if not _is_convertible(module) or (native and isinstance(module, nn.SyncBatchNorm)):
+        if not _is_convertible(module, target) or isinstance(made := synced_class(type(module), target), str):
             continue
+        if not native and isinstance(module, nn.SyncBatchNorm) and _on_cpu(module):
+            made = SoloSyncBatchNorm
         original = type(module)
-        module.__class__ = target
+        module.__class__ = made
         setattr(module, _ORIGINAL_CLS, original)
         if not hasattr(module, "process_group") or process_group is not None:
             module.process_group = process_group
     return model
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    tensor = next(iter([*module.parameters(recurse=False), *module.buffers(recurse=False)]), None)
+    return tensor is None or tensor.device.type == "cpu"
+
+
+def left_alone(model: nn.Module, native: bool = False) -> list[str]:
+    """The BatchNorm layers :func:`convert` leaves as they are, each as ``"name (Class: why)"``."""
+    target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
+    return [
+        f"{name or '(the model)'} ({type(m).__name__}: {made})"
+        for name, m in model.named_modules()
+        if _is_convertible(m, target) and isinstance(made := synced_class(type(m), target), str)
+    ]
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -291,7 +378,7 @@ def revert(model: nn.Module) -> nn.Module:
         original = module.__dict__.pop(_ORIGINAL_CLS, None)
         if original is None:
             continue
-        if not issubclass(original, (nn.SyncBatchNorm, SoloSyncBatchNorm)):
+        if not issubclass(original, _SYNC_CLASSES):
             module.__dict__.pop("process_group", None)
         module.__class__ = original
     return model

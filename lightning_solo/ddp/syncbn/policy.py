@@ -4,6 +4,7 @@ the process group SyncBN's collectives use there (:func:`sync_group`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -12,17 +13,19 @@ from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch import nn
 from typing_extensions import override
 
+from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.core.checks import check_choice, check_int
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.comm.barrier import backend_for, group_per_world
-from lightning_solo.ddp.syncbn.layer import _ORIGINAL_CLS, SoloSyncBatchNorm, convert, has_batchnorm, revert
+from lightning_solo.ddp.syncbn.layer import _ORIGINAL_CLS, _SYNC_CLASSES, convert, left_alone, revert
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 SyncOption = bool | Literal["auto"]
 _OPTIONS = (True, False, "auto")
+_NAMED = 4  # layers left alone named in the decision; the others counted
 
 
 def validate(option: Any, threshold: Any) -> None:
@@ -39,14 +42,35 @@ def decide(
     per_device_batch: int | None,
     threshold: int = 32,
     trainer_flag: bool = False,
+    left_alone: Sequence[str] = (),
 ) -> Decision:
     """Whether to synchronise BatchNorm, and why.
 
     ``"auto"`` turns it on when the model has BatchNorm, there is more than one process and the
     per-device batch is below ``threshold`` (its statistics are then noisy). When the per-device batch is
     unknown, auto keeps plain BatchNorm (what DDP does) and says so. ``Trainer(sync_batchnorm=True)``
-    (``trainer_flag``) counts as ``True``.
+    (``trainer_flag``) counts as ``True``. ``has_batchnorm``: layers SyncBN can take; ``left_alone``: those it
+    cannot (they run as under DDP, and ``True`` or ``"auto"`` says so; with no other layer it is off).
     """
+    decision = _decide(option, has_batchnorm or bool(left_alone), world_size, per_device_batch, threshold,
+                       trainer_flag)  # fmt: skip
+    if not (decision.value and left_alone):
+        return decision
+    more = f" and {len(left_alone) - _NAMED} more" if len(left_alone) > _NAMED else ""
+    alone = f"left alone, as under DDP: {', '.join(left_alone[:_NAMED])}{more}"
+    if not has_batchnorm:
+        return Decision("sync_batchnorm", False, f"no BatchNorm layer can be synchronised; {alone}")
+    return Decision("sync_batchnorm", True, f"{decision.reason}; {alone}")
+
+
+def _decide(
+    option: SyncOption,
+    has_batchnorm: bool,
+    world_size: int,
+    per_device_batch: int | None,
+    threshold: int,
+    trainer_flag: bool,
+) -> Decision:
     validate(option, threshold)
     if trainer_flag:
         if option is False:
@@ -122,7 +146,7 @@ class _SoloLayerSync(LayerSync):
         # Layers that were plain BatchNorm get the group; a SyncBatchNorm of the user's keeps its own.
         for module in model.modules():
             original = getattr(module, _ORIGINAL_CLS, None)
-            if original is not None and not issubclass(original, (nn.SyncBatchNorm, SoloSyncBatchNorm)):
+            if original is not None and not issubclass(original, _SYNC_CLASSES):
                 module.process_group = group
         return model
 
@@ -146,13 +170,16 @@ def decide_layer_sync(
         return Decision(
             "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
         ), requested
+    model, trainer_flag = trainer.lightning_module, isinstance(requested, TorchSyncBatchNorm)
+    alone = left_alone(model) if option is not False or trainer_flag else []  # off: no class is made
     decision = decide(
         option,
-        has_batchnorm=has_batchnorm(trainer.lightning_module),
+        has_batchnorm=sum(isinstance(m, BatchNormBase) for m in model.modules()) > len(alone),
         world_size=trainer.world_size,
         per_device_batch=per_device_batch_size(trainer),
         threshold=threshold,
-        trainer_flag=isinstance(requested, TorchSyncBatchNorm),
+        trainer_flag=trainer_flag,
+        left_alone=alone,
     )
     if not decision.value:
         return decision, None
