@@ -1057,3 +1057,18 @@ def strategy_reduce_integers(trainer):
     model = ReducedCounts()
     trainer().fit(model, loader())
     return model, {op: [str(dtype), value] for op, (dtype, value) in model.reduced.items()}
+
+
+@pattern()
+def environment_after_fit(trainer):
+    """What a fit leaves in ``os.environ`` (Lightning's own test suite fails a test that leaks a variable)."""
+    before, model = dict(os.environ), Classifier()
+    trainer().fit(model, loader())
+    after = dict(os.environ)
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    return model, sorted(changed - LAUNCH_VARIABLES)
+
+
+# What Lightning's launch sets for its processes (and its own test suite allows to stay).
+LAUNCH_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED",
+                    "PL_SEED_WORKERS"}  # fmt: skip
