@@ -35,11 +35,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster, cpu_malloc
 from lightning_solo.core.checks import check_bool, check_number
@@ -50,7 +48,7 @@ from lightning_solo.ddp.advice import ddp_advice
 from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
 from lightning_solo.ddp.compiled_keys import CompiledKeys
 from lightning_solo.ddp.component import StepHooks
-from lightning_solo.ddp.eval import mean_operand
+from lightning_solo.ddp.eval import decide_exact_eval, mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
 from lightning_solo.ddp.sigterm import SigtermAgreement, install_agreement
@@ -107,20 +105,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
     ) -> None:
         launcher = decide_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
-        comm.check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
-        if unused.phase is Phase.WINDOW and type(ddp_kwargs.get("ddp_comm_state")) is PowerSGDState:
-            raise ValueError(
-                "torch's PowerSGDState keys its error feedback to DDP's bucket layout, which changes when "
-                "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
-                "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
-            )
-        # Only what was given: the defaults live in CommHook alone.
-        given = dict(powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter,
-                     local_sgd_period=local_sgd_period, local_sgd_warmup=local_sgd_warmup)  # fmt: skip
-        comm_hooks = comm.make_comm_hook(comm_hook, **{k: v for k, v in given.items() if v is not None})
-        if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError("pass either comm_hook= or Lightning's ddp_comm_hook= to SoloDDP, not both")
-        syncbn.validate(sync_batchnorm, sync_batchnorm_threshold)
+        comm_hooks = comm.make_comm_hook(
+            comm_hook, ddp_kwargs, rewraps=unused.phase is Phase.WINDOW, powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period, local_sgd_warmup=local_sgd_warmup,
+        )  # fmt: skip
         precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow)
         if precision is not None and precision_plugin is not None:
             raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
@@ -154,10 +142,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
         self._uneven = UnevenData(uneven_data)
         # Settings, read when the fit reaches them.
-        self._sync_batchnorm = sync_batchnorm
-        self._sync_batchnorm_threshold = sync_batchnorm_threshold
-        self._layer_sync_request: Any = None  # Trainer(sync_batchnorm=...)'s plugin, once setup read it
-        self._layer_sync_read = False
+        self._syncbn = syncbn.LayerSyncChoice(sync_batchnorm, sync_batchnorm_threshold)
         self._precision_options = precision_options
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
@@ -171,16 +156,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._rewrap_listeners: list[
             Callable[[], Callable[[DistributedDataParallel], Any] | None]
         ] = []  # weak
-        self._decide(
-            Decision(
-                "exact_eval",
-                self._exact_eval,
-                "sync_dist epoch means average the sample counts in float (Lightning truncates them); eval "
-                "loaders are Lightning's, their padding repeats named by eval_rows"
-                if self._exact_eval
-                else "set by the user: Lightning's integer-truncated sync_dist means",
-            )
-        )
+        self._decide(decide_exact_eval(self._exact_eval))
         self._decide(unused.decision)
         self._decide(self._watchdog.decision)
         self._decide(self._compile.decision)
@@ -195,20 +171,18 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @property
     def barrier_group(self) -> Any:
-        """The monitored barrier's group: the world when it runs gloo, a gloo side group under NCCL; ``None``: a
-        plain barrier (no gloo to be had, or no live process group yet)."""
+        """The monitored barrier's gloo group (the world, or a side group under NCCL); ``None``: a plain barrier."""
         return self._groups.barrier
 
     @property
     def side_group(self) -> Any:
-        """A gloo group apart from DDP's, for collectives beside training (unused-parameter evidence, the SIGTERM
-        and requeue agreements); ``None`` before the first setup makes it, or where gloo cannot be had."""
+        """A gloo group apart from DDP's for collectives beside training; ``None`` before setup or without gloo."""
         return self._groups.side_group
 
     @property
     def sync_batchnorm_threshold(self) -> int:
         """The per-device batch size below which ``sync_batchnorm="auto"`` synchronises."""
-        return self._sync_batchnorm_threshold
+        return self._syncbn.threshold
 
     @property
     def advice(self) -> list[str]:
@@ -216,19 +190,14 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return self._advice
 
     def add_rewrap_listener(self, listener: Callable[[DistributedDataParallel], Any]) -> None:
-        """Call ``listener(old)`` whenever this fit is about to drop its DDP wrapper ``old`` to build the next one
-        (the unused-parameter policy's decisions, a change of the trainable set, ``comm_hook="auto"``'s trials):
-        read what is needed from ``old`` then, and keep no reference to it. Its reducer owns gradient buckets as
-        big as all the gradients, which the next wrapper's must not meet. Held weakly (a bound method as long as
-        its object lives: a lambda would be gone at once), so it never travels when the strategy is pickled;
-        forgotten at the end of the fit. Stock DDPStrategy never re-wraps."""
+        """Call ``listener(old)`` before this fit drops its DDP wrapper ``old`` for a new one (stock never re-wraps):
+        read ``old`` then and keep no reference (its buckets are as big as the gradients). Held weakly, forgotten
+        at the end of the fit."""
         held = weakref.WeakMethod(listener) if inspect.ismethod(listener) else weakref.ref(listener)
         self._rewrap_listeners.append(held)
 
     def heartbeats(self) -> dict[int, Heartbeat]:
-        """Each rank's latest heartbeat (step, phase, seconds in it, the collective it waits in) as this rank's
-        watchdog last read it (ranks 0 and W-1 read every rank's; the others their own); empty without a watchdog
-        (``watchdog=False``, one process, outside a fit)."""
+        """Each rank's latest heartbeat as this rank's watchdog read it (ranks 0 and W-1 read all); empty without."""
         return self._watchdog.heartbeats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,8 +205,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return {"decisions": dict(self.decisions), "advice": list(self._advice)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a fit's :meth:`state_dict` (the notebook parent, after its ranks' fit): its decisions over the
-        parent's own, its advice."""
+        """Take a fit's :meth:`state_dict` (a notebook parent, after its ranks' fit)."""
         self.decisions.update(state.get("decisions", {}))
         self._advice = list(state.get("advice", self._advice))
 
@@ -280,16 +248,13 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # torchrun / SLURM started the processes, not the start method chosen above.
         if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
             self._decide(launched)
-        # Every rank can take part now: settle the placeholder precision plugin ("auto" is agreed by all ranks, a
-        # collective); nothing uses it before. (Without a LightningModule, as in Lightning's own tests,
-        # Trainer(precision=...) is unknown.)
+        # Every rank can take part now: the placeholder precision plugin settles ("auto" is agreed by all ranks).
         self.precision_plugin, decisions = amp.decide_precision_plugin(
             self.precision_plugin, self._precision_options, self._attached_trainer, self.root_device
         )
         for decision in decisions:
             self._decide(decision)
-        if self.root_device.type == "cpu":
-            # Lightning's launchers already split the cores between local ranks; record what is in force.
+        if self.root_device.type == "cpu":  # the threads Lightning's launchers left each rank; glibc's malloc
             self._decide(
                 Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes")
             )
@@ -306,15 +271,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            # SyncBN. Lightning's connector put Trainer(sync_batchnorm=...)'s plugin (or None) on `_layer_sync`,
-            # and its TorchSyncBatchNorm fails on CPU: read that request once, and give DDPStrategy's setup
-            # (which converts) and teardown (which reverts) the plugin chosen here; teardown puts the request back.
-            if not self._layer_sync_read:
-                self._layer_sync_request, self._layer_sync_read = self._layer_sync, True
-            decision, self._layer_sync = syncbn.decide_layer_sync(
-                trainer, self._sync_batchnorm, self._sync_batchnorm_threshold, self._layer_sync_request
-            )
-            self._decide(decision)
+            self._decide(self._syncbn.choose(self, trainer))  # the plugin DDPStrategy's setup converts with
             # Every fit decides from its own evidence (a second fit in a notebook, another datamodule...).
             self._unused = self._unused.fresh()
             self._ddp_kwargs["find_unused_parameters"] = self._unused.initial
@@ -359,19 +316,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, long gone): register on every device.
-        if self._comm.name is None and self._ddp_comm_hook is not None:
-            lightning_compat.register_ddp_comm_hook(
-                self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper
-            )
-            name = getattr(self._ddp_comm_hook, "__qualname__", repr(self._ddp_comm_hook))
-            self._decide(Decision("comm_hook", name, "ddp_comm_hook given by the user"))
-            return
-        self._decide(self._comm.register(self.model, node=self.node_rank))  # type: ignore[arg-type]  # DDP here
-        if self._comm.averaging_period is not None:
-            # DDPStrategy.setup starts its PeriodicModelAverager when it sees a PostLocalSGDState.
-            self._ddp_comm_state = self._comm.state
-            self._model_averaging_period = self._comm.averaging_period
+        self._decide(self._comm.register_on(self))
 
     @override
     def _enable_model_averaging(self) -> None:
@@ -606,10 +551,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._uneven.uninstall()
         self._resume.reset()
         self._compile.teardown()
-        if not self._layer_sync_read:  # no fit's setup chose a SyncBN plugin: nothing to revert
-            self._layer_sync_request, self._layer_sync = self._layer_sync, None
-        super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
-        self._layer_sync, self._layer_sync_read = self._layer_sync_request, False  # the request, as found
+        with self._syncbn.around_teardown(self):
+            super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
         cpu_malloc.restore()  # the fit's malloc setting ends with it (lightning_solo.core.cpu_malloc)
 
     # ---------------------------------------------------------------------------------------------- helpers

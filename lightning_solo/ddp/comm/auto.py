@@ -12,16 +12,17 @@ See docs/comm-hooks.md."""
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.comm.hooks import CommHook
+from lightning_solo.ddp.comm.hooks import CommHook, check_bucket_cap_mb
 
 AUTO_CANDIDATES = (None, "fp16", "bf16", "powersgd")  # post-local-SGD changes the optimisation: never tried
 _TRIAL_POWERSGD_START = 2  # compress from the third step, so that the timed steps measure the compression
@@ -46,8 +47,23 @@ def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> D
     return Decision("comm_hook", fastest, f"auto: {fastest} was the fastest ({where})")
 
 
-def make_comm_hook(name: str | None, **options: Any) -> CommHook:
-    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook`."""
+def make_comm_hook(
+    name: str | None, ddp_kwargs: Mapping[str, Any] | None = None, *, rewraps: bool = False, **options: Any
+) -> CommHook:
+    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook`; ``options`` given
+    as ``None`` take the hook's defaults. ``ddp_kwargs``: SoloDDP's, checked against it (Lightning's
+    ``ddp_comm_hook``, ``bucket_cap_mb``); ``rewraps``: DDP may be re-wrapped (``find_unused_parameters="auto"``)."""
+    ddp_kwargs = ddp_kwargs or {}
+    check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
+    if name is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
+        raise ValueError("pass either comm_hook= or Lightning's ddp_comm_hook= to SoloDDP, not both")
+    if rewraps and type(ddp_kwargs.get("ddp_comm_state")) is PowerSGDState:
+        raise ValueError(
+            "torch's PowerSGDState keys its error feedback to DDP's bucket layout, which changes when "
+            "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
+            "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
+        )
+    options = {k: v for k, v in options.items() if v is not None}  # the defaults live in CommHook alone
     return AutoCommHook(**options) if name == "auto" else CommHook(name, **options)
 
 

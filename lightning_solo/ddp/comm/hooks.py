@@ -132,6 +132,21 @@ class CommHook:
         """Whether the hook is chosen (a fixed hook always is; ``comm_hook="auto"`` once measured)."""
         return True
 
+    def register_on(self, strategy: Any) -> Decision:
+        """Register on ``strategy``'s DDP wrapper (every device: Lightning registers on CUDA only, a torch 1.8 limit
+        long gone), or Lightning's ``ddp_comm_hook=`` given instead; post-local-SGD gives DDPStrategy's setup the
+        state and period it starts its model averager from."""
+        if self.name is None and strategy._ddp_comm_hook is not None:
+            lightning_compat.register_ddp_comm_hook(
+                strategy.model, strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
+            )
+            name = getattr(strategy._ddp_comm_hook, "__qualname__", repr(strategy._ddp_comm_hook))
+            return Decision("comm_hook", name, "ddp_comm_hook given by the user")
+        decision = self.register(strategy.model, node=strategy.node_rank)
+        if self.averaging_period is not None:
+            strategy._ddp_comm_state, strategy._model_averaging_period = self.state, self.averaging_period
+        return decision
+
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
         """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
 

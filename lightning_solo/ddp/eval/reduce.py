@@ -17,6 +17,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.core.decision import Decision
 
 
 def mean_operand(tensor: Any, reduce_op: Any, caller: Any = None) -> Any:
@@ -30,3 +31,15 @@ def mean_operand(tensor: Any, reduce_op: Any, caller: Any = None) -> Any:
     if averaging and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
         return tensor.to(torch.float64)
     return tensor
+
+
+def decide_exact_eval(exact: bool) -> Decision:
+    """``SoloDDP(exact_eval=...)``."""
+    return Decision(
+        "exact_eval",
+        exact,
+        "sync_dist epoch means average the sample counts in float (Lightning truncates them); eval loaders are "
+        "Lightning's, their padding repeats named by eval_rows"
+        if exact
+        else "set by the user: Lightning's integer-truncated sync_dist means",
+    )

@@ -41,9 +41,10 @@ from lightning_solo.ddp.syncbn.layer import (
     revert,
     sync_batch_norm,
 )
-from lightning_solo.ddp.syncbn.policy import SyncOption, decide, decide_layer_sync, validate
+from lightning_solo.ddp.syncbn.policy import LayerSyncChoice, SyncOption, decide, decide_layer_sync, validate
 
 __all__ = [
+    "LayerSyncChoice",
     "SoloSyncBatchNorm",
     "SyncOption",
     "convert",

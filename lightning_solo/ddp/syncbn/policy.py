@@ -4,7 +4,8 @@ the process group SyncBN's collectives use there (:func:`sync_group`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -188,3 +189,31 @@ def decide_layer_sync(
     return Decision(
         decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm on {group}"
     ), _SoloLayerSync(timeout)
+
+
+class LayerSyncChoice:
+    """Lightning's ``_layer_sync`` across a strategy's fits. Its connector puts ``Trainer(sync_batchnorm=...)``'s
+    plugin (or ``None``) there, and its TorchSyncBatchNorm fails on CPU: :meth:`choose` reads that request once and
+    puts the plugin chosen for each fit there, for DDPStrategy's setup (which converts) and teardown (which
+    reverts); :meth:`around_teardown` puts the request back after."""
+
+    def __init__(self, option: SyncOption, threshold: int) -> None:
+        validate(option, threshold)
+        self.option, self.threshold = option, threshold
+        self._request: Any = None
+        self._read = False
+
+    def choose(self, strategy: Any, trainer: pl.Trainer) -> Decision:
+        if not self._read:
+            self._request, self._read = strategy._layer_sync, True
+        decision, strategy._layer_sync = decide_layer_sync(
+            trainer, self.option, self.threshold, self._request
+        )
+        return decision
+
+    @contextlib.contextmanager
+    def around_teardown(self, strategy: Any) -> Iterator[None]:
+        if not self._read:  # no fit's setup chose a plugin: nothing to revert
+            self._request, strategy._layer_sync = strategy._layer_sync, None
+        yield
+        strategy._layer_sync, self._read = self._request, False  # the request, as found
