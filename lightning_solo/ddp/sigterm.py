@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.select import checkpoint_dir
+from lightning_solo.core.checks import check_bool
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.agreement import Agreement
 
@@ -244,19 +245,37 @@ def leave_signals_to_the_rank(rank_pid: int) -> None:
     threading.Thread(target=wait, name="solo-worker-sigterm", daemon=True).start()
 
 
-def install_agreement(
-    trainer: Any, group: Any, *, enabled: bool, checkpoint: bool, decide: Callable[[Decision], Any]
-) -> SigtermAgreement | None:
-    """SoloDDP's setup of a fit: a :class:`SigtermAgreement` installed on ``trainer`` (on ``group``, the gloo side
-    group; ``None`` with one rank), or ``None`` where Lightning's own check stays (``enabled=False``, or several
-    ranks and no gloo group). Every decision goes to ``decide``. Before Lightning registers its signal handlers."""
-    if not enabled:
-        decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
-        return None
-    if trainer.world_size > 1 and group is None:
-        decide(Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast"))
-        return None
-    agreement = SigtermAgreement(group, checkpoint=checkpoint)
-    decide(agreement.install(trainer))
-    decide(agreement.checkpoint_decision())
-    return agreement
+class SigtermSetting:
+    """SoloDDP's ``sigterm_agreement`` and ``sigterm_checkpoint`` across its fits: each fit's
+    :class:`SigtermAgreement` (``agreement``), or ``None`` where Lightning's own check stays."""
+
+    def __init__(self, agreement: bool = True, checkpoint: bool = True) -> None:
+        self.enabled = check_bool("sigterm_agreement", agreement)
+        self.checkpoint = check_bool("sigterm_checkpoint", checkpoint)
+        self.agreement: SigtermAgreement | None = None
+
+    def install(self, trainer: Any, side_group: Callable[[], Any], decide: Callable[[Decision], Any]) -> None:
+        """A fit's setup, every rank alike, before Lightning registers its signal handlers: the agreement on the
+        gloo group ``side_group()`` makes (asked for with several ranks only). Every decision goes to ``decide``."""
+        if not self.enabled:
+            decide(Decision("sigterm_check", "lightning", "sigterm_agreement=False: as stock"))
+            return
+        group = side_group() if trainer.world_size > 1 else None
+        if trainer.world_size > 1 and group is None:
+            decide(Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast"))
+            return
+        self.agreement = SigtermAgreement(group, checkpoint=self.checkpoint)
+        decide(self.agreement.install(trainer))
+        decide(self.agreement.checkpoint_decision())
+
+    def shield_workers(self, dataloader: Any) -> Any:
+        return self.agreement.shield_workers(dataloader) if self.agreement is not None else dataloader
+
+    def close(self) -> None:
+        if self.agreement is not None:
+            self.agreement.close()
+
+    def uninstall(self) -> None:
+        if self.agreement is not None:
+            self.agreement.uninstall()
+            self.agreement = None

@@ -51,13 +51,12 @@ from lightning_solo.ddp.component import StepHooks
 from lightning_solo.ddp.eval import decide_exact_eval, mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
-from lightning_solo.ddp.sigterm import SigtermAgreement, install_agreement
+from lightning_solo.ddp.sigterm import SigtermSetting
 from lightning_solo.ddp.uneven import Policy as UnevenPolicy
 from lightning_solo.ddp.uneven import UnevenData
 from lightning_solo.ddp.unused.fast_path import all_gather_grad_on
 from lightning_solo.ddp.unused.messages import REENTRANT_CHECKPOINT, explain_exception
-from lightning_solo.ddp.unused.policy import Phase, UnusedParameters
-from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
+from lightning_solo.ddp.unused.policy import UnusedParameters
 from lightning_solo.ddp.watchdog import Heartbeat, WatchdogSession
 from lightning_solo.ddp.watchdog import heartbeat as hb
 
@@ -106,7 +105,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         launcher = decide_start_method(start_method)
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm_hooks = comm.make_comm_hook(
-            comm_hook, ddp_kwargs, rewraps=unused.phase is Phase.WINDOW, powersgd_rank=powersgd_rank,
+            comm_hook, ddp_kwargs, rewraps=unused.in_window, powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period, local_sgd_warmup=local_sgd_warmup,
         )  # fmt: skip
         precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow)
@@ -139,19 +138,16 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._resume = ExactResume(enabled=check_bool("exact_resume", exact_resume))
         self._compile = CompiledSteps(compile)
         self._compiled_keys = CompiledKeys(strip_compiled_prefix)
-        self._sigterm: SigtermAgreement | None = None  # installed by each fit's setup
+        self._sigterm = SigtermSetting(sigterm_agreement, sigterm_checkpoint)  # each fit's agreement
         self._uneven = UnevenData(uneven_data)
         # Settings, read when the fit reaches them.
         self._syncbn = syncbn.LayerSyncChoice(sync_batchnorm, sync_batchnorm_threshold)
         self._precision_options = precision_options
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
-        self._sigterm_agreement = check_bool("sigterm_agreement", sigterm_agreement)
-        self._sigterm_checkpoint = check_bool("sigterm_checkpoint", sigterm_checkpoint)
         self._watchdog = WatchdogSession(watchdog)
         self._groups = comm.SideGroups(gloo=gloo_side_group)  # made at the first setup
         self._hooks = StepHooks()  # the training-step moments of the features taking part (ddp/component.py)
-        self._own_replica_restored = False  # a post-local-SGD checkpoint gave each rank its own model
         self._advice: list[str] = []
         self._rewrap_listeners: list[
             Callable[[], Callable[[DistributedDataParallel], Any] | None]
@@ -287,14 +283,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         group = self._side_channel() if self._uneven.policy and self.world_size > 1 else None
         self._decide(self._uneven.setup(self.world_size, group))
         if fitting:  # before Lightning registers its signal handlers; every rank alike
-            group = self._side_channel() if self._sigterm_agreement and self.world_size > 1 else None
-            self._sigterm = install_agreement(
-                trainer,
-                group,
-                enabled=self._sigterm_agreement,
-                checkpoint=self._sigterm_checkpoint,
-                decide=self._decide,
-            )
+            self._sigterm.install(trainer, self._side_channel, self._decide)
             self._watchdog.start(trainer.default_root_dir, self.global_rank, self.world_size)
         self._rebuild_hooks()
 
@@ -304,10 +293,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return self._unused.wrap(model, self._build_ddp, self._side_channel(), probe=self._exact_allreduce)
 
     def _build_ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
-        if not self._own_replica_restored:
+        if not self._comm.own_replica:
             return super()._setup_model(module)
-        # Each rank resumed its own post-local-SGD replica: DDP must not broadcast rank 0's over it.
-        self._own_replica_restored = False
+        self._comm.own_replica = False  # each rank resumed its own replica: DDP broadcasts none over it
         kwargs, self._ddp_kwargs = self._ddp_kwargs, {**self._ddp_kwargs, "init_sync": False}
         try:
             return super()._setup_model(module)
@@ -338,7 +326,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         # Outside the resumable loader: read ahead and its end agreed (an IterableDataset's; training and eval).
         dataloader = self._uneven.on_dataloader(dataloader, trainer)
         # Every loader's workers leave a SIGTERM that is not their rank's to the ranks (lightning_solo.ddp.sigterm).
-        return self._sigterm.shield_workers(dataloader) if self._sigterm is not None else dataloader
+        return self._sigterm.shield_workers(dataloader)
 
     @override
     def on_train_start(self) -> None:
@@ -376,10 +364,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # While "auto" has DDP searching, reentrant checkpointing (which the search cannot follow) runs
-        # non-reentrant (lightning_solo.ddp.unused.watch).
-        searching = search_safe_checkpointing(self._note_reentrant) if self._unused.searching else None
-        with searching or contextlib.nullcontext(), self._around("step", self):
+        with self._unused.step_context(self._note_reentrant), self._around("step", self):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -389,13 +374,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._module)
         self._unused.before_backward(self._wrapped)
-        # Evidence in the window: does anything communicate inside backward?
-        watch = (
-            watch_collectives(self._unused.note_backward_collective)
-            if self._unused.phase is Phase.WINDOW
-            else None
-        )
-        with watch or contextlib.nullcontext(), self._around("backward"):
+        with self._unused.backward_context(), self._around("backward"):
             self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         self._unused.after_backward(self._wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
@@ -418,7 +397,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary, and
             # until then that collective runs on the side channel, apart from DDP's buckets.
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
-            if self._unused.phase in (Phase.FAST, Phase.EXCLUDING):  # only with a side channel
+            if self._unused.on_fast_path:
                 return all_gather_grad_on(tensor, group, self._side_channel())
         with self._around("collective", "all_gather"):
             return super().all_gather(tensor, group, sync_grads)
@@ -471,14 +450,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
         on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         self._resume.add_to_checkpoint(checkpoint, self._attached_trainer, collective)
-        # A full checkpoint. Per-rank shards are a collective (rank 0 records every rank's): only with all.
-        if "optimizer_states" in checkpoint and (collective or self._comm.name != "powersgd"):
-            # Post-local-SGD between averages: each rank's own model and optimizer state, beside the checkpoint.
-            replica = (
-                {key: checkpoint[key] for key in ("state_dict", "optimizer_states")} if collective else None
-            )
-            if hook_state := self._comm.state_dict(filepath, replica):  # each rank writes its shard beside it
-                checkpoint[comm.CHECKPOINT_KEY] = hook_state
+        self._comm.add_to_checkpoint(checkpoint, filepath, collective)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -506,13 +478,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume.on_load_checkpoint(checkpoint)
-        # Applied when the hook is registered; each rank reads its own shard beside the checkpoint.
-        self._comm.load_state_dict(checkpoint.get(comm.CHECKPOINT_KEY), checkpoint_path)
-        if (replica := self._comm.take_replica()) is not None:
-            # Post-local-SGD saved between averages: this rank resumes its own model and optimizer state, which
-            # Lightning restores from here (the model before DDP wraps it: see _build_ddp).
-            checkpoint.update(replica)
-            self._own_replica_restored = True
+        self._comm.on_load_checkpoint(
+            checkpoint, checkpoint_path
+        )  # post-local-SGD: maybe this rank's own model
         return checkpoint
 
     # ---------------------------------------------------------------------------------------------- the end
@@ -529,8 +497,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's rewrite of DDP's unused-parameter error: it names Lightning's strategies.
         self._watchdog.on_exception(exception)  # names a peer whose process ended (the error names none)
-        if self._unused.phase is not Phase.USER:
-            self._unused.stop()
+        self._unused.stop()
         explain_exception(exception, self._unused)
 
     @override
@@ -545,9 +512,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._rewrap_listeners = []  # also after an exception
         self._hooks = StepHooks()
         self._watchdog.teardown()
-        if self._sigterm is not None:
-            self._sigterm.uninstall()
-            self._sigterm = None
+        self._sigterm.uninstall()
         self._uneven.uninstall()
         self._resume.reset()
         self._compile.teardown()
@@ -558,8 +523,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     # ---------------------------------------------------------------------------------------------- helpers
     def _end_fit(self) -> None:
         """The fit completed, on every rank: the collectives in flight settle, the decisions and advice are final."""
-        if self._sigterm is not None:
-            self._sigterm.close()  # the agreement in flight
+        self._sigterm.close()  # the agreement in flight
         self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
         self._unused.finish(self._wrapped)
         self._decide(self._unused.decision)
@@ -627,7 +591,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def settled(self) -> bool:
         """No re-wrap is pending from the unused-parameter policy or a feature taking part in batch boundaries
         (``comm_hook="auto"`` while it measures): steps are steady."""
-        return self._unused.phase is not Phase.WINDOW and not self._hooks.by_moment["boundary"]
+        return not self._unused.in_window and not self._hooks.by_moment["boundary"]
 
     @property
     def _attached_trainer(self) -> pl.Trainer | None:
@@ -650,4 +614,4 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @property
     def _collective_timeout(self) -> timedelta:
-        return self._timeout if self._timeout is not None else timedelta(minutes=30)
+        return cast(timedelta, self._timeout)  # always one: __init__ makes it

@@ -105,6 +105,7 @@ class CommHook:
         self._replica: dict[str, Any] | None = None  # this rank's, read from a post-local-SGD checkpoint
         self._saved: dict[str, Any] = {}
         self._saved_path: Any = None
+        self.own_replica = False  # each rank resumed its own model: the next DDP wrapper broadcasts nothing
 
     @property
     def averaging_period(self) -> int | None:
@@ -311,6 +312,25 @@ class CommHook:
         model and optimizer state, to resume from instead of rank 0's (once; None otherwise)."""
         replica, self._replica = self._replica, None
         return replica
+
+    def add_to_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, collective: bool) -> None:
+        """The hook's state into a full ``checkpoint`` (each rank's shard written beside ``filepath``);
+        ``collective=False`` (a save on an exception): what needs no other rank (not PowerSGD's gathered state)."""
+        if "optimizer_states" not in checkpoint or not (collective or self.name != "powersgd"):
+            return
+        # Post-local-SGD between averages: each rank's own model and optimizer state, beside the checkpoint.
+        replica = {key: checkpoint[key] for key in ("state_dict", "optimizer_states")} if collective else None
+        if hook_state := self.state_dict(filepath, replica):
+            checkpoint[CHECKPOINT_KEY] = hook_state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """The hook's state from ``checkpoint`` (applied when registered; each rank's shard read beside it), and a
+        post-local-SGD replica saved between averages put in its place: Lightning restores this rank's own
+        model and optimizer state, and the next DDP wrapper must not broadcast rank 0's over it (:attr:`own_replica`)."""
+        self.load_state_dict(checkpoint.get(CHECKPOINT_KEY), checkpoint_path)
+        if (replica := self.take_replica()) is not None:
+            checkpoint.update(replica)
+            self.own_replica = True
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
         """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.

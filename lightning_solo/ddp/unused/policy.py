@@ -23,6 +23,7 @@ See docs/unused-parameters.md."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from lightning_solo.ddp.unused.surgery import (
     trainable,
     unwrap_excluding,
 )
+from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
 from lightning_solo.ddp.unused.window import UsageWindow
 
 FindUnused = bool | Literal["auto"]
@@ -124,6 +126,27 @@ class UnusedParameters:
     def searching(self) -> bool:
         """DDP searches for unused parameters (``True``) because "auto" put it there."""
         return self.phase in (Phase.WINDOW, Phase.SEARCHING)
+
+    @property
+    def in_window(self) -> bool:
+        """Still gathering evidence: a re-wrap is pending."""
+        return self.phase is Phase.WINDOW
+
+    @property
+    def on_fast_path(self) -> bool:
+        """On DDP's fast path (``False``), with a side channel for what runs apart from DDP's buckets."""
+        return self.phase in (Phase.FAST, Phase.EXCLUDING)
+
+    def step_context(self, note_reentrant: Callable[[], None]) -> contextlib.AbstractContextManager[Any]:
+        """Around a training step: while "auto" has DDP searching, reentrant checkpointing (which the search
+        cannot follow) runs non-reentrant, and ``note_reentrant`` is told (:mod:`~lightning_solo.ddp.unused.watch`)."""
+        return search_safe_checkpointing(note_reentrant) if self.searching else contextlib.nullcontext()
+
+    def backward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Around backward: in the window, the evidence of a collective inside backward."""
+        return (
+            watch_collectives(self.note_backward_collective) if self.in_window else contextlib.nullcontext()
+        )
 
     # ----------------------------------------------------------------------------------------- hooks
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
