@@ -93,6 +93,16 @@ def batchnorm_check_input_dim(cls: type, module: torch.nn.Module, input: torch.T
     cls._check_input_dim(module, input)  # type: ignore[attr-defined]  # private: why it is fenced here
 
 
+def set_group_timeout(timeout: Any, group: Any) -> None:
+    """``torch.distributed.set_timeout(timeout, group)``: the group's timeout for its later collectives; on a torch
+    without it (2.11.0), ``distributed_c10d._set_pg_timeout`` (checked on torch 2.11.0 and 2.14.1, where the
+    private one warns that it is deprecated)."""
+    set_timeout = getattr(torch.distributed, "set_timeout", None)
+    if set_timeout is None:
+        set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
+    set_timeout(timeout, group)
+
+
 def default_store() -> Any:
     """``torch.distributed.distributed_c10d._get_default_store()``: the default process group's store, which the
     watchdog clones for its heartbeats (checked on torch 2.14.1)."""

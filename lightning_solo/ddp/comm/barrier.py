@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.core.cluster import gloo_interface_warning
 from lightning_solo.core.decision import Decision
 
@@ -93,7 +94,7 @@ def gloo_group(name: str, timeout: timedelta | None) -> Any:
     ``timeout``: :func:`group_per_world`'s, made once and shared by every later strategy."""
     group = group_per_world(name, lambda: dist.new_group(backend="gloo", timeout=timeout, group_desc=name))
     if timeout is not None:
-        dist.set_timeout(timeout, group)  # a later strategy's own timeout
+        torch_compat.set_group_timeout(timeout, group)  # a later strategy's own timeout
     return group
 
 
@@ -139,7 +140,9 @@ def barrier_group(
     group, error = None, None
     try:
         group = create(create_timeout)
-        dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
+        torch_compat.set_group_timeout(
+            timeout, group
+        )  # bounded creation; then the run's own collective timeout
     except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
         group, error = None, err
     made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
