@@ -1,5 +1,6 @@
 """Every private upstream name the pack relies on still exists (lightning_solo._compat: one accessor per name,
-checked on lightning 2.6.6 and torch 2.14.1). An upstream release that moves one fails here, by name."""
+checked on lightning 2.6.6 and torch 2.14.1, and on lightning 2.6.0 with torch 2.11.0). An upstream release that
+moves one fails here, by name."""
 
 from __future__ import annotations
 
