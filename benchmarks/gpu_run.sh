@@ -47,8 +47,12 @@ step "install: the wheels that travel, then the checkout (--no-deps, offline)"
 site=${SITE:-/tmp/site}  # where the wheels and the installed checkout go (SITE: another folder)
 shopt -s nullglob
 wheels=(.whl/*.whl)
-if ((${#wheels[@]})); then
+if ((${#wheels[@]})) && python3 -m pip --version > /dev/null 2>&1; then
     python3 -m pip install -q --upgrade --root-user-action=ignore --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" || failed=1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+elif ((${#wheels[@]})); then  # no pip: a pure-Python wheel is a zip of its files
+    echo "no pip here: the wheels unpacked into $site"
+    for wheel in "${wheels[@]}"; do python3 -m zipfile -e "$wheel" "$site" || failed=1; done
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 elif ! python3 -c 'import hydra, omegaconf, pytest' 2>/dev/null; then
     echo "no .whl/ and no hydra/omegaconf/pytest here: run 'bash benchmarks/gpu_run.sh --wheels' where pip reaches the registry"
