@@ -90,7 +90,7 @@ def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
     )
     why = (
         f"{layers} BatchNorm layer(s) keep fp32 parameters beside their fp32 running statistics (each its own "
-        "shard group) and take the activations in bf16, as under torch.autocast"
+        "shard group, gathered from forward to backward) and take the activations in bf16, as under torch.autocast"
     )
     return bn_policy, Decision("fsdp_bn_precision", "32-true", why)
 
@@ -242,9 +242,12 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
             top = {id(c) for c in self.model.children()}
             mesh = self.device_mesh["data_parallel"]
             for group in [*norms, *(g for g in groups if g not in norms)]:
-                group_policy = bn_policy if group in norms else group_policy_for(policy, id(group) in top)
+                norm = group in norms
+                group_policy = bn_policy if norm else group_policy_for(policy, id(group) in top)
                 kwargs = {"mp_policy": group_policy} if group_policy is not None else {}
-                fully_shard(group, mesh=mesh, reshard_after_forward=self.reshard_after_forward, **kwargs)
+                # A BatchNorm's few parameters stay gathered from forward to backward: one all-gather, not two.
+                reshard = self.reshard_after_forward and not norm
+                fully_shard(group, mesh=mesh, reshard_after_forward=reshard, **kwargs)
         # As ModelParallelStrategy.setup, less its demand for configure_model.
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
