@@ -1,6 +1,7 @@
 """SoloDDP.barrier: a rank that never arrives is named, within the collective timeout, instead of a hang."""
 
 import time
+import warnings
 from datetime import timedelta
 
 import lightning as L
@@ -87,10 +88,13 @@ def _side_group_paths(rank: int, world_size: int) -> dict:
         return dist.new_group(backend="gloo", timeout=create_timeout)
 
     start = time.monotonic()
-    group, decision = barrier_group(
-        timeout, backend="nccl", device=cpu, create=unreachable, create_timeout=timedelta(seconds=2)
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group, decision = barrier_group(
+            timeout, backend="nccl", device=cpu, create=unreachable, create_timeout=timedelta(seconds=2)
+        )
     out["failed"] = (group, decision.value, decision.reason, time.monotonic() - start)
+    out["warned"] = [str(w.message) for w in caught if "no gloo side group" in str(w.message)]
     return out
 
 
@@ -105,6 +109,17 @@ def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
         assert group is None and value == "plain" and seconds < 15  # not the 30 s collective timeout
         assert "GLOO_SOCKET_IFNAME" in reason
         assert ("connectFullMesh" if rank == 1 else "DistStoreError") in reason
+        # Loud, not quiet: each rank (rank 0; rank 1 with its own error) warns once, naming every feature that now
+        # goes without the side group and what it falls back to, as the decision does.
+        [warned] = out["warned"]
+        for feature, fallback in (
+            ("monitored barrier", "plain"),
+            ("fast path", "find_unused_parameters=True"),
+            ("SIGTERM agreement", "per-batch broadcast"),
+            ("uneven_data", "as stock"),
+            ("SlurmRequeue", "synchronous"),
+        ):
+            assert feature in warned and fallback in warned and feature in reason and fallback in reason
 
 
 def test_backend_strings_and_gloo_interface_check():

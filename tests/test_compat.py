@@ -1,10 +1,12 @@
 """Every private upstream name the pack relies on still exists (lightning_solo._compat: one accessor per name,
-checked on lightning 2.6.6 and torch 2.14.1). An upstream release that moves one fails here, by name."""
+checked on lightning 2.6.6 and torch 2.14.1, and on lightning 2.6.0 with torch 2.11.0). An upstream release that
+moves one fails here, by name."""
 
 from __future__ import annotations
 
 import inspect
 import signal
+from datetime import timedelta
 
 import pytest
 import torch
@@ -177,6 +179,9 @@ def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
     data = torch_compat.ddp_logging_data(ddp)
     assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
     assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    torch_compat.set_group_timeout(timedelta(seconds=7), group)
+    assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
 
 
 def test_compile_names_exist():

@@ -1,6 +1,6 @@
 """parallelism=fsdp: SoloFSDP (torch's FSDP2) trains on CPU with gloo in 2 real processes, with WarmupScaledLR and
 SoloCheckpoint; its sharded checkpoints verify, resume, and consolidate into a file a plain model loads with
-weights_only=True. The bf16 policy needs a GPU: benchmarks/gpu_check.py --only fsdp covers it."""
+weights_only=True; bf16 FSDP (fp32 BatchNorm) trains there too and agrees with fp32 FSDP and SoloDDP."""
 
 from __future__ import annotations
 
@@ -24,7 +24,14 @@ from lightning_solo.checkpoint.manifest import CheckpointVerificationError
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.fsdp.consolidate import consolidate
 from lightning_solo.fsdp.consolidate import main as consolidate_main
-from lightning_solo.fsdp.strategy import SoloFSDP, decide_bn_stats, decide_fsdp_precision, decide_wrap
+from lightning_solo.fsdp.strategy import (
+    SoloFSDP,
+    decide_bn_precision,
+    decide_bn_stats,
+    decide_fsdp_precision,
+    decide_wrap,
+    group_policy_for,
+)
 from tests.helpers import REPO, composed, run_cli
 
 
@@ -63,13 +70,27 @@ def test_precision_policy():
         SoloFSDP(state_dict="local")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="bf16 FSDP2 needs a CUDA GPU (benchmarks/gpu_check.py fsdp)"
-)
-def test_auto_precision_is_bf16_on_a_gpu():
-    assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == (
-        "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    )
+def test_auto_precision_is_bf16_on_a_gpu_with_native_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    assert decide_fsdp_precision("auto", torch.device("cuda", 0))[1].value == "bf16-mixed"
+
+
+def test_batchnorm_keeps_fp32_parameters_under_bf16_and_nested_groups_hand_on_bf16():
+    policy, _ = decide_fsdp_precision("bf16-mixed", torch.device("cpu"))
+    bn_policy, decision = decide_bn_precision(policy, layers=3)
+    assert decision.value == "32-true" and bn_policy.param_dtype == torch.float32
+    assert bn_policy.reduce_dtype == torch.float32
+    assert not bn_policy.cast_forward_inputs  # the activations come in bf16, as under autocast
+    assert decide_bn_precision(policy, layers=0)[0] is None
+    assert decide_bn_precision(None, layers=3)[0] is None  # fp32: nothing to keep apart
+    assert decide_bn_precision(None, layers=3)[1].value == "as the model"
+    # Only a top-level group casts its output to fp32 (the LightningModule's code takes it); a nested one's
+    # output stays bf16 for the bf16 layers of the group around it.
+    assert group_policy_for(policy, top_level=True).output_dtype == torch.float32
+    assert group_policy_for(policy, top_level=False).output_dtype is None
+    assert group_policy_for(policy, top_level=False).param_dtype == torch.bfloat16
+    assert group_policy_for(None, top_level=False) is None
 
 
 def test_auto_precision_does_not_count_emulated_bf16(monkeypatch):
@@ -147,6 +168,17 @@ def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
     assert result["bn_mean"][0] == result["bn_mean"][1]
     assert result["checkpoints"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
     assert result["consolidated_step"] == 5 and result["consolidated_equals_trained"] is True
+    # The BatchNorm model (its first Linear a nested shard group), 4 steps from one seed: SoloFSDP fp32 moves the
+    # parameters as SoloDDP does; bf16 FSDP (fp32 BatchNorm) trains, moves them within bf16's rounding, and not
+    # exactly (bf16 did run); every rank ends with the same parameters.
+    runs = {name: (torch.tensor([x for v in moved.values() for x in v]), d, same)
+            for name, (moved, d, same) in result["precisions"].items()}  # fmt: skip
+    ddp, fsdp32, bf16 = runs["ddp"][0], runs["fsdp32"][0], runs["fsdp_bf16"][0]
+    assert runs["fsdp32"][1]["fsdp_precision"] == "32-true" and runs["ddp"][1]["precision"] == "32-true"
+    assert runs["fsdp_bf16"][1] == {"fsdp_precision": "bf16-mixed", "fsdp_bn_precision": "32-true"}
+    assert all(same for *_, same in runs.values())
+    assert ddp.norm() > 0.1 and torch.allclose(fsdp32, ddp, rtol=1e-5, atol=1e-7)
+    assert 1e-4 < ((bf16 - ddp).norm() / ddp.norm()).item() < 3e-2
 
 
 @pytest.mark.cli
@@ -199,3 +231,11 @@ def test_fsdp_commands_on_cpu_work_on_the_default_config(tmp_path):
     with torch.no_grad():
         accuracy = (net.eval()(x).argmax(1) == y).float().mean().item()
     assert accuracy == pytest.approx(summary["val_acc"], abs=1.5 / len(y))
+    # bf16, as precision "auto" picks on a GPU: the BatchNorm of small_cnn keeps fp32 parameters, and it trains.
+    proc = run_cli([*args, "parallelism.precision=bf16-mixed", "trainer.max_steps=3", "hydra.run.dir=bf16",
+                    "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    decisions = {d["setting"]: d["value"] for d in summary["decisions"]}
+    assert (decisions["fsdp_precision"], decisions["fsdp_bn_precision"]) == ("bf16-mixed", "32-true")
+    assert summary["global_step"] == 3

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py runs its figures only where a GPU is; here: it parses, without CUDA it says so and stops,
 its harness kills a check's whole process group at its limit, its table states the targets, and every check with
-a CPU form runs its logic on CPU at tiny sizes."""
+a CPU form runs its logic on CPU at tiny sizes; gpu_run.sh, the device's one command, runs end to end on CPU."""
 
 import importlib.util
 import os
@@ -196,3 +196,25 @@ def test_the_shares_cover_every_check_with_a_cpu_form():
     names = _cpu_checks()
     assert sorted(n for share in range(_SHARES) for n in names[share::_SHARES]) == sorted(names)
     assert {check.name for check in _load().CHECKS if not check.cpu} == {"fork"}  # the one without a CPU form
+
+
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_gpu_run_goes_end_to_end_on_cpu(tmp_path):
+    # The device's one command, on CPU: the checkout installs offline, stage 0 passes (versions, test_compat,
+    # the groups), gpu_check runs, and every output lies under $OUT: the table and each check's whole log.
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SITE": str(tmp_path / "site")}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT.parent / "gpu_run.sh"), "--device", "cpu", "--only", "nccl1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=390,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "| nccl1 | PASS |" in (out / "gpu_check.md").read_text()
+    assert "RESULT " in (out / "logs" / "nccl1.log").read_text()  # the whole output, its result line too
+    assert "passed" in (out / "stage0_compat.log").read_text()
+    assert "groups: OK" in (out / "stage0_groups.log").read_text()
+    assert "torch " in (out / "versions.txt").read_text() and "the checkout installs" in proc.stdout
+    assert (tmp_path / "site" / "checkout" / "lightning_solo" / "conf" / "config.yaml").is_file()

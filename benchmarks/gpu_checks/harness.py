@@ -150,13 +150,16 @@ def check_result(check: Check, device: str) -> None:
     print(RESULT + json.dumps({"ok": None if ok is None else bool(ok), "detail": detail}), flush=True)
 
 
-def run_check(check: Check, device: str, limit: float) -> dict:
-    """One check in a fresh interpreter (forked from this one on CPU); returns {check, status, detail, seconds}."""
+def run_check(check: Check, device: str, limit: float, log: Path | None = None) -> dict:
+    """One check in a fresh interpreter (forked from this one on CPU); returns {check, status, detail, seconds}.
+    ``log``: the check's whole output is written there."""
     start = time.monotonic()
     if device == "cpu" and not check.fresh:
         code, out = run_forked(lambda: check_result(check, device), limit)
     else:
         code, out = run_group([sys.executable, str(SCRIPT), "--check", check.name, "--device", device], limit)
+    if log is not None:
+        log.write_text(out)
     line = next((x for x in out.splitlines() if x.startswith(RESULT)), None)
     if code is None:
         status, detail = "TIMEOUT", f"killed after {limit:.0f} s (process group); output tail: {out[-300:]}"
@@ -202,6 +205,7 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
     p.add_argument("--only", default=",".join(names), help=f"comma list of {names}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the logic without a GPU")
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default: 9 minutes)")
+    p.add_argument("--logs", type=Path, help="a folder for each check's whole output, NAME.log")
     p.add_argument("--check", help=argparse.SUPPRESS)
     p.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -228,6 +232,8 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
     out = args.out or (ROOT / "benchmarks" / "gpu_check.md" if args.device == "cuda" else None)
     if out:
         print(f"gpu_check: the table is {out}, rewritten after every check", flush=True)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     started = time.monotonic()
     for check in ordered([c for c in checks if c.name in wanted]):
@@ -240,7 +246,8 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
         else:
             # A shared CPU starts processes and fits more slowly than a GPU host: twice the limit there.
             limit = check.budget_s * (2 if args.device == "cpu" else 1)
-            row = run_check(check, args.device, min(limit, left))
+            log = args.logs / f"{check.name}.log" if args.logs else None
+            row = run_check(check, args.device, min(limit, left), log)
         rows.append(row)
         print(f"{check.name}: {row['status']} ({row['seconds']} s)", flush=True)
         if out:  # after every check: a run killed later still reports what it found

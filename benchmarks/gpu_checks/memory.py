@@ -131,6 +131,7 @@ def check_fsdp(device: str) -> tuple[bool, str]:
             for a, b in zip(again.parameters(), model.parameters())
         )
         precision = straight.strategy.decisions["fsdp_precision"].value
+        bn_precision = straight.strategy.decisions["fsdp_bn_precision"].value
         manifest = consolidate(ckpt.last_model_path, out / "full.ckpt")
         plain = _BNNet().net
         state = torch.load(out / "full.ckpt", weights_only=True)["state_dict"]
@@ -140,8 +141,9 @@ def check_fsdp(device: str) -> tuple[bool, str]:
         if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         else "32-true"
     )
-    ok = precision == want and manifest["global_step"] == 8 and resumed.global_step == 8 and diff <= 1e-6
+    ok = precision == want and bn_precision == ("32-true" if want == "bf16-mixed" else "as the model")
+    ok = ok and manifest["global_step"] == 8 and resumed.global_step == 8 and diff <= 1e-6
     return ok, (
-        f"precision {precision} (compute {model.dtype_seen}), BatchNorm1d inside; 4 + resume + 4 vs 8 straight: "
+        f"precision {precision} (compute {model.dtype_seen}), BatchNorm1d inside ({bn_precision}); 4 + resume + 4 vs 8 straight: "
         f"rel. diff {diff:.2g}; consolidated step {manifest['global_step']}, loads into the plain model"
     )

@@ -11,11 +11,13 @@ Built on Lightning's ``ModelParallelStrategy`` (FSDP2, a data-parallel device me
 LightningModule to shard itself in ``configure_model``; SoloFSDP does it when the module does not. Lightning's
 ``FSDPStrategy`` (FSDP1) refuses CPU, and torch's FSDP1 needs a device id there; FSDP2 runs on a gloo CPU mesh.
 Each choice is a Decision: what gets its own shard group (:func:`decide_wrap`), the mixed-precision policy
-(:func:`decide_fsdp_precision`), the state dict.
+(:func:`decide_fsdp_precision`, and fp32 BatchNorm parameters under bf16: :func:`decide_bn_precision`), the state
+dict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from datetime import timedelta
@@ -64,6 +66,33 @@ def decide_fsdp_precision(
     )
     why = "bf16 parameters and compute, gradients reduced in fp32"
     return policy, Decision("fsdp_precision", "bf16-mixed", why if precision != "auto" else f"auto: {why}")
+
+
+def group_policy_for(policy: Any, top_level: bool) -> Any:
+    """``policy`` for a shard group: its output cast to fp32 only where the LightningModule's own code takes it
+    (a top-level group); a nested group hands bf16 on to the bf16 layers around it."""
+    if policy is None or top_level:
+        return policy
+    return dataclasses.replace(policy, output_dtype=None)
+
+
+def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
+    """FSDP2's policy for the BatchNorm layers that hold parameters when the model's policy is bf16: fp32
+    parameters, each layer its own shard group, the input left as it comes (bf16 inside a bf16 group), as under
+    ``torch.autocast``. A bf16 weight beside BatchNorm's fp32 running statistics stops the first step
+    (``expected scalar type BFloat16 but found Float``); FSDP2 casts a whole group to one dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if policy is None or not layers:
+        return None, Decision("fsdp_bn_precision", "as the model", "no BatchNorm layer" if layers else "fp32")
+    bn_policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    why = (
+        f"{layers} BatchNorm layer(s) keep fp32 parameters beside their fp32 running statistics (each its own "
+        "shard group, gathered from forward to backward) and take the activations in bf16, as under torch.autocast"
+    )
+    return bn_policy, Decision("fsdp_bn_precision", "32-true", why)
 
 
 def decide_wrap(
@@ -201,10 +230,24 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
             self._decide(decision)
             groups, decision = decide_wrap(self.model, self.wrap_classes, self.min_num_params)
             self._decide(decision)
+            norms = [  # BatchNorm layers with parameters: leaves, so sharded before any group that holds them
+                m
+                for m in self.model.modules()
+                if isinstance(m, torch_compat.BatchNormBase) and any(True for _ in m.parameters())
+            ]
+            bn_policy, decision = decide_bn_precision(policy, len(norms))
+            self._decide(decision)
+            if bn_policy is None:
+                norms = []
+            top = {id(c) for c in self.model.children()}
             mesh = self.device_mesh["data_parallel"]
-            for group in groups:
-                kwargs = {"mp_policy": policy} if policy is not None else {}
-                fully_shard(group, mesh=mesh, reshard_after_forward=self.reshard_after_forward, **kwargs)
+            for group in [*norms, *(g for g in groups if g not in norms)]:
+                norm = group in norms
+                group_policy = bn_policy if norm else group_policy_for(policy, id(group) in top)
+                kwargs = {"mp_policy": group_policy} if group_policy is not None else {}
+                # A BatchNorm's few parameters stay gathered from forward to backward: one all-gather, not two.
+                reshard = self.reshard_after_forward and not norm
+                fully_shard(group, mesh=mesh, reshard_after_forward=reshard, **kwargs)
         # As ModelParallelStrategy.setup, less its demand for configure_model.
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -6,7 +6,9 @@ sharded checkpoints, fit again from the newest one, and consolidate it.
 Rank 0 writes OUT_DIR/result.json: the strategy's and WarmupScaledLR's decisions, the step each fit started and
 ended at, whether the consolidated file, loaded with weights_only=True into a plain model, equals the trained
 (full) weights, and each rank's BatchNorm running mean after each fit (the first keeps each rank's own,
-``average_bn_stats=False``; the resumed one averages them).
+``average_bn_stats=False``; the resumed one averages them). Then, in the same processes, the BatchNorm model from
+one seed under SoloDDP, SoloFSDP fp32 and SoloFSDP bf16: each fit's full trained parameters, its precision
+decisions, and whether every rank ended with the same ones.
 """
 
 import json
@@ -24,6 +26,7 @@ from user_model import QUIET, Tiny, mlp
 
 from lightning_solo.callbacks import SoloCheckpoint, WarmupScaledLR
 from lightning_solo.checkpoint import resolve_ckpt_path
+from lightning_solo.ddp.strategy import SoloDDP
 from lightning_solo.fsdp.consolidate import consolidate
 from lightning_solo.fsdp.strategy import SoloFSDP
 
@@ -57,10 +60,37 @@ def fit(out: Path, max_steps: int, resume: bool):
     return trainer, model, lr, ckpt, bn_mean(trainer, model)
 
 
+def moved(strategy) -> tuple[dict, dict, bool]:
+    """4 steps of the BatchNorm model from seed 0 under ``strategy``: how far its full parameters moved (no running
+    statistics: DDP broadcasts rank 0's, FSDP averages the ranks'), its decisions, and whether the ranks agree."""
+    L.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=4, enable_checkpointing=False, **QUIET
+    )
+    model = Tiny(net(), lr=0.1, momentum=0.9)
+    init = {f"net.{k}": v.detach().clone() for k, v in model.net.named_parameters()}
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    if isinstance(strategy, SoloFSDP):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+    else:
+        state = model.state_dict()
+    params = {k.removeprefix("net."): (state[k].detach() - v).float().flatten() for k, v in init.items()}
+    flat = torch.cat(list(params.values()))
+    same = all(torch.equal(flat, other) for other in trainer.strategy.all_gather(flat))
+    decisions = {k: d.value for k, d in trainer.strategy.decisions.items() if "precision" in k}
+    return {k: v.tolist() for k, v in params.items()}, decisions, same
+
+
 def main(out: Path) -> None:
     first, *_, first_bn = fit(out, 3, resume=False)
     trainer, model, lr, ckpt, bn = fit(out, 5, resume=True)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    precisions = {
+        "ddp": moved(SoloDDP(sync_batchnorm=False)),
+        "fsdp32": moved(SoloFSDP(min_num_params=100, precision="32-true")),
+        "fsdp_bf16": moved(SoloFSDP(min_num_params=100, precision="bf16-mixed")),
+    }
     if trainer.global_rank != 0:
         return
     manifest = consolidate(ckpt.last_model_path, out / "consolidated.ckpt")
@@ -82,6 +112,7 @@ def main(out: Path) -> None:
         "first_fit_bn_strategy": first.strategy.decisions["bn_stats"].value,
         "first_fit_bn_mean": first_bn,
         "bn_mean": bn,
+        "precisions": precisions,
     }
     (out / "result.json").write_text(json.dumps(result, default=str))
 

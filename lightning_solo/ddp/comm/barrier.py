@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_solo._compat import torch as torch_compat
 from lightning_solo.core.cluster import gloo_interface_warning
 from lightning_solo.core.decision import Decision
 
@@ -45,6 +46,21 @@ def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
 SIDE_GROUP_TIMEOUT = timedelta(seconds=60)
 
 
+# What runs on the gloo side group of an NCCL job, and what each does without it.
+WITHOUT_SIDE_GROUP = (
+    "the monitored barrier (a plain one, which cannot name the ranks that did not arrive)",
+    "find_unused_parameters='auto''s fast path (find_unused_parameters=True: DDP searches the graph every step)",
+    "the SIGTERM agreement and its checkpoint (Lightning's per-batch broadcast)",
+    "uneven_data (as stock: uneven data hangs or fails)",
+    "SlurmRequeue's asynchronous agreement (a synchronous one at each batch end)",
+)
+
+
+def without_side_group(why: str) -> str:
+    """``why`` there is no gloo side group, then what that turns off and what each falls back to."""
+    return f"{why}; without it: " + "; ".join(WITHOUT_SIDE_GROUP)
+
+
 def backend_for(backend: str, device_type: str) -> str | None:
     """The backend a group string uses for ``device_type`` tensors: ``"gloo"`` for any device, and
     ``"cuda:nccl,cpu:gloo"`` per device (``None`` when that device has none)."""
@@ -78,7 +94,7 @@ def gloo_group(name: str, timeout: timedelta | None) -> Any:
     ``timeout``: :func:`group_per_world`'s, made once and shared by every later strategy."""
     group = group_per_world(name, lambda: dist.new_group(backend="gloo", timeout=timeout, group_desc=name))
     if timeout is not None:
-        dist.set_timeout(timeout, group)  # a later strategy's own timeout
+        torch_compat.set_group_timeout(timeout, group)  # a later strategy's own timeout
     return group
 
 
@@ -101,7 +117,8 @@ def barrier_group(
     The world when it runs CPU tensors on gloo (``"gloo"``, ``"cuda:nccl,cpu:gloo"``). For NCCL, which has no
     monitored barrier, a gloo side group made by ``create`` within ``create_timeout``; ``None`` (a plain
     barrier, evidence over the world) when ``side_group`` is False, gloo is unavailable, or the creation
-    failed on any rank: the ranks agree over the world group, so they all take the same path.
+    failed on any rank: the ranks agree over the world group, so they all take the same path. The last two
+    warn (rank 0, and a rank whose own creation failed), naming what goes without it (:data:`WITHOUT_SIDE_GROUP`).
     ``backend``/``device`` default to the world's backend and the device its collectives use.
     """
     world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
@@ -117,31 +134,42 @@ def barrier_group(
             "gloo side group turned off (SoloDDP(gloo_side_group=False)); evidence over the world",
         )
     if not dist.is_gloo_available():
-        return None, Decision(
-            "barrier", "plain", "gloo is unavailable, so a timed-out barrier cannot name the missing ranks"
-        )
+        decision = Decision("barrier", "plain", without_side_group("gloo is unavailable in this torch build"))
+        _warn_off(decision, True)
+        return None, decision
     group, error = None, None
     try:
         group = create(create_timeout)
-        dist.set_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
+        torch_compat.set_group_timeout(
+            timeout, group
+        )  # bounded creation; then the run's own collective timeout
     except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
         group, error = None, err
     made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
     dist.all_reduce(made, op=dist.ReduceOp.MIN)
     if not made.item():  # once, at setup
         why = f"this rank: {type(error).__name__}: {error}" if error else "another rank failed"
-        return None, Decision(
+        decision = Decision(
             "barrier",
             "plain",
-            f"the gloo side group could not be made within {create_timeout.total_seconds():g} s ({why}); "
-            "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, or "
-            "SoloDDP(gloo_side_group=False) to skip it",
+            without_side_group(
+                f"the gloo side group could not be made within {create_timeout.total_seconds():g} s ({why}); "
+                "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, or "
+                "SoloDDP(gloo_side_group=False) to go without it and this warning"
+            ),
         )
+        _warn_off(decision, error is not None)  # rank 0, and each rank with its own error to tell
+        return None, decision
     return group, Decision(
         "barrier",
         "monitored (gloo side group)",
         f"NCCL has no monitored barrier; names missing ranks after {seconds}",
     )
+
+
+def _warn_off(decision: Decision, own: bool) -> None:
+    if own or dist.get_rank() == 0:
+        warnings.warn(f"SoloDDP: no gloo side group: {decision.reason}", stacklevel=3)
 
 
 def _world_device(backend: str) -> torch.device:
