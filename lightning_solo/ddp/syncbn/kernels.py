@@ -66,9 +66,13 @@ def _gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var
 
 
 def _elemt(x, weight, bias, mean, invstd, eps):
-    """(x - mean)·invstd·weight + bias: batch_norm in eval mode with var = invstd⁻² and eps 0 is that, one fused
-    CPU kernel computing in fp32 for fp16/bf16 input, output in x's dtype."""
-    return F.batch_norm(x, mean, invstd.pow(-2), weight, bias, False, 0.0, 0.0)
+    """(x - mean)·invstd·weight + bias: batch_norm in eval mode with var = invstd⁻² and an eps of float32's
+    smallest normal (torch 2.11 refuses 0; var + it is var) is that, one fused CPU kernel computing in fp32 for
+    fp16/bf16 input, output in x's dtype."""
+    return F.batch_norm(x, mean, invstd.pow(-2), weight, bias, False, 0.0, _TINY)
+
+
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
