@@ -181,3 +181,13 @@ def compiled_by_user(module: Any) -> bool:
     """Whether Lightning compiled ``module``'s steps from a ``fit(torch.compile(model))``: its ``_compiler_ctx``,
     set by ``lightning.pytorch.utilities.compile.from_compiled`` (checked on lightning 2.6.6)."""
     return getattr(module, "_compiler_ctx", None) is not None
+
+
+def hook_call_codes() -> frozenset[Any]:
+    """The code objects of ``lightning.pytorch.trainer.call``'s ``_call_callback_hooks``,
+    ``_call_lightning_module_hook`` and ``_call_strategy_hook``: a frame running one holds the hook's name in its
+    local ``hook_name`` (the watchdog reads the training thread's stack; checked on lightning 2.6.6)."""
+    from lightning.pytorch.trainer import call
+
+    functions = (call._call_callback_hooks, call._call_lightning_module_hook, call._call_strategy_hook)
+    return frozenset(f.__code__ for f in functions)

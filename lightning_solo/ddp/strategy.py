@@ -429,7 +429,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 checkpoint=self._sigterm_checkpoint,
                 decide=self._decide,
             )
-            self._watchdog.start(trainer.default_root_dir, self.global_rank, self.world_size)
+            self._watchdog.start(trainer, self.global_rank, self.world_size, self._collective_timeout)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
