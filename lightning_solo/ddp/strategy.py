@@ -138,11 +138,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
             evaluation) run out at different batches, every rank ends at the batch where the first one does, agreed
             asynchronously at each batch (:mod:`lightning_solo.ddp.uneven`); ``False``: as stock, where uneven data
             hangs or fails.
-        watchdog: a hang on any rank ends the run with one line naming the stuck rank(s), their phase and step,
-            and what the others wait in, each rank's Python stacks in ``<default_root_dir>/hang/``, and exit status
-            86, within ``factor`` × the median step + ``margin_s`` (2 × median + 55 s by default) instead of the
-            collective timeout: :mod:`lightning_solo.ddp.watchdog`. A mapping sets
-            :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"margin_s": 120}``); ``False``: off.
+        watchdog: a proven hang (a rank's process ended, a collective mismatch, a rank finished while another
+            waits) ends the run with one line naming the rank, its phase and step, and what the others wait in, each
+            rank's Python stacks in ``<default_root_dir>/hang/``, and exit status 86; a rank only busy past its
+            phase's allowance is reported, and ended at the collective timeout with that line:
+            :mod:`lightning_solo.ddp.watchdog`. A mapping sets
+            :class:`~lightning_solo.ddp.watchdog.WatchdogSettings` fields (``{"abort_after_s": 600}``); ``False``: off.
             torch's flight recorder is switched on too (``TORCH_FR_BUFFER_SIZE=2000``, and under NCCL
             ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; unless set), and the line says which rank issued a collective the
             others never entered.

@@ -1,4 +1,5 @@
-"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, and ends a stalled run.
+"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, reports a busy rank and ends a run
+that is proven hung.
 
 Example::
 
@@ -7,19 +8,24 @@ Example::
     ...
     dog.stop()                    # end of fit: "done" is published at once
 
-Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`) into the process
-group's store every ``interval_s``, off the training stream. Ranks 0 and ``W - 1`` also read every rank's and
-judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`): two judges, so one stuck in native code holding
-the interpreter lock does not silence the watchdog. The first verdict is written to the store once
-(``compare_set``); every live rank then writes its Python stacks (all threads, ``faulthandler``) to
-``<dump_dir>/rank<r>.stacks.txt`` and its flight-recorder record to ``rank<r>.fr.json``, and publishes that record's
-summary in the store (no shared file system assumed); the judge that wrote the verdict waits up to
-:data:`FLIGHT_RECORD_WAIT_S` for the live ranks' summaries, adds the flight recorder's words
-(:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and writes that one line to the store and to
-``verdict.txt``. Each rank prints the line on its own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster
-keeps a log per node or per rank), says "dumped", waits up to ``grace_s`` from its verdict for the others' "dumped",
-ends its own child processes (loader workers, one of which may be the stuck one) and exits with status
-:data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's popen launcher) exits after that one.
+Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`, the phase refined
+by the training thread's stack: :mod:`~lightning_solo.ddp.watchdog.where`) into the process group's store every
+``interval_s``, off the training stream, and reads one counter that moves at every verdict, report and request.
+Ranks 0 and ``W - 1`` also read every rank's and judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`):
+two judges, so one stuck in native code holding the interpreter lock does not silence the watchdog. A report (a
+rank busy past its allowance) is claimed once per level (1x, 2x, 4x the allowance) with ``compare_set``; every rank
+prints it and writes its stacks. A suspected stall (every rank waits) makes the judge ask each rank for its
+flight-recorder summary (:func:`~lightning_solo.ddp.watchdog.flight_recorder.deadlock`). An end (proof, or a
+reported stall at the collective timeout or ``abort_after_s``) is written to the store once; every live rank then
+writes its Python stacks (all threads, ``faulthandler``) to ``<dump_dir>/rank<r>.stacks.txt`` and its
+flight-recorder record to ``rank<r>.fr.json``, and publishes that record's summary in the store (no shared file
+system assumed); the judge that wrote the verdict waits up to :data:`FLIGHT_RECORD_WAIT_S` for the live ranks'
+summaries, adds the flight recorder's words (:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and
+writes that one line to the store and to ``verdict.txt``. Each rank prints the line on its own stderr as
+``[rank: r] SoloDDP watchdog: ...`` (a cluster keeps a log per node or per rank), says "dumped", waits up to
+``grace_s`` from its verdict for the others' "dumped", ends its own child processes (loader workers, one of which
+may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's
+popen launcher) exits after that one.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
