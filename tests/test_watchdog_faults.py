@@ -31,10 +31,11 @@ REPORTED_AS = {
     "rank 0 in on_train_epoch_end": r"rank 0 has been in on_train_epoch_end for (\d+) s at step 32; rank 1 waits in",
     "rank 0 in on_validation_epoch_end": r"rank 0 has been in on_validation_epoch_end for (\d+) s at step 32; "
     r"rank 1 waits in",
-    "a long evaluation": r"rank 1 has been in validation for (\d+) s at step 48",
+    "a long evaluation": r"rank [01] has been in validation for (\d+) s at step 48",
     "a loader worker's start": r"rank 1 has been in loader start for (\d+) s at step 48; rank 0 waits in backward",
-    "a C call holding the GIL": r"rank 1 has been in training_step for (\d+) s at step 56 \(its heartbeat silent "
-    r"for \d+ s; its process is alive: state S \(sleeping\)",
+    # The phase is the last heartbeat's (the thread cannot run while the C call holds the lock)
+    "a C call holding the GIL": r"rank 1 has been (?:in|waiting in) [^;]+? for (\d+) s at step \d+ \(its heartbeat "
+    r"silent for \d+ s; its process is alive: state S \(sleeping\)",
 }
 NOT_REPORTED = ("on_train_end", "checkpoint save")  # first occurrences: 6 s is within first_s
 
@@ -61,8 +62,9 @@ def test_slow_but_healthy_runs_finish_as_under_stock_with_a_report_where_work_ou
     results = finish_all(runs, 200)
     stock, solo = results["stock"][0], results["solo"][0]
     assert_same_run(stock, solo, tmp_path / "stock", tmp_path / "solo")
-    reports = [text for rank, text in watchdog_reports(solo.stdout) if rank == 0]
-    assert reports == [text for rank, text in watchdog_reports(solo.stdout) if rank == 1], reports
+    printed = watchdog_reports(solo.stdout)
+    reports = sorted({text for _, text in printed})  # each printed by each rank still in its fit
+    assert len(printed) == len(set(printed)) and len(printed) >= 2 * len(reports) - 2, printed
     seconds = {}
     for case, pattern in REPORTED_AS.items():
         found = [m for text in reports if (m := re.search("SoloDDP watchdog report: " + pattern, text))]

@@ -104,6 +104,13 @@ CASES = [
         f"process is alive: state S (sleeping)); {BACKWARD_0}",
     ),
     (
+        "a rank whose heartbeat stopped after its last said backward: busy (a wait releases the lock), reported",
+        [view(0, hb.BACKWARD, 40, step=7), view(1, hb.BACKWARD, 40, silent=5, proc="state S (sleeping)")],
+        REPORT, (1,), "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6 (its "
+        "heartbeat silent for 5 s; its process is alive: state S (sleeping)); rank 0 waits in backward (DDP's "
+        "gradient all-reduce) at step 7",
+    ),
+    (
         "a finished rank is neither stuck nor waited for",
         [view(0, hb.DONE, 400), view(1, hb.VALIDATION, 10)],
         None, None, None,

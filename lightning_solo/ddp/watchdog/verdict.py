@@ -51,7 +51,9 @@ _AFTER_TRAINING = frozenset({"on_train_end", "on_fit_end", "teardown"})
 class RankView:
     """One rank as the judge sees it: its latest heartbeat (``None``: none yet), how long it has been in that
     phase by now (``age_s``), how long its heartbeat has not moved (``silent_s``), whether its process ended,
-    and (``proc``) its process's state from ``/proc`` where readable."""
+    and (``proc``) its process's state from ``/proc``, read once its heartbeat stopped moving for a few periods:
+    a rank waiting in a collective releases the interpreter lock and goes on publishing, so such a rank is busy
+    (native code holding the lock), whatever its last heartbeat said."""
 
     rank: int
     beat: Heartbeat | None
@@ -155,14 +157,18 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
     active = [v for v in views if v.beat is None or v.beat.phase not in (DONE, FAILED)]
     if gone := [v for v in active if v.gone]:
         return _verdict(views, gone, END, silent_after_s)
-    silent = [v for v in active if v.silent_s > silent_after_s]
+    silent = [v for v in active if v.silent_s > silent_after_s or v.proc is not None]
     waiting = [v for v in active if v.beat is not None and _waits(v.beat) is not None and v not in silent]
     busy = [v for v in active if v.beat is not None and v not in waiting]
     late = [v for v in waiting if v.wait_s > v.beat.wait_allowance_s]  # type: ignore[union-attr]
     finished = [v for v in views if v.beat is not None and v.beat.phase in (DONE, FAILED)]
     if finished and (proof := [v for v in late if v.beat.phase not in _AFTER_TRAINING]):  # type: ignore[union-attr]
         return _verdict(views, proof, END, silent_after_s)
-    if over := [v for v in busy if v in silent or v.age_s > v.beat.allowance_s]:  # type: ignore[union-attr]
+    if over := [
+        v
+        for v in busy
+        if v.silent_s > silent_after_s or v.age_s > v.beat.allowance_s  # type: ignore[union-attr]
+    ]:
         return _verdict(
             views, over, REPORT, silent_after_s, max(v.age_s for v in over),
             min(v.beat.allowance_s for v in over),  # type: ignore[union-attr]
