@@ -32,7 +32,8 @@ SCRIPT = REPO / "tests" / "scripts" / "hang_fit.py"
 MARGIN_S = 3.0  # the script's watchdog margin (factor 2 x a ~15 ms median step adds little)
 BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after the stall
 TIMEOUT_S = 45.0  # SoloDDP(timeout=...) where a busy rank holds the run up (it bounds the rendezvous too)
-HUNG = ("sleep", "slow_exit", "loader", "checkpoint", "extra", "kill")
+PROOF = ("extra", "kill", "uneven")  # ended on proof, at the default collective timeout
+HUNG = ("sleep", "slow_exit", "loader", "checkpoint", "extra", "kill", "uneven")
 
 
 def start(out, mode: str, timeout_s: float | None = None, env: dict | None = None) -> list[subprocess.Popen]:
@@ -98,7 +99,7 @@ def run(out, mode: str, timeout_s: float | None = None) -> tuple[subprocess.Comp
 def hung(tmp_path_factory):
     """Every hung run, started together (their processes mostly sleep): mode -> (its dir, the result)."""
     base = tmp_path_factory.mktemp("hung")
-    runs = {mode: (base / mode, start(base / mode, mode, TIMEOUT_S if mode not in ("extra", "kill") else None))
+    runs = {mode: (base / mode, start(base / mode, mode, TIMEOUT_S if mode not in PROOF else None))
             for mode in HUNG}  # fmt: skip
     return {mode: (base / mode, result) for mode, result in finish_all(runs).items()}
 
@@ -216,6 +217,22 @@ def test_a_stalled_checkpoint_write_leaves_the_newest_verified_checkpoint(hung):
     )
     assert find_latest_valid(ckpt) == str(ckpt / "step=4.ckpt")
     verify(ckpt / "step=4.ckpt")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_rank_that_finished_its_fit_while_another_waits_in_a_training_collective(hung):
+    # Uneven data the policy does not settle (uneven_data=False, map-style loaders of 8 and 16 batches): rank 1
+    # finished its fit and went on, rank 0 waits in its ninth step's all-reduce. Proof: ended at a step's allowance.
+    out, (proc, elapsed, _) = hung["uneven"]
+    assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
+    line = verdict_line(proc, ranks=(0,))  # rank 1's watchdog ended with its fit
+    assert line.startswith(
+        "SoloDDP watchdog: rank 0 has been waiting in backward (DDP's gradient all-reduce) for "
+    ) and line.split("; flight recorder")[0].endswith("at step 8; rank 1 finished training"), line
+    assert_stacks(out, [0], "backward")
+    assert MARGIN_S < elapsed < min(MARGIN_S + 12, BOUND_S), (elapsed, line)
+    print(f"uneven: ended {elapsed:.1f} s after the stall: {line}")
 
 
 @pytest.mark.multiproc

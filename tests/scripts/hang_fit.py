@@ -12,6 +12,9 @@ at step STEP, as MODE says:
   point-to-point messages it does not record);
 * ``checkpoint``: rank 0's checkpoint write stalls halfway (pickling an object that never returns);
 * ``kill``: rank 1 sends itself SIGKILL in ``training_step``;
+* ``uneven``: rank 1's loader holds 8 batches, rank 0's 16 (map-style, no distributed sampler, no checkpoints),
+  with ``uneven_data=False`` (the policy, which would end both at 8, off: a case it cannot settle): rank 1 finishes
+  its fit and goes on with other work while rank 0 waits in its ninth step's all-reduce (stock waits the timeout);
 * ``none``: nothing stalls (the watchdog must stay quiet);
 * ``stock``: stock ``DDPStrategy(timeout=8 s)``, rank 1 sleeps 12 s in ``training_step`` (the contrast);
 * ``healthy`` (SoloDDP) and ``healthy_stock`` (``DDPStrategy()``): a run that finishes, 4 epochs with a
@@ -112,10 +115,15 @@ class Stalling(Tiny):
 
     def train_dataloader(self):
         self.data.rank = self.global_rank  # the worker is forked with it
+        if self.mode == "uneven":  # rank 1's own 8 batches, rank 0's 16 (no distributed sampler)
+            data = torch.utils.data.Subset(self.data, range(32 if self.global_rank else 64))
+            return DataLoader(data, batch_size=4)
         return DataLoader(self.data, batch_size=4, num_workers=1 if self.mode == "loader" else 0)
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.01)  # a 10-15 ms step
+        if self.mode == "uneven" and self.global_rank == 1 and batch_idx == 7:
+            stall_marker(self.out, 0)  # rank 0 will wait in its next step's all-reduce
         if self.global_rank == 1 and self.global_step == STEP:
             if self.mode in ("sleep", "slow_exit", "stock"):
                 stall_marker(self.out, 1)
@@ -232,17 +240,21 @@ def main(mode: str, out: Path, timeout_s: float | None = None) -> None:
     strategy = (
         DDPStrategy(timeout=timedelta(seconds=8))
         if mode == "stock"
-        else SoloDDP(watchdog=WATCHDOG, **timeout)
+        else SoloDDP(watchdog=WATCHDOG, uneven_data=mode != "uneven" and "shortest", **timeout)
     )
+    uneven = {"max_epochs": 1, "enable_checkpointing": False, "use_distributed_sampler": False}
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=12, num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)],
-        default_root_dir=out, **QUIET,
+        accelerator="cpu", devices=2, strategy=strategy, num_sanity_val_steps=0, default_root_dir=out,
+        **(uneven if mode == "uneven" else {"max_steps": 12, "callbacks": [ModelCheckpoint(
+            dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)]}),
+        **QUIET,
     )  # fmt: skip
     model = Stalling(mode, out, Data(out, stall=mode == "loader"))
     end = {"ended": "normally"}
     try:
         trainer.fit(model)
+        if mode == "uneven" and trainer.global_rank == 1:
+            time.sleep(120)  # the script goes on after its fit (its process alive, in no collective)
     except BaseException as err:
         end = {"ended": type(err).__name__, "message": str(err)[:2000]}
         raise
