@@ -25,6 +25,7 @@ at step STEP, as MODE says:
   SLOW_STEP) and in a C call holding the interpreter lock (step GIL_STEP). Rank 0 saves the weights to
   OUT_DIR/weights.pt.
 
+``STOCK=1`` in the environment: any fault under stock ``DDPStrategy(timeout=8 s)`` (the contrast).
 TIMEOUT_S: ``SoloDDP(timeout=...)`` (default 30 minutes), at which a reported stall ends the run. ``DEFAULTS=1`` in
 the environment: the watchdog's default thresholds, with SLOW_S 70 s; ``EVENTS=a,b``: only those slow places
 (``epoch_end``, ``val_epoch_end``, ``train_end``, ``checkpoint``, ``evaluation``, ``workers``, ``step``, ``gil``).
@@ -239,7 +240,7 @@ def main(mode: str, out: Path, timeout_s: float | None = None) -> None:
     timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     strategy = (
         DDPStrategy(timeout=timedelta(seconds=8))
-        if mode == "stock"
+        if mode == "stock" or os.environ.get("STOCK") == "1"
         else SoloDDP(watchdog=WATCHDOG, uneven_data=mode != "uneven" and "shortest", **timeout)
     )
     uneven = {"max_epochs": 1, "enable_checkpointing": False, "use_distributed_sampler": False}
