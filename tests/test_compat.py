@@ -227,6 +227,11 @@ def test_the_watchdogs_stack_reading_names_exist():
     codes = lightning_compat.hook_call_codes()
     assert len(codes) == 3 and all(c.co_varnames[1] == "hook_name" for c in codes)
     assert torch_compat.dataloader_next_code().co_name == "__next__"
+    assert {c.co_name for c in torch_compat.dataloader_start_codes()} == {
+        "__iter__",
+        "_get_iterator",
+        "__init__",
+    }
     iterator = iter(DataLoader([1, 2, 3]))
     assert torch_compat.batches_yielded(iterator) == 0
     next(iterator)

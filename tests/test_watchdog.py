@@ -9,14 +9,9 @@ about the time of the longest. A healthy run at the same thresholds ends nothing
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
@@ -24,84 +19,17 @@ from lightning_solo import SoloDDP
 from lightning_solo.checkpoint import verify
 from lightning_solo.checkpoint.select import find_latest_valid
 from lightning_solo.ddp.watchdog import HANG_EXIT_CODE
-from lightning_solo.testing import free_port
-from tests.helpers import REPO
+from tests.helpers.hang_runs import TIMEOUT_S, fault_runs, run
 from tests.helpers.records import watchdog_lines, watchdog_reports
 
-SCRIPT = REPO / "tests" / "scripts" / "hang_fit.py"
 MARGIN_S = 3.0  # the script's watchdog margin (factor 2 x a ~15 ms median step adds little)
 BOUND_S = 2 * 0.015 + 60  # the defaults' promise: 2 x median step + 60 s after the stall
-TIMEOUT_S = 45.0  # SoloDDP(timeout=...) where a busy rank holds the run up (it bounds the rendezvous too)
-PROOF = ("extra", "kill", "uneven")  # ended on proof, at the default collective timeout
-HUNG = ("sleep", "slow_exit", "loader", "checkpoint", "extra", "kill", "uneven")
-
-
-def start(out, mode: str, timeout_s: float | None = None, env: dict | None = None) -> list[subprocess.Popen]:
-    # Into a file: the run must end by itself, not when the last process holding a pipe open does. In a session
-    # of its own, so that what the run leaves behind (stock's sleeping rank 1) goes with it. Stock's 8 s timeout
-    # also bounds its rendezvous, which a rank 1 started by the popen launcher (a fresh interpreter importing
-    # Lightning on a loaded machine) can miss: its ranks start together, as under torchrun.
-    cmd = [sys.executable, str(SCRIPT), mode, str(out)] + ([str(timeout_s)] if timeout_s else [])
-    envs = [{**os.environ, **env} if env else None]  # the popen launcher starts rank 1
-    if mode == "stock":
-        external = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": "2",
-            "NODE_RANK": "0",
-        }
-        envs = [{**os.environ, **external, "LOCAL_RANK": str(rank)} for rank in (0, 1)]
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "output.txt", "w") as log:
-        return [subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True) for env in envs]  # fmt: skip
-
-
-def finish_all(
-    runs: dict, limit_s: float = 150
-) -> dict[str, tuple[subprocess.CompletedProcess, float, dict]]:
-    """``runs``: name -> (its dir, its processes), waited for together; each result's time is its own end's."""
-    ended: dict[str, float] = {}
-    deadline = time.monotonic() + limit_s
-    try:
-        while len(ended) < len(runs) and time.monotonic() < deadline:
-            for name, (_, procs) in runs.items():
-                if name not in ended and procs[0].poll() is not None:
-                    ended[name] = time.time()
-            time.sleep(0.1)
-    finally:
-        for _, procs in runs.values():
-            for each in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(each.pid, signal.SIGKILL)
-                each.wait()
-    assert len(ended) == len(runs), f"still running after {limit_s} s: {set(runs) - set(ended)}"
-    return {name: _result(out, procs[0].returncode, ended[name]) for name, (out, procs) in runs.items()}
-
-
-def finish(
-    out, procs: list[subprocess.Popen], limit_s: float = 150
-) -> tuple[subprocess.CompletedProcess, float, dict]:
-    return finish_all({"run": (out, procs)}, limit_s)["run"]
-
-
-def _result(out, code: int, ended: float) -> tuple[subprocess.CompletedProcess, float, dict]:
-    proc = subprocess.CompletedProcess([], code, (out / "output.txt").read_text(), "")
-    stall = json.loads((out / "stall.json").read_text()) if (out / "stall.json").exists() else {}
-    return proc, ended - stall.get("t", ended), stall
-
-
-def run(out, mode: str, timeout_s: float | None = None) -> tuple[subprocess.CompletedProcess, float, dict]:
-    return finish(out, start(out, mode, timeout_s))
 
 
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory):
     """Every hung run, started together (their processes mostly sleep): mode -> (its dir, the result)."""
-    base = tmp_path_factory.mktemp("hung")
-    runs = {mode: (base / mode, start(base / mode, mode, TIMEOUT_S if mode not in PROOF else None))
-            for mode in HUNG}  # fmt: skip
-    return {mode: (base / mode, result) for mode, result in finish_all(runs).items()}
+    return fault_runs(tmp_path_factory.mktemp("faults"))
 
 
 def verdict_line(proc: subprocess.CompletedProcess, ranks: tuple[int, ...] = (0, 1)) -> str:
@@ -156,7 +84,7 @@ def assert_hang(
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_rank_asleep_in_training_step(hung):
     line = assert_hang(hung, "sleep", "has been in training_step for", "in training_step")
     assert "at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
@@ -166,7 +94,7 @@ def test_a_rank_asleep_in_training_step(hung):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_the_job_exits_86_when_the_rank_that_started_the_others_is_slow_to_exit(hung):
     # Rank 1 waits for rank 0, its parent, to exit first: had it exited first, Lightning's process observer in
     # rank 0 would have seen a child end with an error and SIGKILLed rank 0 (exit status -9).
@@ -179,14 +107,14 @@ def test_the_job_exits_86_when_the_rank_that_started_the_others_is_slow_to_exit(
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_loader_worker_blocked_in_getitem(hung):
     line = assert_hang(hung, "loader", "has been in data wait for", "_next_data")
     assert "rank 0 waits in backward (DDP's gradient all-reduce)" in line
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_rank_issuing_one_extra_collective(hung):
     line = assert_hang(
         hung, "extra", "has been waiting in all_gather (collective #", "all_gather", report=False,
@@ -206,7 +134,7 @@ def test_a_rank_issuing_one_extra_collective(hung):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_stalled_checkpoint_write_leaves_the_newest_verified_checkpoint(hung):
     line = assert_hang(hung, "checkpoint", "has been in checkpoint save for", "__reduce__", stuck=0)
     assert "at step 6; rank 1 waits in barrier 'Trainer.save_checkpoint'" in line
@@ -220,7 +148,7 @@ def test_a_stalled_checkpoint_write_leaves_the_newest_verified_checkpoint(hung):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_rank_that_finished_its_fit_while_another_waits_in_a_training_collective(hung):
     # Uneven data the policy does not settle (uneven_data=False, map-style loaders of 8 and 16 batches): rank 1
     # finished its fit and went on, rank 0 waits in its ninth step's all-reduce. Proof: ended at a step's allowance.
@@ -236,7 +164,7 @@ def test_a_rank_that_finished_its_fit_while_another_waits_in_a_training_collecti
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_rank_killed_with_sigkill(hung):
     # gloo fails rank 0's all-reduce at once ("Connection closed by peer", no rank named); the line names rank 1.
     out, (proc, elapsed, _) = hung["kill"]

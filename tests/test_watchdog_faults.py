@@ -20,8 +20,9 @@ import torch
 from lightning_solo.ddp.watchdog import HANG_EXIT_CODE
 from lightning_solo.ddp.watchdog.verdict import ENDS, REPORTED
 from tests.helpers import REPO
+from tests.helpers.hang_runs import fault_runs, finish_all, start
 from tests.helpers.records import watchdog_lines, watchdog_reports
-from tests.test_watchdog import BOUND_S, finish_all, start, verdict_line
+from tests.test_watchdog import BOUND_S, verdict_line
 
 # What each slow place is reported as (the first report's words), and the places whose first occurrence gets the
 # first-time allowance (30 s scaled) and so is not reported. Each case's list in docs/multi-node.md: REPORTED.
@@ -34,8 +35,10 @@ REPORTED_AS = {
     "a long evaluation": r"rank [01] has been in validation for (\d+) s at step 48",
     "a loader worker's start": r"rank 1 has been in loader start for (\d+) s at step 48; rank 0 waits in backward",
     # The phase is the last heartbeat's (the thread cannot run while the C call holds the lock)
-    "a C call holding the GIL": r"rank 1 has been (?:in|waiting in) [^;]+? for (\d+) s at step \d+ \(its heartbeat "
-    r"silent for \d+ s; its process is alive: state S \(sleeping\)",
+    # The phase is the last heartbeat's (the thread cannot run while the C call holds the lock); reported once
+    # the heartbeat has stopped for a few periods: the seconds are the silence's.
+    "a C call holding the GIL": r"rank 1 has been (?:in|waiting in) [^;]+? for \d+ s at step \d+ \(its heartbeat "
+    r"silent for (\d+) s; its process is alive: state S \(sleeping\)",
 }
 NOT_REPORTED = ("on_train_end", "checkpoint save")  # first occurrences: 6 s is within first_s
 
@@ -53,15 +56,14 @@ def assert_same_run(stock, solo, out_stock, out_solo) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_slow_but_healthy_runs_finish_as_under_stock_with_a_report_where_work_outlasted_its_allowance(
-    tmp_path,
+    tmp_path_factory,
 ):
-    runs = {name: (tmp_path / name, start(tmp_path / name, mode))
-            for name, mode in (("stock", "healthy_stock"), ("solo", "healthy"))}  # fmt: skip
-    results = finish_all(runs, 200)
-    stock, solo = results["stock"][0], results["solo"][0]
-    assert_same_run(stock, solo, tmp_path / "stock", tmp_path / "solo")
+    # Started with test_watchdog.py's hung runs, once they have stalled (helpers/hang_runs.py).
+    runs = fault_runs(tmp_path_factory.mktemp("faults"))
+    (out_stock, (stock, _, _)), (out_solo, (solo, _, _)) = runs["stock"], runs["solo"]
+    assert_same_run(stock, solo, out_stock, out_solo)
     printed = watchdog_reports(solo.stdout)
     reports = sorted({text for _, text in printed})  # each printed by each rank still in its fit
     assert len(printed) == len(set(printed)) and len(printed) >= 2 * len(reports) - 2, printed
@@ -70,7 +72,8 @@ def test_slow_but_healthy_runs_finish_as_under_stock_with_a_report_where_work_ou
         found = [m for text in reports if (m := re.search("SoloDDP watchdog report: " + pattern, text))]
         assert found, (case, reports)
         seconds[case] = int(found[0].group(1))
-        assert 3 <= seconds[case] <= 6, (case, found[0].group(0))  # at its allowance (3 s, or a median more)
+        low = 1 if case == "a C call holding the GIL" else 3  # its allowance (3 s, or a median more)
+        assert low <= seconds[case] <= 6, (case, found[0].group(0))
     assert all("not ended" in text for text in reports)
     assert not [text for text in reports for place in NOT_REPORTED if f"has been in {place}" in text], reports
     print(f"healthy: stock and SoloDDP exit 0, same weights; reported after {seconds}")

@@ -147,6 +147,16 @@ def dataloader_next_code() -> Any:
     return _BaseDataLoaderIter.__next__.__code__
 
 
+def dataloader_start_codes() -> frozenset[Any]:
+    """The code objects that make a loader's iterator (``DataLoader.__iter__``, ``DataLoader._get_iterator``,
+    ``_MultiProcessingDataLoaderIter.__init__``, which starts the workers): a frame running one is an epoch's loader
+    starting (checked on torch 2.14.1)."""
+    from torch.utils.data.dataloader import DataLoader, _MultiProcessingDataLoaderIter
+
+    functions = (DataLoader.__iter__, DataLoader._get_iterator, _MultiProcessingDataLoaderIter.__init__)
+    return frozenset(f.__code__ for f in functions)
+
+
 def batches_yielded(iterator: Any) -> int | None:
     """``_BaseDataLoaderIter._num_yielded``: the batches a loader's iterator has handed out this epoch (``None``: not
     such an iterator; checked on torch 2.14.1)."""

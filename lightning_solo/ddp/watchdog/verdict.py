@@ -144,7 +144,11 @@ def _verdict(
     others = [v for v in views if v.rank not in stuck_ranks and v.beat is not None]
     parts += [_describe_other(v) for v in others]
     peers = [v.wait_s for v in views if v.beat is not None and v.beat.phase not in (DONE, FAILED)]
-    key = ",".join(f"{v.rank}:{v.beat.phase}@{v.beat.step}" if v.beat else f"{v.rank}:-" for v in stuck)
+    # A heartbeat that stopped moving is a stall of its own (a stale phase may have been reported already).
+    key = ",".join(
+        f"{v.rank}:{v.beat.phase}@{v.beat.step}{'/silent' if v.proc else ''}" if v.beat else f"{v.rank}:-"
+        for v in stuck
+    )
     return Verdict(stuck_ranks, "; ".join(parts), kind, over_s, allowance_s, max(peers, default=0.0), key)
 
 

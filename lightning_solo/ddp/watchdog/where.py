@@ -34,16 +34,20 @@ ONCE_HOOKS = frozenset({
 })  # fmt: skip
 _HOOK_CODES = lightning_compat.hook_call_codes()
 _NEXT_CODE = torch_compat.dataloader_next_code()
+_START_CODES = torch_compat.dataloader_start_codes()
 _DEPTH = 200  # frames looked at, innermost first
 
 
 def where(frame: FrameType | None) -> str | None:
     """The innermost Lightning hook on the stack from ``frame`` (``None`` for a step's own hooks), or
-    :data:`LOADER_START` while a loader fetches its first batch of an epoch; ``None`` when neither."""
+    :data:`LOADER_START` while a loader makes its iterator (its workers start) or fetches its first batch of an
+    epoch; ``None`` when neither."""
     for _ in range(_DEPTH):
         if frame is None:
             return None
         code = frame.f_code
+        if code in _START_CODES:
+            return LOADER_START
         if code is _NEXT_CODE:
             first = torch_compat.batches_yielded(frame.f_locals.get("self")) == 0
             return LOADER_START if first else None
