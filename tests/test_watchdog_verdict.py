@@ -4,6 +4,7 @@ allowance, the settings and their promised bound, and the flight recorder's envi
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch.distributed
@@ -109,6 +110,11 @@ CASES = [
         REPORT, (1,), "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6 (its "
         "heartbeat silent for 5 s; its process is alive: state S (sleeping)); rank 0 waits in backward (DDP's "
         "gradient all-reduce) at step 7",
+    ),
+    (
+        "a heartbeat published late (its thread held up by the lock) is no report: the next one tells",
+        [view(0, hb.BACKWARD, 40), RankView(1, replace(beat(1, hb.TRAINING_STEP), late=True), age_s=40)],
+        None, None, None,
     ),
     (
         "a finished rank is neither stuck nor waited for",

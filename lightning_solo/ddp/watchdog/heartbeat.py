@@ -66,9 +66,8 @@ class Heartbeat:
         default_factory=dict
     )  # seconds in each phase so far (TrainingDoctor reads it)
     wait_s: float = 0.0  # seconds in the collective it waits in (0: none)
-    wait_allowance_s: float = (
-        0.0  # how long a wait may last before the verdict looks at it (a step's allowance)
-    )
+    wait_allowance_s: float = 0.0  # how long a wait may go on before the verdict looks (a step's allowance)
+    late: bool = False  # its thread could not run for a while: the phase it tells of may be over
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

@@ -168,11 +168,13 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
     finished = [v for v in views if v.beat is not None and v.beat.phase in (DONE, FAILED)]
     if finished and (proof := [v for v in late if v.beat.phase not in _AFTER_TRAINING]):  # type: ignore[union-attr]
         return _verdict(views, proof, END, silent_after_s)
+    # A heartbeat its thread published late (the interpreter lock held) tells of a phase that may be over: the
+    # next one says.
+    late_beat = [v for v in busy if v.beat is not None and v.beat.late]
     if over := [
-        v
-        for v in busy
-        if v.silent_s > silent_after_s or v.age_s > v.beat.allowance_s  # type: ignore[union-attr]
-    ]:
+        v for v in busy
+        if v.silent_s > silent_after_s or (v.age_s > v.beat.allowance_s and v not in late_beat)  # type: ignore[union-attr]
+    ]:  # fmt: skip
         return _verdict(
             views, over, REPORT, silent_after_s, max(v.age_s for v in over),
             min(v.beat.allowance_s for v in over),  # type: ignore[union-attr]

@@ -296,7 +296,7 @@ class Watchdog:
             # what it read before the wait may be stale.
             late, last = time.monotonic() - last > 2 * self.settings.interval_s + 0.5, time.monotonic()
             try:
-                self._publish()
+                self._publish(late)
                 if (signal := int(self._store.add(_SIGNAL, 0))) != self._signal:
                     self._signal = signal
                     if self._store.check([_VERDICT]):
@@ -433,9 +433,10 @@ class Watchdog:
             self.rank, self._pid, self._host, self._beats, (s.factor, s.margin_s, s.first_s), refined, first
         )
 
-    def _publish(self) -> None:
+    def _publish(self, late: bool = False) -> None:
         self._beats += 1
-        self._store.set(f"beat/{self.rank}", self._snapshot().encode())
+        beat = self._snapshot()
+        self._store.set(f"beat/{self.rank}", (replace(beat, late=True) if late else beat).encode())
 
     def _views(self) -> list[RankView]:
         keys = [f"beat/{r}" for r in range(self.world_size)]
