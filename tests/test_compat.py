@@ -243,3 +243,20 @@ def test_flight_recorder_dumps_have_the_fields_the_watchdog_reads():
     assert {"collective_seq_id", "p2p_seq_id", "is_p2p", "state", "retired", "record_id"} <= set(entry)
     if dumps["nccl"] is not None:  # _dump_nccl_trace_json: no NCCL group here, so no entries
         assert "version" in dumps["nccl"] and not dumps["nccl"].get("entries")
+
+
+def test_the_watchdogs_stack_reading_names_exist():
+    from torch.utils.data import DataLoader
+
+    codes = lightning_compat.hook_call_codes()
+    assert len(codes) == 3 and all(c.co_varnames[1] == "hook_name" for c in codes)
+    assert torch_compat.dataloader_next_code().co_name == "__next__"
+    assert {c.co_name for c in torch_compat.dataloader_start_codes()} == {
+        "__iter__",
+        "_get_iterator",
+        "__init__",
+    }
+    iterator = iter(DataLoader([1, 2, 3]))
+    assert torch_compat.batches_yielded(iterator) == 0
+    next(iterator)
+    assert torch_compat.batches_yielded(iterator) == 1 and torch_compat.batches_yielded(object()) is None

@@ -25,6 +25,7 @@ from lightning_solo.callbacks import SoloCheckpoint
 from tests.helpers import REPO, glibc_malloc
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+FIT_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")  # what SoloDDP sets for a fit
 
 
 class _Model(L.LightningModule):
@@ -53,6 +54,7 @@ def _native_threads() -> int:
 def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     filters = list(warnings.filters)
+    env = {k: os.environ.get(k) for k in FIT_ENV}
     data = TensorDataset(torch.randn(128, 8), torch.randint(0, 2, (128,)))  # 8 batches per rank
     decisions, threads = {}, []
     for max_steps, ckpt_path in ((3, None), (6, f"{out}/step=3.ckpt")):  # the second resumes mid-epoch
@@ -73,6 +75,7 @@ def _fit_resume_and_observe(rank: int, world_size: int, out: str) -> dict:
     return {
         "threads": threads,
         "added_filters": [str(f) for f in warnings.filters if f not in filters],
+        "env": [env, {k: os.environ.get(k) for k in FIT_ENV}],
         "decisions": decisions,
         "mapped_4m": glibc_malloc.mapped(4 * 2**20),
         # Another thread (gloo's, torch's) may take a block above ours once: a kept 1 GiB threshold fails all three.
@@ -101,6 +104,8 @@ def test_a_fit_and_a_resume_leave_no_process_wide_setting_behind(tmp_path):
         assert rank["decisions"]["mid_epoch_resume"].startswith("mid_epoch_resume = 3"), rank["decisions"]
         assert rank["mapped_4m"] and rank["trims"], rank
         assert rank["added_filters"] == [], rank["added_filters"]
+        # Before: TORCH_FR_BUFFER_SIZE=2000 (the watchdog's flight recorder) stayed in os.environ after the fit.
+        assert rank["env"][1] == rank["env"][0] == dict.fromkeys(FIT_ENV), rank["env"]
         # Before: each SoloDDP() made its own gloo side group, whose three native threads stayed after the fit.
         assert rank["threads"][1] == rank["threads"][0], rank["threads"]
 
@@ -131,3 +136,27 @@ def test_the_memory_probe_leaves_malloc_alone_without_the_pack_setting():
     assert not on["after_probe"]["mapped_4m"] and not on["after_probe"]["trims"], on
     assert on["after_restore"] == {"mapped_256k": True, "mapped_4m": True, "trims": True}, on
     assert all(0 < m < 1 for m in off["measured"] + on["measured"]), (off, on)
+
+
+def test_the_flight_recorders_variables_are_put_back_after_the_run(monkeypatch):
+    # What the watchdog sets for a fit goes at teardown; a user's own setting stays as it was.
+    from lightning_solo.ddp.watchdog import WatchdogSession
+
+    for key in FIT_ENV:
+        monkeypatch.delenv(key, raising=False)
+    session = WatchdogSession(True)
+    session.prepare_environment("nccl")
+    assert {k: os.environ.get(k) for k in FIT_ENV} == {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    session.teardown()
+    assert not set(FIT_ENV) & set(os.environ)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    session.prepare_environment("nccl")
+    session.prepare_environment("nccl")  # a second run's setup before any teardown: the first value is kept
+    session.teardown()
+    assert {k: os.environ.get(k) for k in FIT_ENV} == {
+        "TORCH_FR_BUFFER_SIZE": None,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }

@@ -104,8 +104,10 @@ def test_a_summary_keeps_each_groups_last_collective_and_whether_it_is_in_flight
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_path, capfd):
-    # Two ranks' watchdogs in one process on a real store (report only), each reading its rank's real dump at
-    # the "extra" moment: rank 1 stays in training_step past its allowance while rank 0 waits in backward.
+    # Two ranks' watchdogs in one process on a real store (abort=False: nothing exits), each reading its rank's
+    # real dump at the "two_groups" moment (each rank in a collective the other never entered): rank 1 waits in
+    # training_step's all_gather, rank 0 in backward. Every rank waits: the judge reads the records, finds the
+    # mismatch and ends the run.
     import time
 
     import torch.distributed as dist
@@ -117,11 +119,17 @@ def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_pa
     settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False)
     dogs = [
         Watchdog(
-            settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang", lambda r=r: dumps["extra"][r]
+            settings,
+            dist.PrefixStore("t/", store),
+            r,
+            2,
+            tmp_path / "hang",
+            lambda r=r: dumps["two_groups"][r],
         )
         for r in range(2)
     ]
     dogs[1].writer.enter(hb.TRAINING_STEP)
+    dogs[1].writer.collective("all_gather")
     dogs[0].writer.enter(hb.BACKWARD)
     for dog in dogs:
         dog.start()
@@ -134,9 +142,12 @@ def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_pa
     lines = watchdog_lines(capfd.readouterr().err)
     assert sorted(lines) == [0, 1], lines  # each rank printed the whole line, flight recorder included
     line = lines[0]
-    words = clause({r: summarize(dumps["extra"][r]) for r in (0, 1)}, lead=(1,))
+    assert line.startswith("SoloDDP watchdog: collective mismatch: rank 1 has been waiting in all_gather"), (
+        line
+    )
+    words = clause({r: summarize(dumps["two_groups"][r]) for r in (0, 1)}, lead=(1,))
     assert words is not None and f"; {words}. Python stacks: " in line, line
     assert line.endswith("flight recorder: " + str(tmp_path / "hang") + "/rank*.fr.json."), line
     assert (tmp_path / "hang" / "verdict.txt").read_text().strip() == line
     for rank in (0, 1):
-        assert (tmp_path / "hang" / f"rank{rank}.fr.json").read_bytes() == dumps["extra"][rank]
+        assert (tmp_path / "hang" / f"rank{rank}.fr.json").read_bytes() == dumps["two_groups"][rank]

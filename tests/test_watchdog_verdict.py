@@ -4,6 +4,7 @@ allowance, the settings and their promised bound, and the flight recorder's envi
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch.distributed
@@ -17,108 +18,165 @@ from lightning_solo.ddp.watchdog import (
     judge,
 )
 from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.ddp.watchdog.flight_recorder import deadlock
+from lightning_solo.ddp.watchdog.verdict import END, REPORT, SUSPECT, Verdict
 from lightning_solo.ddp.watchdog.watchdog import peer_failure
-from tests.helpers.records import watchdog_lines
+from tests.helpers.records import watchdog_lines, watchdog_reports
 
 
-def beat(rank, phase, step=6, collective=None, seq=0, allowance=30.0):
-    return Heartbeat(rank, 100 + rank, "host", step, phase, 0.0, allowance, collective, seq)
+def beat(rank, phase, step=6, collective=None, seq=0, allowance=30.0, wait=0.0):
+    return Heartbeat(rank, 100 + rank, "host", step, phase, 0.0, allowance, collective, seq, wait_s=wait,
+                     wait_allowance_s=30.0)  # fmt: skip
 
 
 def view(rank, phase, age, **kw):
-    gone, silent = kw.pop("gone", False), kw.pop("silent", 0.0)
-    return RankView(rank, beat(rank, phase, **kw), age_s=age, silent_s=silent, gone=gone)
+    gone, silent, proc = kw.pop("gone", False), kw.pop("silent", 0.0), kw.pop("proc", None)
+    waiting = kw.get("collective") is not None or phase == hb.BACKWARD
+    return RankView(rank, beat(rank, phase, wait=age if waiting else 0.0, **kw), age_s=age, silent_s=silent,
+                    gone=gone, proc=proc)  # fmt: skip
 
 
+BACKWARD_0 = "rank 0 waits in backward (DDP's gradient all-reduce) at step 6"
 CASES = [
-    # (name, views, stuck ranks, the line, or None: no verdict)
-    ("within allowance", [view(0, hb.BACKWARD, 10), view(1, hb.TRAINING_STEP, 12)], None, None),
+    # (name, views, kind (None: no verdict), stuck ranks, the line)
+    ("within allowance", [view(0, hb.BACKWARD, 10), view(1, hb.TRAINING_STEP, 12)], None, None, None),
     (
-        "a rank stuck in training_step",
+        "a rank busy in training_step: reported",
         [view(0, hb.BACKWARD, 93), view(1, hb.TRAINING_STEP, 94)],
-        (1,),
-        "rank 1 has been in training_step for 94 s at step 6; "
-        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+        REPORT, (1,), f"rank 1 has been in training_step for 94 s at step 6; {BACKWARD_0}",
     ),
     (
-        "a rank waiting for data",
+        "a rank waiting for data: reported",
         [view(0, hb.BACKWARD, 40), view(1, hb.DATA_WAIT, 41)],
-        (1,),
-        "rank 1 has been in data wait for 41 s at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+        REPORT, (1,), f"rank 1 has been in data wait for 41 s at step 6; {BACKWARD_0}",
     ),
     (
-        "an extra collective on one rank: every rank waits; the one behind is named",
+        "the waiting rank's clock never convicts a busy peer within its own allowance (a first checkpoint write)",
+        [view(0, hb.CHECKPOINT_SAVE, 100, allowance=600.0),
+         view(1, hb.DATA_WAIT, 99, collective="barrier 'Trainer.save_checkpoint'", seq=12)],
+        None, None, None,
+    ),
+    (
+        "a checkpoint write past its allowance: reported",
+        [view(0, hb.CHECKPOINT_SAVE, 40),
+         view(1, "on_train_batch_end", 39, collective="barrier 'Trainer.save_checkpoint'", seq=12)],
+        REPORT, (0,), "rank 0 has been in checkpoint save for 40 s at step 6; "
+        "rank 1 waits in barrier 'Trainer.save_checkpoint' (collective #12, in on_train_batch_end) at step 6",
+    ),
+    (
+        "a hook on rank 0 past its allowance (the refined phase): reported",
+        [view(0, "on_train_epoch_end", 40), view(1, hb.BACKWARD, 41, step=7)],
+        REPORT, (0,), "rank 0 has been in on_train_epoch_end for 40 s at step 6; "
+        "rank 1 waits in backward (DDP's gradient all-reduce) at step 7",
+    ),
+    (
+        "every rank waits in a collective: suspected, the one behind named",
         [view(0, hb.BACKWARD, 40), view(1, hb.TRAINING_STEP, 41, collective="barrier 'extra'", seq=7)],
-        (1,),
-        "rank 1 has been waiting in barrier 'extra' (collective #7, in training_step) for 41 s at step 6; "
-        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+        SUSPECT, (1,), "rank 1 has been waiting in barrier 'extra' (collective #7, in training_step) for 41 s at "
+        f"step 6; {BACKWARD_0}",
     ),
     (
-        "a checkpoint write stalls on rank 0",
-        [
-            view(0, hb.CHECKPOINT_SAVE, 40),
-            view(1, hb.DATA_WAIT, 39, collective="barrier 'Trainer.save_checkpoint'", seq=12),
-        ],
-        (0,),
-        "rank 0 has been in checkpoint save for 40 s at step 6; "
-        "rank 1 waits in barrier 'Trainer.save_checkpoint' (collective #12, in data wait) at step 6",
-    ),
-    (
-        "a rank whose process ended",
-        [view(0, hb.BACKWARD, 1), view(1, hb.TRAINING_STEP, 1, gone=True)],
-        (1,),
-        "rank 1 is gone (its process ended; its last heartbeat: training_step at step 6); "
-        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
-    ),
-    (
-        "a silent rank (frozen, or native code holding the GIL)",
-        [view(0, hb.BACKWARD, 50), view(1, hb.TRAINING_STEP, 50, silent=45)],
-        (1,),
-        "rank 1 has been silent for 45 s (last seen in training_step at step 6); "
-        "rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
-    ),
-    (
-        "every rank in backward: all named",
+        "every rank in backward: suspected, all named",
         [view(0, hb.BACKWARD, 40), view(1, hb.BACKWARD, 40)],
-        (0, 1),
-        "rank 0 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6; "
+        SUSPECT, (0, 1), "rank 0 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6; "
         "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6",
     ),
     (
         "a rank a step behind in backward is the one named",
         [view(0, hb.BACKWARD, 40, step=7), view(1, hb.BACKWARD, 41)],
-        (1,),
-        "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 41 s at step 6; "
+        SUSPECT, (1,), "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 41 s at step 6; "
         "rank 0 waits in backward (DDP's gradient all-reduce) at step 7",
+    ),
+    (
+        "a rank whose process ended: the end",
+        [view(0, hb.BACKWARD, 1), view(1, hb.TRAINING_STEP, 1, gone=True)],
+        END, (1,), f"rank 1 is gone (its process ended; its last heartbeat: training_step at step 6); {BACKWARD_0}",
+    ),
+    (
+        "a silent rank (native code holding the GIL): reported, with its process's state",
+        [view(0, hb.BACKWARD, 50), view(1, hb.BACKWARD, 50, silent=45, proc="state S (sleeping)")],
+        REPORT, (1,), "rank 1 has been silent for 45 s (last seen in backward at step 6; its process is alive: "
+        f"state S (sleeping)); {BACKWARD_0}",
+    ),
+    (
+        "a busy rank whose heartbeat stopped: reported with its process's state",
+        [view(0, hb.BACKWARD, 40), view(1, hb.TRAINING_STEP, 40, silent=20, proc="state S (sleeping)")],
+        REPORT, (1,), "rank 1 has been in training_step for 40 s at step 6 (its heartbeat silent for 20 s; its "
+        f"process is alive: state S (sleeping)); {BACKWARD_0}",
+    ),
+    (
+        "a rank whose heartbeat stopped after its last said backward: busy (a wait releases the lock), reported",
+        [view(0, hb.BACKWARD, 40, step=7), view(1, hb.BACKWARD, 40, silent=5, proc="state S (sleeping)")],
+        REPORT, (1,), "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6 (its "
+        "heartbeat silent for 5 s; its process is alive: state S (sleeping)); rank 0 waits in backward (DDP's "
+        "gradient all-reduce) at step 7",
+    ),
+    (
+        "a heartbeat published late (its thread held up by the lock) is no report: the next one tells",
+        [view(0, hb.BACKWARD, 40), RankView(1, replace(beat(1, hb.TRAINING_STEP), late=True), age_s=40)],
+        None, None, None,
     ),
     (
         "a finished rank is neither stuck nor waited for",
         [view(0, hb.DONE, 400), view(1, hb.VALIDATION, 10)],
-        None,
-        None,
+        None, None, None,
     ),
     (
-        "a finished rank and a stuck one",
-        [view(0, hb.DONE, 400), view(1, hb.VALIDATION, 40)],
-        (1,),
-        "rank 1 has been in validation for 40 s at step 6; rank 0 finished training",
+        "a finished rank and a busy one: reported (on_train_end's slow work)",
+        [view(0, hb.DONE, 400), view(1, "on_train_end", 40)],
+        REPORT, (1,), "rank 1 has been in on_train_end for 40 s at step 6; rank 0 finished training",
     ),
     (
-        "no heartbeat yet from a rank while another is over",
+        "a finished rank while another waits in a training collective: the end (uneven data)",
+        [view(0, hb.DONE, 400), view(1, hb.BACKWARD, 40)],
+        END, (1,), "rank 1 has been waiting in backward (DDP's gradient all-reduce) for 40 s at step 6; "
+        "rank 0 finished training",
+    ),
+    (
+        "no heartbeat yet from a rank while another waits",
         [view(0, hb.BACKWARD, 40), RankView(1, None)],
-        (1,),
-        "rank 1 has sent no heartbeat; rank 0 waits in backward (DDP's gradient all-reduce) at step 6",
+        REPORT, (1,), f"rank 1 has sent no heartbeat; {BACKWARD_0}",
     ),
-]
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "views", "stuck", "line"), CASES, ids=[c[0] for c in CASES])
-def test_verdict(name, views, stuck, line):
+@pytest.mark.parametrize(("name", "views", "kind", "stuck", "line"), CASES, ids=[c[0] for c in CASES])
+def test_verdict(name, views, kind, stuck, line):
     verdict = judge(views, silent_after_s=30.0)
-    if stuck is None:
+    if kind is None:
         assert verdict is None
     else:
-        assert verdict is not None and verdict.stuck == stuck and verdict.line == line
+        assert verdict is not None and (verdict.kind, verdict.stuck, verdict.line) == (kind, stuck, line)
+
+
+def test_reports_come_at_one_two_four_times_the_allowance():
+    levels = [
+        Verdict((1,), "", REPORT, over_s=t, allowance_s=3.0).level() for t in (3.1, 5.9, 6.0, 11.9, 12.5, 25)
+    ]
+    assert levels == [0, 0, 1, 1, 2, 3]
+
+
+def _pg(seq, op, pending):
+    return {"desc": "pg", "seq": seq, "op": op, "state": "scheduled", "pending": pending}
+
+
+@pytest.mark.parametrize(
+    ("summaries", "ranks"),
+    [
+        # rank 1 in an all_gather on "extra" rank 0 never entered; rank 0 in DDP's all_reduce rank 1 never reached
+        ({0: {"0": _pg(52, "ar", True)}, 1: {"0": _pg(49, "ag", False), "1": _pg(1, "ag", True)}}, (0, 1)),
+        ({0: {"0": _pg(52, "ar", True)}, 1: {"0": _pg(49, "ag", False)}}, None),  # rank 1 busy: no cycle
+        ({0: {"0": _pg(52, "ar", True)}, 1: {"0": _pg(52, "ar", True)}}, None),  # both in the same one
+        (
+            {0: {"0": _pg(52, "ar", True)}, 1: {"0": _pg(52, "ag", True)}},
+            (0, 1),
+        ),  # one number, two collectives
+        ({0: {"0": _pg(52, "ar", True)}, 1: None}, None),  # no record from rank 1: no proof
+        ({0: {"0": _pg(5, "ar", True)}, 1: {"0": _pg(4, "ar", False)}, 2: {"0": _pg(5, "ar", True)}}, None),
+    ],
+)
+def test_a_collective_mismatch_is_a_cycle_of_waits_in_the_flight_records(summaries, ranks):
+    assert deadlock(summaries) == ranks
 
 
 def test_a_heartbeat_round_trips_through_the_store_encoding():
@@ -216,6 +274,10 @@ def test_settings():
         WatchdogSettings.from_option({"factor": -1})
     with pytest.raises(ValueError, match="must be True, False or a mapping"):
         WatchdogSettings.from_option("yes")
+    assert WatchdogSettings.from_option({"abort_after_s": 90}).abort_after_s == 90
+    assert WatchdogSettings.from_option({"abort_after_s": None}).abort_after_s is None
+    with pytest.raises(ValueError, match=r"watchdog\.abort_after_s"):
+        WatchdogSettings.from_option({"abort_after_s": -1})
 
 
 @pytest.mark.parametrize(
@@ -244,14 +306,16 @@ def test_the_flight_recorder_is_set_unless_the_user_set_it(backend, environ, env
 
 
 def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tmp_path, capfd):
-    # Two ranks' watchdogs in one process on a real store (report only: abort=False): rank 1 stays in
-    # training_step past its allowance while rank 0 waits in backward.
+    # Two ranks' watchdogs in one process on a real store (abort=False: nothing exits): rank 1 stays in
+    # training_step past its allowance while rank 0 waits in backward; reported, then ended at abort_after_s.
     import torch.distributed as dist
 
     from lightning_solo.ddp.watchdog import Watchdog
 
     store = dist.HashStore()
-    settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False)
+    settings = WatchdogSettings(
+        margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False, abort_after_s=1.5
+    )
     dogs = [Watchdog(settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang") for r in range(2)]
     dogs[1].writer.batch(6)
     dogs[1].writer.enter(hb.TRAINING_STEP)
@@ -264,11 +328,19 @@ def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tm
         time.sleep(0.05)
     for dog in reversed(dogs):  # rank 0 last: it waits for the others' "done" (its process holds the store)
         dog.stop()
-    lines = watchdog_lines(capfd.readouterr().err)  # one line, printed by each rank
+    err = capfd.readouterr().err
+    lines = watchdog_lines(err)  # one line, printed by each rank
+    reports = watchdog_reports(
+        err
+    )  # at 0.3 s and 0.6 s, each printed by each rank (1.2 s: the end came first)
+    assert sorted(r for r, _ in reports) in ([0, 0, 1, 1], [0, 0, 0, 1, 1, 1]), reports
     assert sorted(lines) == [0, 1], lines
     line = lines[0]
     assert line.startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
-    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6." in line
+    assert (
+        "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6; ended after 1.5 s (watchdog "
+        in line
+    )
     assert all(d.verdict is not None and d.verdict.line == line for d in dogs)
     for rank in (0, 1):
         assert line in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
@@ -327,8 +399,9 @@ def _first_verdict_after_stall(median_s: float, steps: int, settings: WatchdogSe
 
 
 @pytest.mark.parametrize("median_s", [0.01, 1.0, 10.0])
-def test_the_default_settings_end_a_stall_within_two_medians_and_a_minute(median_s):
-    # The issue's bound: 2 x the median step + 60 s after the stall, the flight recorder's wait included.
+def test_the_default_settings_name_a_stall_within_two_medians_and_a_minute(median_s):
+    # The issue's bound: 2 x the median step + 60 s after the stall, the flight recorder's wait included (a busy
+    # rank's report, or the end a proof brings).
     from lightning_solo.ddp.watchdog.watchdog import FLIGHT_RECORD_WAIT_S
 
     settings = WatchdogSettings()
@@ -343,3 +416,65 @@ def test_before_the_median_is_known_the_first_step_allowance_holds():
     settings = WatchdogSettings()
     after = _first_verdict_after_stall(1.0, steps=3, settings=settings)
     assert settings.first_s < after <= settings.first_s + settings.interval_s
+
+
+def test_the_watchdog_thread_reads_the_hook_and_a_loaders_first_batch_from_the_stack():
+    import sys
+
+    import lightning as L
+    from lightning.pytorch.trainer import call
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_solo.ddp.watchdog.where import LOADER_START, where
+
+    seen = []
+
+    class Module(L.LightningModule):
+        def on_train_epoch_end(self):
+            seen.append(where(sys._getframe()))
+
+        def training_step(self, batch, batch_idx):  # a step's own hook: the phase SoloDDP marked stands
+            seen.append(where(sys._getframe()))
+
+    class Data(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            seen.append(where(sys._getframe()))
+            return i
+
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    module = Module()
+    call._call_lightning_module_hook(trainer, "on_train_epoch_end", pl_module=module)
+    call._call_lightning_module_hook(trainer, "training_step", None, 0, pl_module=module)
+    loader = iter(DataLoader(Data(), batch_size=2))
+    next(loader), next(loader)
+    assert seen == ["on_train_epoch_end", None, LOADER_START, LOADER_START, None, None]
+
+
+def test_a_refined_phase_has_its_own_clock_and_allowance():
+    from lightning_solo.ddp.watchdog.heartbeat import Observer
+
+    clock = Clock()
+    writer = HeartbeatWriter(clock)
+    observer = Observer(writer, clock)
+    settings = (2.0, 3.0, 30.0)  # factor, margin, first
+    writer.batch(0)
+    writer.leave(writer.enter(hb.OPTIMIZER_STEP), stepped=True)  # now "data wait"
+    clock.t += 5.0
+    beat = observer.snapshot(0, 1, "h", 0, settings, "on_train_epoch_end", first=True)
+    assert (beat.phase, beat.age_s, beat.allowance_s) == ("on_train_epoch_end", 0.0, 30.0)
+    clock.t += 4.0
+    assert observer.snapshot(0, 1, "h", 0, settings, "on_train_epoch_end", first=True).age_s == 4.0
+    beat = observer.snapshot(0, 1, "h", 0, settings)  # the hook returned: the writer's phase again, its clock
+    assert (beat.phase, beat.age_s) == (hb.DATA_WAIT, 9.0)
+    beat = observer.snapshot(0, 1, "h", 0, settings, "on_train_epoch_end", first=False)  # the next epoch's
+    assert beat.allowance_s == 2.0 * 4.0 + 3.0  # the median of those seen (4 s) and the margin
+    writer.collective("barrier")
+    clock.t += 2.0
+    assert observer.snapshot(0, 1, "h", 0, settings, "on_train_epoch_end").wait_s == 0.0  # first seen now
+    clock.t += 2.0
+    assert observer.snapshot(0, 1, "h", 0, settings, "on_train_epoch_end").wait_s == 2.0

@@ -187,3 +187,13 @@ def logged_sample_count(frame: Any, tensor: Any) -> bool:
         and frame.f_code is _ResultMetric.compute.__code__
         and getattr(frame.f_locals.get("self"), "cumulated_batch_size", None) is tensor
     )
+
+
+def hook_call_codes() -> frozenset[Any]:
+    """The code objects of ``lightning.pytorch.trainer.call``'s ``_call_callback_hooks``,
+    ``_call_lightning_module_hook`` and ``_call_strategy_hook``: a frame running one holds the hook's name in its
+    local ``hook_name`` (the watchdog reads the training thread's stack; checked on lightning 2.6.6)."""
+    from lightning.pytorch.trainer import call
+
+    functions = (call._call_callback_hooks, call._call_lightning_module_hook, call._call_strategy_hook)
+    return frozenset(f.__code__ for f in functions)

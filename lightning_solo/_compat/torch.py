@@ -145,3 +145,28 @@ def flight_recorder_json(nccl: bool) -> bytes:
 
     dump = c10d._dump_nccl_trace_json if nccl else c10d._dump_fr_trace_json  # type: ignore[attr-defined]
     return dump(includeCollectives=True, onlyActive=False)
+
+
+def dataloader_next_code() -> Any:
+    """The code object of ``torch.utils.data.dataloader._BaseDataLoaderIter.__next__``: a frame running it holds
+    the iterator as ``self`` (the watchdog reads the training thread's stack; checked on torch 2.14.1)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return _BaseDataLoaderIter.__next__.__code__
+
+
+def dataloader_start_codes() -> frozenset[Any]:
+    """The code objects that make a loader's iterator (``DataLoader.__iter__``, ``DataLoader._get_iterator``,
+    ``_MultiProcessingDataLoaderIter.__init__``, which starts the workers): a frame running one is an epoch's loader
+    starting (checked on torch 2.14.1)."""
+    from torch.utils.data.dataloader import DataLoader, _MultiProcessingDataLoaderIter
+
+    functions = (DataLoader.__iter__, DataLoader._get_iterator, _MultiProcessingDataLoaderIter.__init__)
+    return frozenset(f.__code__ for f in functions)
+
+
+def batches_yielded(iterator: Any) -> int | None:
+    """``_BaseDataLoaderIter._num_yielded``: the batches a loader's iterator has handed out this epoch (``None``: not
+    such an iterator; checked on torch 2.14.1)."""
+    value = getattr(iterator, "_num_yielded", None)
+    return value if isinstance(value, int) else None

@@ -284,7 +284,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._decide(self._uneven.setup(self.world_size, group))
         if fitting:  # before Lightning registers its signal handlers; every rank alike
             self._sigterm.install(trainer, self._side_channel, self._decide)
-            self._watchdog.start(trainer.default_root_dir, self.global_rank, self.world_size)
+            self._watchdog.start(trainer, self.global_rank, self.world_size, self._collective_timeout)
         self._rebuild_hooks()
 
     @override

@@ -157,6 +157,16 @@ class LastGrads(L.Callback):
         torch.save(grads, self.out / f"grads{trainer.global_rank}.pt")
 
 
+def watchdog_reports(output: str) -> list[tuple[int, str]]:
+    """The watchdog's reports (a busy rank, the run not ended) as each rank printed them: (rank, line), in order."""
+    reports = []
+    for text in output.splitlines():
+        head, sep, line = text.partition("] SoloDDP watchdog report: ")
+        if sep and head.startswith("[rank: "):
+            reports.append((int(head.removeprefix("[rank: ")), "SoloDDP watchdog report: " + line))
+    return reports
+
+
 def watchdog_lines(output: str) -> dict[int, str]:
     """The watchdog's verdict as each rank printed it (``[rank: r] SoloDDP watchdog: ...``), by rank. Every rank
     prints the same line: a rank printing another's, or twice, fails here."""

@@ -174,3 +174,39 @@ def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) ->
     if missing:
         text.append(f"no record from {_ranks(missing)}")
     return "flight recorder: " + "; ".join(text)
+
+
+def _blocks(mine: PgLast, theirs: PgLast | None) -> bool:
+    """A rank in flight in ``mine`` waits for a rank whose last collective there is ``theirs``: that rank never
+    entered it (none there, or an earlier one), or entered a different collective under the same number."""
+    if theirs is None or theirs["seq"] < mine["seq"]:
+        return True
+    return theirs["seq"] == mine["seq"] and theirs["op"] != mine["op"]
+
+
+def deadlock(summaries: Mapping[int, Summary | None]) -> tuple[int, ...] | None:
+    """The ranks in a collective mismatch, from their summaries: each in flight in a collective the next one never
+    entered, around a cycle (rank 1 in an all_gather rank 0 never entered, rank 0 in an all_reduce rank 1 never
+    entered); ``None`` when the records show no such cycle (a rank with no record is no link of one)."""
+    have = {r: s for r, s in summaries.items() if s is not None}
+    edges: dict[int, set[int]] = {r: set() for r in have}
+    for a, mine in have.items():
+        for pg, last in mine.items():
+            if last["pending"]:
+                edges[a] |= {b for b, theirs in have.items() if b != a and _blocks(last, theirs.get(pg))}
+    for start in sorted(have):  # a cycle through ``start``: the graph has a node per rank
+        path, seen = [start], {start}
+        stack = [iter(sorted(edges[start]))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                seen.discard(path.pop())
+                continue
+            if nxt == start:
+                return tuple(sorted(path))
+            if nxt not in seen and nxt > start:
+                path.append(nxt)
+                seen.add(nxt)
+                stack.append(iter(sorted(edges[nxt])))
+    return None

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # Phases, in the order a training batch runs them (the verdict compares ranks' progress with it).
 SETUP = "setup"
@@ -47,7 +47,9 @@ class Heartbeat:
     """One rank's published state. ``age_s``: seconds in ``phase`` when published; ``allowance_s``: how long this
     rank may stay there (``factor`` × its median of that kind + ``margin``, or the first-step allowance);
     ``collective``: a named collective it waits in (``None``: none seen), ``seq`` its number on this rank;
-    ``beats``: a counter that moves at every publication (a silent rank's stops)."""
+    ``beats``: a counter that moves at every publication (a silent rank's stops). ``phase`` may be what the
+    watchdog thread read on the training thread's stack (a Lightning hook's name, ``loader start``), with its own
+    clock and allowance."""
 
     rank: int
     pid: int
@@ -63,6 +65,9 @@ class Heartbeat:
     phase_s: dict[str, float] = field(
         default_factory=dict
     )  # seconds in each phase so far (TrainingDoctor reads it)
+    wait_s: float = 0.0  # seconds in the collective it waits in (0: none)
+    wait_allowance_s: float = 0.0  # how long a wait may go on before the verdict looks (a step's allowance)
+    late: bool = False  # its thread could not run for a while: the phase it tells of may be over
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -175,3 +180,67 @@ class HeartbeatWriter:
             allowance_s=allowance(phase), collective=collective, seq=seq, beats=beats,
             median_step_s=self.median("step"), phase_s=totals,
         )  # fmt: skip
+
+
+# The phases in which the watchdog thread looks at the training thread's stack (where.py) for what it really does.
+REFINABLE = frozenset({SETUP, DATA_WAIT, BATCH_START, OPTIMIZER_STEP, VALIDATION, SANITY_CHECK})
+
+
+class Observer:
+    """The watchdog thread's side of a rank's heartbeat: the writer's phase, or what the thread saw on the training
+    thread's stack (a hook, a loader's first batch) with its own clock, allowance and durations; the time spent in
+    the collective the rank waits in. ``first``: the refined phase's first occurrence (``first_s`` applies)."""
+
+    def __init__(self, writer: HeartbeatWriter, clock: Callable[[], float] = time.monotonic) -> None:
+        self.writer, self._clock = writer, clock
+        self._refined: tuple[tuple[int, str, float], str, float, bool] | None = (
+            None  # (writer key, name, since, first)
+        )
+        self._wait: tuple[object, float] | None = None  # (what it waits in, since)
+        self._durations: dict[str, deque[float]] = {}
+
+    def _close(self, now: float) -> None:
+        if self._refined is not None:
+            _, name, since, _ = self._refined
+            self._durations.setdefault(name, deque(maxlen=_WINDOW)).append(now - since)
+            self._refined = None
+
+    def allowance(self, name: str, first: bool, factor: float, margin_s: float, first_s: float) -> float:
+        """A refined phase's: ``first_s`` the first time, then ``factor`` x the median of those seen + ``margin_s``."""
+        if first:
+            return first_s
+        seen = self._durations.get(name)
+        return factor * (statistics.median(seen) if seen else 0.0) + margin_s
+
+    def snapshot(
+        self, rank: int, pid: int, host: str, beats: int, settings: tuple[float, float, float],
+        refined: str | None = None, first: bool = False,
+    ) -> Heartbeat:  # fmt: skip
+        """This rank's heartbeat now; ``settings``: (factor, margin_s, first_s); ``refined``: what the thread saw
+        on the training thread's stack (``None``: nothing more than the writer's phase)."""
+        factor, margin_s, first_s = settings
+        step, phase, since, collective, seq = self.writer.state
+        now = self._clock()
+        key = (step, phase, since)
+        if refined is not None and phase in REFINABLE:
+            if self._refined is None or self._refined[:2] != (key, refined):
+                self._close(now)
+                self._refined = (key, refined, now, first)
+            _, _, refined_since, refined_first = self._refined
+            allowance = self.allowance(refined, refined_first, factor, margin_s, first_s)
+        else:
+            self._close(now)
+            allowance = self.writer.allowance(phase, factor, margin_s, first_s)
+        waits = (collective, seq) if collective is not None else (since if phase == BACKWARD else None)
+        if waits is None:
+            self._wait = None
+        elif self._wait is None or self._wait[0] != waits:
+            self._wait = (waits, since if collective is None else now)
+        beat = self.writer.snapshot(rank, pid, host, beats, lambda _: allowance)
+        if refined is not None and self._refined is not None:
+            beat = replace(beat, phase=refined, age_s=now - refined_since)
+        return replace(
+            beat,
+            wait_s=now - self._wait[1] if self._wait is not None else 0.0,
+            wait_allowance_s=self.writer.allowance(TRAINING_STEP, factor, margin_s, first_s),
+        )

@@ -7,10 +7,11 @@ Example::
 
     session = WatchdogSession(True)                         # SoloDDP(watchdog=True)
     session.prepare_environment("gloo")                     # before the process group exists: the flight recorder
-    session.start(trainer.default_root_dir, rank, world)    # each fit's setup
+    session.start(trainer, rank, world, timeout)            # each fit's setup
     with session.phase(hb.BACKWARD):
         ...
     session.stop()                                          # the fit ended: "done" at once
+    session.teardown()                                      # the environment as it was before prepare_environment
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,10 @@ class WatchdogSession:
         self.settings = WatchdogSettings.from_option(option)
         self._dog: Watchdog | None = None  # each fit's, on every rank alike
         self._validation_outer: tuple[str, float] | None = None
+        self._trainer: Any = None
+        self._environ: dict[
+            str, str | None
+        ] = {}  # what prepare_environment changed: each variable's value before
 
     @property
     def decision(self) -> Decision:
@@ -46,8 +52,12 @@ class WatchdogSession:
         return Decision(
             "watchdog",
             s is not None,
-            f"a stall past {s.factor:g} x the median step + {s.margin_s:g} s ({s.first_s:g} s before the median "
-            "is known) ends the run with one line naming the stuck rank and every rank's stacks"
+            "a proven hang (a rank's process ended, a collective mismatch the flight recorder shows, a rank "
+            "finished while another waits in a collective) ends the run at once with one line naming the rank and "
+            f"every rank's stacks; a rank busy past {s.factor:g} x the median of its phase + {s.margin_s:g} s "
+            f"({s.first_s:g} s the first time) is only reported (again at 2x, 4x), and ended at the collective "
+            "timeout"
+            + (f" or after {s.abort_after_s:g} s (abort_after_s)" if s.abort_after_s is not None else "")
             if s is not None
             else "set by the user: a hang waits for the collective timeout",
         )
@@ -58,21 +68,42 @@ class WatchdogSession:
         if self.settings is None:
             return None
         recorder, env = decide_flight_recorder(backend, os.environ)
-        os.environ.update(env)
+        for key, value in env.items():
+            self._environ.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
         return recorder
 
-    def start(self, root_dir: str | os.PathLike, rank: int, world_size: int) -> None:
+    def restore_environment(self) -> None:
+        """Every variable :meth:`prepare_environment` set back to its value before (unset where it was unset)."""
+        for key, value in self._environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._environ = {}
+
+    def start(self, trainer: Any, rank: int, world_size: int, timeout: timedelta | None = None) -> None:
         """This fit's watchdog, with its own connection to the process group's store; dumps go to
-        ``<root_dir>/hang/``."""
+        ``<trainer.default_root_dir>/hang/``; ``timeout``: the collective timeout (30 minutes if ``None``)."""
         prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
-        self._validation_outer = None
+        self._validation_outer, self._trainer = None, trainer
         if self.settings is None or world_size < 2 or not torch.distributed.is_initialized():
             return
         store = torch.distributed.PrefixStore(prefix, torch_compat.default_store().clone())
         # The record of DDP's own collectives: NCCL's under NCCL (its gloo side groups are in gloo's), else gloo's.
         nccl = "nccl" in str(torch.distributed.get_backend())
         record = functools.partial(torch_compat.flight_recorder_json, nccl)
-        self._dog = Watchdog(self.settings, store, rank, world_size, Path(root_dir) / "hang", record)
+        timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
+        self._dog = Watchdog(
+            self.settings,
+            store,
+            rank,
+            world_size,
+            Path(trainer.default_root_dir) / "hang",
+            record,
+            timeout_s,
+            epoch=lambda: int(trainer.current_epoch),
+        )
         self._dog.start()
 
     def heartbeats(self) -> dict[int, Heartbeat]:
@@ -112,6 +143,7 @@ class WatchdogSession:
     def data_wait(self, step: int) -> None:
         """Training starts: waiting for the first batch."""
         if self._dog is not None:
+            self._dog.first_epoch = int(self._trainer.current_epoch)  # after a resume's restore
             self._dog.writer.enter(hb.DATA_WAIT, step=step)
 
     def batch(self, step: int) -> None:
@@ -141,5 +173,7 @@ class WatchdogSession:
             self._dog.on_exception(exception)
 
     def teardown(self) -> None:
+        """The fit, validate, test or predict ended: the watchdog stopped, the environment restored."""
         self.stop()
-        self._dog = None
+        self._dog, self._trainer = None, None
+        self.restore_environment()

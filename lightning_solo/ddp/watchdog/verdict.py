@@ -4,39 +4,90 @@ Example::
 
     views = [RankView(0, beat0, age_s=95.0), RankView(1, beat1, age_s=94.0)]
     verdict = judge(views)          # None while every rank is within its allowance
+    verdict.kind                    # END (proof of a hang), REPORT (a rank busy past its allowance), SUSPECT
     print(verdict.line)             # rank 1 has been in training_step for 94 s at step 6; rank 0 waits in ...
 
-Who is named: a rank whose process ended or that fell silent; else the ranks not waiting in a collective (a rank
-in ``backward`` waits in DDP's gradient all-reduce); else, every rank waiting in one, those least far along
-(step, then phase: a collective one rank issued and the others did not waits behind the others' next one).
+What ends a run (``END``): a rank whose process ended; a rank that finished its fit while another waits in a
+collective past a step's allowance (uneven data the uneven-data policy did not settle). What is only reported
+(``REPORT``): a rank busy outside any collective past its own phase's allowance (the ranks waiting for it never
+convict it), a silent heartbeat (the process alive, its watchdog thread unable to run). ``SUSPECT``: every rank
+waits in a collective past a step's allowance; the flight recorder's records decide between a mismatch (``END``,
+:func:`~lightning_solo.ddp.watchdog.flight_recorder.deadlock`) and a report. The watchdog thread ends a reported
+stall at the collective timeout or at ``abort_after_s``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_solo.ddp.watchdog.heartbeat import BACKWARD, DONE, FAILED, ORDER, Heartbeat
 
 DDP_ALL_REDUCE = "DDP's gradient all-reduce"
+# The two lists docs/multi-node.md ("When a run hangs") states word for word, and the tests assert.
+ENDS = (
+    "a rank's process ended",
+    "a collective mismatch: a rank waits in a collective another never entered while that one waits in another "
+    "(the flight recorder's records, read once every rank has waited past a step's allowance)",
+    "a rank finished its fit while another waits in a collective past a step's allowance (uneven data the "
+    "uneven-data policy did not settle)",
+    "a reported stall still there at the collective timeout (`SoloDDP(timeout=...)`, 30 minutes by default) while "
+    "another rank waits in a collective, or after `abort_after_s` when set",
+)
+REPORTED = (
+    "a rank busy outside any collective past its phase's allowance (a step, a hook, a loader's first batch, an "
+    "evaluation, a checkpoint write), however long: again at 2x, 4x the allowance",
+    "a silent heartbeat (the process alive, its watchdog thread unable to run: the interpreter lock held by a long "
+    "C call), with the process's state from /proc",
+    "every rank waiting in a collective with no mismatch in the flight recorder's records",
+)
+END, REPORT, SUSPECT = "end", "report", "suspect"
+# Where a rank that finished its fit never is again: the others' waits there are no proof (on_train_end runs after).
+_AFTER_TRAINING = frozenset({"on_train_end", "on_fit_end", "teardown"})
 
 
 @dataclass(frozen=True)
 class RankView:
     """One rank as the judge sees it: its latest heartbeat (``None``: none yet), how long it has been in that
-    phase by now (``age_s``), how long its heartbeat has not moved (``silent_s``), whether its process ended."""
+    phase by now (``age_s``), how long its heartbeat has not moved (``silent_s``), whether its process ended,
+    and (``proc``) its process's state from ``/proc``, read once its heartbeat stopped moving for a few periods:
+    a rank waiting in a collective releases the interpreter lock and goes on publishing, so such a rank is busy
+    (native code holding the lock), whatever its last heartbeat said."""
 
     rank: int
     beat: Heartbeat | None
     age_s: float = 0.0
     silent_s: float = 0.0
     gone: bool = False
+    proc: str | None = None
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds in the collective it waits in, by now."""
+        beat = self.beat
+        return beat.wait_s + (self.age_s - beat.age_s) if beat is not None and beat.wait_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """``stuck``: the ranks named; ``kind``: END, REPORT or SUSPECT; ``over_s`` / ``allowance_s``: how long the
+    named ranks have been there and their allowance; ``peers_wait_s``: the longest another rank has waited in a
+    collective (the collective timeout runs on it); ``key``: the stall, the same at every look."""
+
     stuck: tuple[int, ...]
     line: str
+    kind: str = END
+    over_s: float = 0.0
+    allowance_s: float = 0.0
+    peers_wait_s: float = 0.0
+    key: str = ""
+
+    def level(self) -> int:
+        """Reports come at 1x, 2x, 4x ... the allowance: the power of two reached."""
+        if self.allowance_s <= 0 or self.over_s < self.allowance_s:
+            return 0
+        return int(math.log2(self.over_s / self.allowance_s))
 
 
 def _waits(beat: Heartbeat) -> str | None:
@@ -51,10 +102,6 @@ def _position(beat: Heartbeat) -> tuple[int, float]:
     return beat.step, ORDER.get(beat.phase, 0) + (0.5 if beat.collective is not None else 0.0)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 def _describe_stuck(view: RankView, silent_after_s: float) -> str:
     beat = view.beat
     if beat is None:
@@ -62,11 +109,15 @@ def _describe_stuck(view: RankView, silent_after_s: float) -> str:
     where = f"{beat.phase} at step {beat.step}"
     if view.gone:
         return f"rank {view.rank} is gone (its process ended; its last heartbeat: {where})"
+    proc = f"; its process is alive: {view.proc}" if view.proc else ""
     if view.silent_s > silent_after_s:
-        return f"rank {view.rank} has been silent for {view.silent_s:.0f} s (last seen in {where})"
+        return f"rank {view.rank} has been silent for {view.silent_s:.0f} s (last seen in {where}{proc})"
+    silent = f" (its heartbeat silent for {view.silent_s:.0f} s{proc})" if proc else ""
     if (waits := _waits(beat)) is not None:
-        return f"rank {view.rank} has been waiting in {waits} for {view.age_s:.0f} s at step {beat.step}"
-    return f"rank {view.rank} has been in {beat.phase} for {view.age_s:.0f} s at step {beat.step}"
+        return (
+            f"rank {view.rank} has been waiting in {waits} for {view.age_s:.0f} s at step {beat.step}{silent}"
+        )
+    return f"rank {view.rank} has been in {beat.phase} for {view.age_s:.0f} s at step {beat.step}{silent}"
 
 
 def _describe_other(view: RankView) -> str:
@@ -84,28 +135,62 @@ def _describe_other(view: RankView) -> str:
     )
 
 
-def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Verdict | None:
-    """The verdict, or ``None`` while no rank is past its allowance and none is gone or silent.
-
-    ``silent_after_s``: a heartbeat that has not moved for longer means that rank's watchdog cannot run (its
-    process is frozen, or holds the interpreter lock in native code)."""
-    views = sorted(views, key=lambda v: v.rank)
-    active = [v for v in views if v.beat is None or v.beat.phase not in (DONE, FAILED)]
-    gone = [v for v in active if v.gone]
-    silent = [v for v in active if not v.gone and v.silent_s > silent_after_s]
-    over = [v for v in active if v.beat is not None and v.age_s > v.beat.allowance_s]
-    if gone or silent:
-        stuck = gone + silent
-    elif not over:
-        return None
-    elif missing := [v for v in active if v.beat is None]:
-        stuck = missing
-    elif free := [v for v in active if v.beat is not None and _waits(v.beat) is None]:
-        stuck = free
-    else:
-        first = min(_position(v.beat) for v in active if v.beat is not None)
-        stuck = [v for v in active if v.beat is not None and _position(v.beat) == first]
+def _verdict(
+    views: Sequence[RankView], stuck: Sequence[RankView], kind: str, silent_after_s: float, over_s: float = 0.0,
+    allowance_s: float = 0.0,
+) -> Verdict:  # fmt: skip
     stuck_ranks = tuple(v.rank for v in stuck)
     parts = [_describe_stuck(v, silent_after_s) for v in stuck]
-    parts += [_describe_other(v) for v in views if v.rank not in stuck_ranks and v.beat is not None]
-    return Verdict(stuck_ranks, "; ".join(parts))
+    others = [v for v in views if v.rank not in stuck_ranks and v.beat is not None]
+    parts += [_describe_other(v) for v in others]
+    peers = [v.wait_s for v in views if v.beat is not None and v.beat.phase not in (DONE, FAILED)]
+    # A heartbeat that stopped moving is a stall of its own (a stale phase may have been reported already).
+    key = ",".join(
+        f"{v.rank}:{v.beat.phase}@{v.beat.step}{'/silent' if v.proc else ''}" if v.beat else f"{v.rank}:-"
+        for v in stuck
+    )
+    return Verdict(stuck_ranks, "; ".join(parts), kind, over_s, allowance_s, max(peers, default=0.0), key)
+
+
+def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Verdict | None:
+    """The verdict, or ``None`` while no rank is past its allowance and none is gone.
+
+    ``silent_after_s``: a heartbeat that has not moved for longer means that rank's watchdog cannot run (its
+    process is frozen, or holds the interpreter lock in native code): reported, as a busy rank."""
+    views = sorted(views, key=lambda v: v.rank)
+    active = [v for v in views if v.beat is None or v.beat.phase not in (DONE, FAILED)]
+    if gone := [v for v in active if v.gone]:
+        return _verdict(views, gone, END, silent_after_s)
+    silent = [v for v in active if v.silent_s > silent_after_s or v.proc is not None]
+    waiting = [v for v in active if v.beat is not None and _waits(v.beat) is not None and v not in silent]
+    busy = [v for v in active if v.beat is not None and v not in waiting]
+    late = [v for v in waiting if v.wait_s > v.beat.wait_allowance_s]  # type: ignore[union-attr]
+    finished = [v for v in views if v.beat is not None and v.beat.phase in (DONE, FAILED)]
+    if finished and (proof := [v for v in late if v.beat.phase not in _AFTER_TRAINING]):  # type: ignore[union-attr]
+        return _verdict(views, proof, END, silent_after_s)
+    # A heartbeat its thread published late (the interpreter lock held) tells of a phase that may be over: the
+    # next one says.
+    late_beat = [v for v in busy if v.beat is not None and v.beat.late]
+    if over := [
+        v for v in busy
+        if v.silent_s > silent_after_s or (v.age_s > v.beat.allowance_s and v not in late_beat)  # type: ignore[union-attr]
+    ]:  # fmt: skip
+        return _verdict(
+            views, over, REPORT, silent_after_s, max(v.age_s for v in over),
+            min(v.beat.allowance_s for v in over),  # type: ignore[union-attr]
+        )  # fmt: skip
+    if busy:  # the others wait for a rank still within its own allowance
+        return None
+    if not late:
+        return None
+    if missing := [v for v in active if v.beat is None]:
+        return _verdict(views, missing, REPORT, silent_after_s, max(v.wait_s for v in late),
+                        min(v.beat.wait_allowance_s for v in late))  # type: ignore[union-attr]  # fmt: skip
+    if len(late) < len(active):
+        return None
+    first = min(_position(v.beat) for v in active)  # type: ignore[arg-type]
+    stuck = [v for v in active if _position(v.beat) == first]  # type: ignore[arg-type]
+    return _verdict(
+        views, stuck, SUSPECT, silent_after_s, max(v.wait_s for v in stuck),
+        min(v.beat.wait_allowance_s for v in stuck),  # type: ignore[union-attr]
+    )  # fmt: skip

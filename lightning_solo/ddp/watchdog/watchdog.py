@@ -1,4 +1,5 @@
-"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, and ends a stalled run.
+"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, reports a busy rank and ends a run
+that is proven hung.
 
 Example::
 
@@ -7,19 +8,24 @@ Example::
     ...
     dog.stop()                    # end of fit: "done" is published at once
 
-Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`) into the process
-group's store every ``interval_s``, off the training stream. Ranks 0 and ``W - 1`` also read every rank's and
-judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`): two judges, so one stuck in native code holding
-the interpreter lock does not silence the watchdog. The first verdict is written to the store once
-(``compare_set``); every live rank then writes its Python stacks (all threads, ``faulthandler``) to
-``<dump_dir>/rank<r>.stacks.txt`` and its flight-recorder record to ``rank<r>.fr.json``, and publishes that record's
-summary in the store (no shared file system assumed); the judge that wrote the verdict waits up to
-:data:`FLIGHT_RECORD_WAIT_S` for the live ranks' summaries, adds the flight recorder's words
-(:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and writes that one line to the store and to
-``verdict.txt``. Each rank prints the line on its own stderr as ``[rank: r] SoloDDP watchdog: ...`` (a cluster
-keeps a log per node or per rank), says "dumped", waits up to ``grace_s`` from its verdict for the others' "dumped",
-ends its own child processes (loader workers, one of which may be the stuck one) and exits with status
-:data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's popen launcher) exits after that one.
+Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`, the phase refined
+by the training thread's stack: :mod:`~lightning_solo.ddp.watchdog.where`) into the process group's store every
+``interval_s``, off the training stream, and reads one counter that moves at every verdict, report and request.
+Ranks 0 and ``W - 1`` also read every rank's and judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`):
+two judges, so one stuck in native code holding the interpreter lock does not silence the watchdog. A report (a
+rank busy past its allowance) is claimed once per level (1x, 2x, 4x the allowance) with ``compare_set``; every rank
+prints it and writes its stacks. A suspected stall (every rank waits) makes the judge ask each rank for its
+flight-recorder summary (:func:`~lightning_solo.ddp.watchdog.flight_recorder.deadlock`). An end (proof, or a
+reported stall at the collective timeout or ``abort_after_s``) is written to the store once; every live rank then
+writes its Python stacks (all threads, ``faulthandler``) to ``<dump_dir>/rank<r>.stacks.txt`` and its
+flight-recorder record to ``rank<r>.fr.json``, and publishes that record's summary in the store (no shared file
+system assumed); the judge that wrote the verdict waits up to :data:`FLIGHT_RECORD_WAIT_S` for the live ranks'
+summaries, adds the flight recorder's words (:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and
+writes that one line to the store and to ``verdict.txt``. Each rank prints the line on its own stderr as
+``[rank: r] SoloDDP watchdog: ...`` (a cluster keeps a log per node or per rank), says "dumped", waits up to
+``grace_s`` from its verdict for the others' "dumped", ends its own child processes (loader workers, one of which
+may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's
+popen launcher) exits after that one.
 
 Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
 ``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
@@ -42,7 +48,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +57,25 @@ from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 
 from lightning_solo.core.checks import check_number
 from lightning_solo.ddp.watchdog import flight_recorder
-from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, Heartbeat, HeartbeatWriter
-from lightning_solo.ddp.watchdog.verdict import RankView, Verdict, judge
+from lightning_solo.ddp.watchdog.heartbeat import (
+    DONE,
+    FAILED,
+    REFINABLE,
+    Heartbeat,
+    HeartbeatWriter,
+    Observer,
+)
+from lightning_solo.ddp.watchdog.verdict import END, REPORT, SUSPECT, RankView, Verdict, judge
+from lightning_solo.ddp.watchdog.where import ONCE_HOOKS, thread_frame, where
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
 PEER_EXIT_WAIT_S = 3.0  # a SIGKILLed peer's sockets close a moment before /proc shows its process ended
 PARENT_EXIT_WAIT_S = 10.0  # how long a rank started by another rank waits for that rank to exit first
-_VERDICT, _FINAL = "verdict", "verdict/final"
+_VERDICT, _FINAL, _SIGNAL = (
+    "verdict",
+    "verdict/final",
+    "signal",
+)  # signal: counts every verdict, report, request
 # How long the printing judge waits for the live ranks' flight-recorder summaries: with the default margin (55 s)
 # and heartbeat (1 s) the line still comes within 2 x the median step + 60 s of the stall.
 FLIGHT_RECORD_WAIT_S = 3.0
@@ -72,11 +90,13 @@ def next_store_prefix() -> str:
 
 @dataclass(frozen=True)
 class WatchdogSettings:
-    """``factor`` × the median step (or validation, or checkpoint save) + ``margin_s``: how long a rank may stay in
-    a phase; ``first_s`` before the median is known (the first steps, the first validation and save);
-    ``interval_s``: heartbeat period; ``silent_s``: a heartbeat that has not moved for longer is a frozen rank;
-    ``grace_s``: how long a rank waits for the others' stack dumps before it exits; ``abort``: end the run (else
-    report only). The defaults end a stall within 2 × median step + 60 s."""
+    """``factor`` × the median step (or validation, or checkpoint save, or hook seen before) + ``margin_s``: how
+    long a rank may stay in a phase before it is reported; ``first_s`` for a phase's first occurrence (the first
+    steps, the first validation, save, loader start of a fit, a hook in the fit's first epoch or run once);
+    ``interval_s``: heartbeat period; ``silent_s``: a heartbeat that has not moved for longer is reported as
+    silent; ``grace_s``: how long a rank waits for the others' stack dumps before it exits; ``abort``: end the run
+    on proof of a hang (else report only); ``abort_after_s``: also end a reported stall once it lasts this long
+    (``None``: only at the collective timeout). A proven hang ends within 2 × median step + 60 s."""
 
     factor: float = 2.0
     margin_s: float = 55.0
@@ -85,6 +105,7 @@ class WatchdogSettings:
     silent_s: float = 120.0
     grace_s: float = 10.0
     abort: bool = True
+    abort_after_s: float | None = None
 
     @classmethod
     def from_option(cls, option: bool | Mapping[str, Any]) -> WatchdogSettings | None:
@@ -100,8 +121,29 @@ class WatchdogSettings:
         known = {f.name for f in fields(cls)}
         if unknown := set(option) - known:
             raise ValueError(f"unknown watchdog setting(s) {sorted(unknown)}; known: {sorted(known)}")
-        values = {k: v if k == "abort" else check_number(f"watchdog.{k}", v) for k, v in option.items()}
+        values = {
+            k: v if k == "abort" or (k == "abort_after_s" and v is None) else check_number(f"watchdog.{k}", v)
+            for k, v in option.items()
+        }
         return cls(**values)
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "traced"}
+
+
+def proc_state(pid: int) -> str | None:
+    """A live process's state from ``/proc`` (its state letter, and the kernel function it sleeps in where
+    readable): ``"state S (sleeping), wchan hrtimer_nanosleep"``; ``None`` where ``/proc`` does not say."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    text = f"state {state}" + (f" ({_STATES[state]})" if state in _STATES else "")
+    with contextlib.suppress(OSError):
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+        if wchan and wchan != "0":
+            text += f", wchan {wchan}"
+    return text
 
 
 def _gone(beat: Heartbeat | None, host: str) -> bool:
@@ -144,11 +186,23 @@ class Watchdog:
         world_size: int,
         dump_dir: str | os.PathLike,
         flight_record: Callable[[], bytes | str] | None = None,
+        timeout_s: float = 1800.0,
+        epoch: Callable[[], int] | None = None,
     ) -> None:
-        """``flight_record``: this process's flight-recorder dump (torch's JSON), read at a verdict."""
+        """``flight_record``: this process's flight-recorder dump (torch's JSON), read when a stall is suspected and
+        at a verdict; ``timeout_s``: the collective timeout, at which a reported stall ends the run; ``epoch``: the
+        current epoch (a hook in the fit's first epoch gets ``first_s``)."""
         self.settings = settings
         self._flight_record = flight_record
+        self._timeout_s, self._epoch = timeout_s, epoch
+        self.first_epoch = epoch() if epoch is not None else 0
         self.writer = HeartbeatWriter()
+        self._observer = Observer(self.writer)
+        self._training_thread: int | None = None
+        self._signal = 0  # the store's signal counter last seen
+        self._reports_read = self._requests_answered = 0
+        self._reported: dict[str, int] = {}  # a stall's key -> the report level printed
+        self._checked: set[tuple[str, int]] = set()  # (key, level) whose flight records were read
         self.rank, self.world_size = rank, world_size
         self.dump_dir = Path(dump_dir)
         self.verdict: Verdict | None = None
@@ -164,6 +218,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the training thread
     def start(self) -> None:
+        self._training_thread = threading.get_ident()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="lightning_solo-watchdog", daemon=True)
         self._thread.start()
@@ -225,38 +280,163 @@ class Watchdog:
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         """Every rank's latest heartbeat this rank has read (this rank's own, fresh): ranks 0 and W-1 read all."""
-        own = self._snapshot()
+        s = self.settings
+        own = self.writer.snapshot(
+            self.rank, self._pid, self._host, self._beats,
+            lambda phase: self.writer.allowance(phase, s.factor, s.margin_s, s.first_s),
+        )  # fmt: skip
         seen = dict(self._seen)  # one copy: the thread adds to it
         return {**{r: beat for r, (_, _, beat) in seen.items()}, self.rank: own}
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.settings.interval_s):
+            # A look that came late (this process's interpreter lock held by native code) judges nothing this time:
+            # what it read before the wait may be stale.
+            late, last = time.monotonic() - last > 2 * self.settings.interval_s + 0.5, time.monotonic()
             try:
-                self._publish()
-                if self._store.check([_VERDICT]):
-                    line = self._store.get(_VERDICT).decode().split("|", 1)[1]
-                    self._act(Verdict((), line), print_it=False)
-                    return
-                if not self._judge:
+                self._publish(late)
+                if (signal := int(self._store.add(_SIGNAL, 0))) != self._signal:
+                    self._signal = signal
+                    if self._store.check([_VERDICT]):
+                        line = self._store.get(_VERDICT).decode().split("|", 1)[1]
+                        self._act(Verdict((), line), print_it=False)
+                        return
+                    self._answer()
+                if not self._judge or late:
                     continue
                 verdict = judge(self._views(), self.settings.silent_s)
+                if verdict is not None and not self._stop.is_set() and self._consider(verdict):
+                    return
             except Exception:  # noqa: BLE001 - the store's host ended (the run is over): nothing to judge
                 return
-            if verdict is not None and not self._stop.is_set():
-                self._act(verdict)
-                return
+
+    def _answer_request(self) -> None:
+        """Another rank asked for this rank's flight-recorder summary (a stall is suspected): publish it."""
+        if (wanted := int(self._store.add("fr/want", 0))) > self._requests_answered:
+            self._requests_answered = wanted
+            self._store.set(f"fr/{wanted}/{self.rank}", json.dumps(self._flight_summary()[1]))
+
+    def _answer(self) -> None:
+        """Another rank asked for this rank's flight-recorder summary, or printed a report: answer, dump, print."""
+        self._answer_request()
+        reports = int(self._store.add("report/count", 0))
+        while self._reports_read < reports:
+            self._reports_read += 1
+            line = self._store.get(f"report/{self._reports_read}").decode()
+            self._dump_stacks(line)
+            with contextlib.suppress(Exception):
+                sys.stderr.write(rank_prefixed_message(line, self.rank) + "\n")
+                sys.stderr.flush()
+
+    def _signal_all(self) -> None:
+        self._store.add(_SIGNAL, 1)
+
+    def _consider(self, verdict: Verdict) -> bool:
+        """Act on a verdict: end the run on proof (True), else report at 1x, 2x, 4x ... the allowance, and end at
+        the collective timeout or ``abort_after_s`` (True)."""
+        if verdict.kind == END:
+            self._act(verdict)
+            return True
+        level = verdict.level()
+        if verdict.kind == SUSPECT:
+            if (verdict.key, level) not in self._checked:
+                self._checked.add((verdict.key, level))
+                summaries = self._ask_flight_records()
+                if flight_recorder.deadlock(summaries) is not None:
+                    self._act(Verdict(verdict.stuck, f"collective mismatch: {verdict.line}", END))
+                    return True
+            verdict = replace(verdict, kind=REPORT)
+            if self._store.check(
+                [_VERDICT]
+            ):  # the other judge's verdict came first: the next look acts on it
+                return False
+        if (why := self._ends(verdict)) is not None:
+            self._act(replace(verdict, line=f"{verdict.line}; {why}"))
+            return True
+        if self._reported.get(verdict.key, -1) < level:
+            self._reported[verdict.key] = level
+            self._report(verdict)
+        return False
+
+    def _ends(self, verdict: Verdict) -> str | None:
+        """Why a reported stall ends the run now, if it does: the collective timeout is (about to be) reached on a
+        rank waiting in a collective (its error would name no rank), or ``abort_after_s`` passed."""
+        s = self.settings
+        if s.abort_after_s is not None and verdict.over_s >= s.abort_after_s:
+            return f"ended after {s.abort_after_s:g} s (watchdog abort_after_s)"
+        lead = min(5.0, 0.1 * self._timeout_s) + 2 * s.interval_s
+        if verdict.peers_wait_s > 0 and verdict.peers_wait_s >= self._timeout_s - lead:
+            return f"ended at the collective timeout ({self._timeout_s:g} s)"
+        return None
+
+    def _report(self, verdict: Verdict) -> None:
+        """One line for a busy rank, printed once by every rank (each dumps its stacks), never ending the run."""
+        s = self.settings
+        until = []
+        if verdict.peers_wait_s > 0:
+            until.append(f"the collective timeout ({self._timeout_s:g} s)")
+        if s.abort_after_s is not None:
+            until.append(f"abort_after_s ({s.abort_after_s:g} s)")
+        ends = f" ends it at {' or '.join(until)}" if until else " does not end it"
+        line = (
+            f"SoloDDP watchdog report: {verdict.line}. Python stacks: {self.dump_dir}/rank*.stacks.txt. Reported, not "
+            f"ended: a busy rank is no proof of a hang (reported again at 2x, 4x its allowance); the watchdog{ends}."
+        )
+        try:
+            claim = f"report/claim/{verdict.key}/{verdict.level()}"
+            if self._store.compare_set(claim, "", str(self.rank)).decode() != str(self.rank):
+                return  # the other judge reported it
+            number = int(self._store.add("report/count", 1))
+            self._store.set(f"report/{number}", line)
+            self._signal_all()
+        except Exception:  # noqa: BLE001 - no store: this rank alone reports
+            self._dump_stacks(line)
+        with contextlib.suppress(OSError):
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_dir / "reports.txt", "a") as f:
+                f.write(line + "\n")
+
+    def _ask_flight_records(self) -> dict[int, Any]:
+        """Every live rank's flight-recorder summary, asked for through the store (waited up to
+        FLIGHT_RECORD_WAIT_S): read only when a stall is suspected."""
+        wanted = int(self._store.add("fr/want", 1))
+        self._requests_answered = max(self._requests_answered, wanted)
+        self._signal_all()
+        summaries: dict[int, Any] = {self.rank: self._flight_summary()[1]}
+        keys = [f"fr/{wanted}/{r}" for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + FLIGHT_RECORD_WAIT_S
+        while time.monotonic() < deadline and not self._store.check(keys):
+            self._answer_request()  # the other judge may be asking at the same time
+            if self._store.check([_VERDICT]):
+                break
+            time.sleep(0.05)
+        for rank in range(self.world_size):
+            if rank != self.rank:
+                key = f"fr/{wanted}/{rank}"
+                summaries[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+        return summaries
 
     def _snapshot(self) -> Heartbeat:
         s = self.settings
-        return self.writer.snapshot(
-            self.rank, self._pid, self._host, self._beats,
-            lambda phase: self.writer.allowance(phase, s.factor, s.margin_s, s.first_s),
-        )  # fmt: skip
+        refined, first = None, False
+        if self.writer.state[1] in REFINABLE:
+            with contextlib.suppress(
+                Exception
+            ):  # the stack changed under the look: the writer's phase stands
+                refined = where(thread_frame(self._training_thread))
+            if refined is not None:
+                epoch = self._epoch() if self._epoch is not None else self.first_epoch
+                first = refined in ONCE_HOOKS or epoch == self.first_epoch
+        return self._observer.snapshot(
+            self.rank, self._pid, self._host, self._beats, (s.factor, s.margin_s, s.first_s), refined, first
+        )
 
-    def _publish(self) -> None:
+    def _publish(self, late: bool = False) -> None:
         self._beats += 1
-        self._store.set(f"beat/{self.rank}", self._snapshot().encode())
+        beat = self._snapshot()
+        self._store.set(f"beat/{self.rank}", (replace(beat, late=True) if late else beat).encode())
 
     def _views(self) -> list[RankView]:
         keys = [f"beat/{r}" for r in range(self.world_size)]
@@ -267,7 +447,11 @@ class Watchdog:
         now = time.monotonic()
         views = []
         for rank, data in enumerate(raw):
-            beat = self._snapshot() if rank == self.rank else (Heartbeat.decode(data) if data else None)
+            if rank == self.rank:  # fresh, after the store's answer: never older than the others'
+                own = self._snapshot()
+                views.append(RankView(rank, own, age_s=own.age_s))
+                continue
+            beat = Heartbeat.decode(data) if data else None
             if beat is None:
                 views.append(RankView(rank, None))
                 continue
@@ -275,9 +459,10 @@ class Watchdog:
             if seen is None or seen[0] != beat.beats:
                 self._seen[rank] = seen = (beat.beats, now, beat)
             since = now - seen[1]
-            views.append(
-                RankView(rank, beat, age_s=beat.age_s + since, silent_s=since, gone=_gone(beat, self._host))
-            )
+            gone = _gone(beat, self._host)
+            quiet = since > 2 * self.settings.interval_s + 1 and beat.host == self._host and not gone
+            proc = proc_state(beat.pid) if quiet else None
+            views.append(RankView(rank, beat, beat.age_s + since, since, gone, proc))
         return views
 
     def _line(self, verdict_line: str, words: str | None = None) -> str:
@@ -287,20 +472,39 @@ class Watchdog:
             f"Python stacks: {self.dump_dir}/rank*.stacks.txt{fr}."
         )
 
+    def _flight_summary(self) -> tuple[bytes | str | None, dict[str, Any] | None]:
+        """This rank's flight-recorder dump and its summary (``None``: no recorder, or it failed)."""
+        if self._flight_record is None:
+            return None, None
+        try:
+            dump = self._flight_record()
+            return dump, flight_recorder.summarize(dump)
+        except Exception:  # noqa: BLE001 - evidence only: it must not keep the run from ending
+            return None, None
+
+    def _dump_stacks(self, line: str) -> str:
+        """This rank's heartbeat, ``line`` and every thread's Python stack into ``rank<r>.stacks.txt``; returns
+        what went wrong, if anything."""
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
+                beat = json.dumps(asdict(self._snapshot()))
+                f.write(f"rank {self.rank} (pid {self._pid}, {self._host}): {beat}\n{line}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as err:  # an unwritable run directory must not keep the run from ending
+            return f" (no stack dump: {err})"
+        return ""
+
     def _record_flight(self) -> dict[str, Any] | None:
         """Write this rank's flight-recorder dump and publish its summary (``None``: no recorder, or it failed)."""
-        summary = None
-        if self._flight_record is not None:
-            try:
-                dump = self._flight_record()
-                summary = flight_recorder.summarize(dump)
-                if summary:
-                    self.dump_dir.mkdir(parents=True, exist_ok=True)
-                    (self.dump_dir / f"rank{self.rank}.fr.json").write_bytes(
-                        dump if isinstance(dump, bytes) else dump.encode()
-                    )
-            except Exception:  # noqa: BLE001 - evidence only: it must not keep the run from ending
-                summary = None
+        dump, summary = self._flight_summary()
+        if dump is not None and summary:
+            with contextlib.suppress(OSError):
+                self.dump_dir.mkdir(parents=True, exist_ok=True)
+                (self.dump_dir / f"rank{self.rank}.fr.json").write_bytes(
+                    dump if isinstance(dump, bytes) else dump.encode()
+                )
         with contextlib.suppress(Exception):  # the store's host ended first
             self._store.set(f"fr/{self.rank}", json.dumps(summary))
         return summary
@@ -341,22 +545,15 @@ class Watchdog:
             mine = f"{self.rank}|{line}"  # two judges may word the same line: the rank tells whose it is
             try:
                 won = self._store.compare_set(_VERDICT, "", mine).decode() == mine
+                if won:
+                    self._signal_all()
             except Exception:  # noqa: BLE001 - no store: this rank is alone to speak
                 won = True
             if not won:
                 line, print_it = self._store.get(_VERDICT).decode().split("|", 1)[1], False
         self.verdict = Verdict(verdict.stuck, line)
         abort = self.settings.abort if abort is None else abort
-        problem = ""
-        try:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
-                beat = json.dumps(asdict(self._snapshot()))
-                f.write(f"rank {self.rank} (pid {self._pid}, {self._host}): {beat}\n{line}\n\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
-        except OSError as err:  # an unwritable run directory must not keep the run from ending
-            problem = f" (no stack dump: {err})"
+        problem = self._dump_stacks(line)
         summary = self._record_flight()
         if print_it:
             line = self._line(verdict.line, self._flight_words(verdict, summary, started)) + problem
