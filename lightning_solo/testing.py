@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -29,11 +30,21 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_solo._compat.torch import DispatchMode
 
+_PORTS = random.SystemRandom()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below Linux's ephemeral range (32768-60999), from which gloo's connections and every
+    port-0 bind take theirs: a store told to listen there cannot lose its port to one of them meanwhile."""
+    for _ in range(200):
+        port = _PORTS.randrange(20000, 32768)  # not the global RNG: seeded alike in every test process
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

@@ -30,7 +30,8 @@ def start(out, mode: str, timeout_s: float | None = None, env: dict | None = Non
     # also bounds its rendezvous, which a rank 1 started by the popen launcher (a fresh interpreter importing
     # Lightning on a loaded machine) can miss: its ranks start together, as under torchrun.
     cmd = [sys.executable, str(SCRIPT), mode, str(out)] + ([str(timeout_s)] if timeout_s else [])
-    envs = [{**os.environ, **env} if env else None]  # the popen launcher starts rank 1
+    # The popen launcher starts rank 1; the store's port from below the ephemeral range (see free_port).
+    envs = [{**os.environ, **(env or {}), "MASTER_PORT": str(free_port())}]
     if mode == "stock":
         external = {
             "MASTER_ADDR": "127.0.0.1",
