@@ -241,6 +241,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         if (recorder := self._watchdog.prepare_environment(backend)) is not None:
             self._decide(recorder)
         super().setup_environment()  # the device, then the process group
+        self._watchdog.restore_environment()  # torch read it making the group: it outlives no step of the fit
         # torchrun / SLURM started the processes, not the start method chosen above.
         if (launched := cluster.decide_external_launch(self.cluster_environment)) is not None:
             self._decide(launched)

@@ -64,7 +64,8 @@ class WatchdogSession:
 
     def prepare_environment(self, backend: str) -> Decision | None:
         """Switch torch's flight recorder on for ``backend`` unless the user set it: torch reads it when the
-        process group is created. Returns its Decision (None: the watchdog is off)."""
+        process group is created, and SoloDDP puts the variables back right after (:meth:`restore_environment`).
+        Returns its Decision (None: the watchdog is off)."""
         if self.settings is None:
             return None
         recorder, env = decide_flight_recorder(backend, os.environ)
