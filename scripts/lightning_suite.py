@@ -300,11 +300,14 @@ def run_standalone(src: Path, args: argparse.Namespace, stock: dict, swapped: di
     ``run_standalone_tasks.sh`` does: one pytest process per test with ``PL_RUN_STANDALONE_TESTS=1`` (their
     ``ddp`` launcher re-runs the command for the other ranks), stock and swapped; their results replace the
     skips."""
-    tests = [
-        n
-        for n, r in stock["tests"].items()
-        if r["outcome"] == "skipped" and r["message"].endswith(STANDALONE_SKIP)
-    ]
+    tests = sorted(  # either pass's skips: a reused stock pass has its standalone results in already
+        {
+            n
+            for report in (stock, swapped)
+            for n, r in report["tests"].items()
+            if r["outcome"] == "skipped" and r["message"].endswith(STANDALONE_SKIP)
+        }
+    )
     os.environ["PL_RUN_STANDALONE_TESTS"] = "1"
     try:
         for n in tests:
