@@ -40,7 +40,7 @@ from lightning_solo.checkpoint import (
     resolve_ckpt_path,
     verify,
 )
-from lightning_solo.checkpoint.background import HostStaging
+from lightning_solo.checkpoint.background import HostStaging, decide_async_save
 from tests.helpers import REPO
 from tests.helpers.modules import TinyModule
 
@@ -412,6 +412,41 @@ def test_host_staging_keeps_views_shared_and_holds_one_snapshot():
     assert staging.nbytes == first
     assert again["w"].untyped_storage().data_ptr() == snap["w"].untyped_storage().data_ptr()
     assert torch.equal(again["w"], base)
+
+
+@pytest.mark.parametrize(
+    ("save_s", "step_s", "value"),
+    [(5.0, 0.1, True), (0.21, 0.1, True), (0.2, 0.1, False), (0.05, 0.1, False)],
+)
+def test_decide_async_save_goes_background_past_two_steps(save_s, step_s, value):
+    decision = decide_async_save(save_s, step_s)
+    assert decision.value is value and "auto" in decision.reason
+
+
+class SlowStep(TinyModule):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.1)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("model", "delay_s", "value"), [(TinyModule, 0.3, True), (SlowStep, 0.0, False)])
+def test_async_save_auto_times_the_first_save(tmp_path, model, delay_s, value):
+    callback = SoloCheckpoint(dirpath=tmp_path, every_n_train_steps=3, keep_last_k=1, async_save="auto")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=9,
+        callbacks=[callback],
+        plugins=[SlowIO(delay_s)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model())
+    assert callback.decisions["async_save"].value is value
+    assert ("async_save_waits" in callback.decisions) is value  # later saves went through the writer
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=9.ckpt", "last.ckpt"]  # rotated after the commit
+    assert verify(tmp_path / "last.ckpt")["global_step"] == 9
 
 
 if __name__ == "__main__":

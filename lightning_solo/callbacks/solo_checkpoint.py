@@ -16,9 +16,12 @@ See docs/checkpoints.md."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import statistics
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -30,11 +33,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
-from lightning_solo.checkpoint.background import BackgroundWriter
+from lightning_solo.checkpoint.background import BackgroundWriter, decide_async_save
 from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.sharded import read_sharded_manifest
-from lightning_solo.core.checks import check_bool, check_int, check_number
+from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         async_save: ``True``: at a save, rank 0 copies the state into host memory and a background thread writes
             it (same atomic write and manifest); rotation and ``last`` move once it is committed; the next save,
             the fit's end and an exception wait for it. ``False`` (default): every rank waits for the write.
+            ``"auto"``: the first save is synchronous and timed; background writes if it blocked over two steps.
         async_timeout_s: how long the fit's end or an exception waits for a background write.
     """
 
@@ -80,7 +84,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         *,
         keep_last_k: int | None = None,
         exception_save_timeout_s: float = 60.0,
-        async_save: bool = False,
+        async_save: bool | Literal["auto"] = False,
         async_timeout_s: float = 600.0,
     ) -> None:
         if keep_last_k is not None:
@@ -98,7 +102,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
         check_number("exception_save_timeout_s", exception_save_timeout_s)
-        check_bool("async_save", async_save)
+        if async_save not in (True, False, "auto"):
+            raise ValueError(f"async_save must be True, False or 'auto', got {async_save!r}")
         check_number("async_timeout_s", async_timeout_s)
         super().__init__(
             dirpath=dirpath,
@@ -125,6 +130,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self.async_timeout_s = float(async_timeout_s)
         self._writer: BackgroundWriter | None = None
         self._group_depth = 0
+        self._auto: dict[str, Any] | None = None  # async_save="auto" until decided: step starts, save time
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -140,8 +146,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 f"SoloCheckpoint with {type(io).__name__}: writes are not atomic and carry no manifest;"
                 " use SoloDDP (or plugins=[SoloCheckpointIO()]) for crash-safe checkpoints"
             )
-        self._writer = None
-        if not self.async_save:
+        self._writer, self._auto = None, None
+        if self.async_save == "auto" and isinstance(io, SoloCheckpointIO) and stage == "fit":
+            self._auto = {"starts": [], "save_s": 0.0}
+            self._decide(Decision("async_save", "auto", "the first save is timed against the step time"))
+        elif not self.async_save:
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
             self._writer = BackgroundWriter() if trainer.is_global_zero else None
@@ -173,7 +182,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     # -- background writes (async_save=True) -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _group(self) -> Iterator[None]:
+    def _group(self, trainer=None) -> Iterator[None]:
         # The writes, rotations and link of one hook call form one group, written in order after the hook.
         self._group_depth += 1
         try:
@@ -182,15 +191,47 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._group_depth -= 1
             if self._group_depth == 0 and self._writer is not None:
                 self._writer.submit()
+            elif (
+                self._group_depth == 0
+                and self._auto is not None
+                and self._auto["save_s"]
+                and trainer is not None
+            ):
+                self._decide_auto(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._auto is not None:
+            self._auto["starts"] = [*self._auto["starts"][-16:], time.perf_counter()]
+
+    def _decide_auto(self, trainer) -> None:
+        auto, self._auto = self._auto, None
+        assert auto is not None
+        starts = auto["starts"]
+        steps = [b - a for a, b in itertools.pairwise(starts[1:])]  # the first may include the loader's start
+        step_s = statistics.median(steps) if steps else None
+        if step_s is None:
+            self._auto = auto  # a save before two steps ran: decide at the next one
+            auto["save_s"] = 0.0
+            return
+        decision = self._decide(decide_async_save(auto["save_s"], step_s))
+        if decision.value and trainer.is_global_zero:
+            self._writer = BackgroundWriter()
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        with self._group():
+        with self._group(trainer):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         writer, io = self._writer, trainer.strategy.checkpoint_io
+        if self._auto is not None:  # timed: the first save decides async_save="auto"
+            start = time.perf_counter()
+            with self._group(trainer):
+                super()._save_checkpoint(trainer, filepath)
+                self._auto["save_s"] += time.perf_counter() - start
+            return None
         if writer is None or not isinstance(io, SoloCheckpointIO):
             return super()._save_checkpoint(trainer, filepath)
         # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused.
@@ -232,14 +273,14 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     # rank (the save is collective).
     @override
     def on_validation_end(self, trainer, pl_module) -> None:
-        with self._group():
+        with self._group(trainer):
             super().on_validation_end(trainer, pl_module)
             if not self._should_save_on_train_epoch_end(trainer):
                 self._refresh_last(trainer)
 
     @override
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        with self._group():
+        with self._group(trainer):
             super().on_train_epoch_end(trainer, pl_module)
             if self._should_save_on_train_epoch_end(trainer):
                 self._refresh_last(trainer)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from lightning_solo.core.decision import Decision
+
 log = logging.getLogger(__name__)
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -211,3 +213,11 @@ class BackgroundWriter:
                 f"the background checkpoint write of {self._pending} failed: {error}"
             ) from error
         return True
+
+
+def decide_async_save(save_s: float, step_s: float) -> Decision:
+    """``async_save="auto"``: write in the background when the first save blocked training for more than two steps."""
+    measured = f"the first save blocked {save_s:.2f} s, one step takes {step_s:.3f} s"
+    if save_s > 2 * step_s:
+        return Decision("async_save", True, f"auto: {measured}; later saves are written in the background")
+    return Decision("async_save", False, f"auto: {measured}; saves stay synchronous")
