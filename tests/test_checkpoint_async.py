@@ -449,5 +449,30 @@ def test_async_save_auto_times_the_first_save(tmp_path, model, delay_s, value):
     assert verify(tmp_path / "last.ckpt")["global_step"] == 9
 
 
+class RaisesAtStep3(TinyModule):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise ValueError("boom at step 3")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_waits_for_the_write_in_flight(tmp_path):
+    callback = SoloCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=False, async_save=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=10,
+        callbacks=[callback],
+        plugins=[SlowIO(delay_s=0.5)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match="boom at step 3"):
+        trainer.fit(RaisesAtStep3())  # raises while step 3's checkpoint is still being written
+    assert verify(tmp_path / "epoch=0-step=3.ckpt")["global_step"] == 3  # on_exception waited for it
+    assert callback.decisions["async_save_waits"].value["waits"] >= 1
+
+
 if __name__ == "__main__":
     print(json.dumps(drive(sys.argv[1], int(sys.argv[2]))))
