@@ -114,6 +114,7 @@ def _fit_ddp(ckpt_dir: str, async_save: bool, delay_s: float, max_steps: int = 8
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=os.path.dirname(ckpt_dir),  # what a failing rank's watchdog writes
         num_sanity_val_steps=0,
     )
     trainer.fit(Net())
@@ -209,6 +210,7 @@ def _child_train(ckpt_dir: str, seed: int) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=os.path.dirname(ckpt_dir),  # what a failing rank's watchdog writes
     )
     model = TinyModule((64, 512, 64), loss="square", samples=1024, batch_size=8, momentum=0.9)
     trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", ckpt_dir))
@@ -314,6 +316,7 @@ def test_exception_on_one_rank_during_a_background_write_keeps_the_newest_commit
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=tmp_path,  # what a failing rank's watchdog writes
     )
     start = time.monotonic()
     with pytest.raises(Exception, match="boom on rank 1"):
@@ -342,6 +345,7 @@ def _single(tmp_path, io: SoloCheckpointIO, max_steps: int = 4, **kwargs) -> tup
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=tmp_path,  # what a failing rank's watchdog writes
     )
     trainer.fit(TinyModule())
     return trainer, callback
@@ -441,6 +445,7 @@ def test_async_save_auto_times_the_first_save(tmp_path, model, delay_s, value):
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=tmp_path,  # what a failing rank's watchdog writes
     )
     trainer.fit(model())
     assert callback.decisions["async_save"].value is value
@@ -467,6 +472,7 @@ def test_an_exception_waits_for_the_write_in_flight(tmp_path):
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=tmp_path,  # what a failing rank's watchdog writes
     )
     with pytest.raises(ValueError, match="boom at step 3"):
         trainer.fit(RaisesAtStep3())  # raises while step 3's checkpoint is still being written
