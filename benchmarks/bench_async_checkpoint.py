@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -177,6 +178,8 @@ def main() -> None:
     for r in range(args.rounds):
         for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
             results[v].append(run(v, args.mb, interval, args.saves, root))
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)  # several GB of checkpoints at --mb 1024
     snap = snapshot_time(args.mb)
     table = {v: {k: statistics.median(res[k] for res in rs) for k in rs[0]} for v, rs in results.items()}
     print(json.dumps({"mb": args.mb, "delay_s": args.delay, "interval_s": interval, "rounds": args.rounds,
