@@ -314,6 +314,6 @@ def test_crash_order_file_fsync_then_rename_then_directory_fsync(tmp_path, monke
         is_global_zero = True
         strategy = type("S", (), {"barrier": staticmethod(lambda *a, **k: None)})()
 
-    SoloCheckpoint._link_checkpoint(_Trainer(), target, str(tmp_path / "last.ckpt"))
+    SoloCheckpoint()._link_checkpoint(_Trainer(), target, str(tmp_path / "last.ckpt"))
     assert calls == [("rename", str(tmp_path / "last.ckpt")), ("fsync_dir", str(tmp_path))]
     assert os.readlink(tmp_path / "last.ckpt") == "a.ckpt"

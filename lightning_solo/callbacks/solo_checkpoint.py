@@ -15,12 +15,17 @@ See docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import statistics
 import threading
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -28,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.checkpoint.background import BackgroundWriter, decide_async_save
 from lightning_solo.checkpoint.io import SoloCheckpointIO, _fsync_dir, clean_stale_temp_files
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.sharded import read_sharded_manifest
@@ -48,6 +54,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         save_on_exception: on an exception, rank 0 writes ``on_exception.ckpt`` from its local state, with no
             collective (see the module docstring); auto-resume ignores it unless asked.
         exception_save_timeout_s: how long that save may take before it is abandoned.
+        async_save: ``True``: at a save, rank 0 copies the state into host memory and a background thread writes
+            it (same atomic write and manifest); rotation and ``last`` move once it is committed; the next save,
+            the fit's end and an exception wait for it. ``False`` (default): every rank waits for the write.
+            ``"auto"``: the first save is synchronous and timed; background writes if it blocked over two steps.
+        async_timeout_s: how long the fit's end or an exception waits for a background write.
     """
 
     EXCEPTION_NAME = "on_exception"
@@ -73,6 +84,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         *,
         keep_last_k: int | None = None,
         exception_save_timeout_s: float = 60.0,
+        async_save: bool | Literal["auto"] = False,
+        async_timeout_s: float = 600.0,
     ) -> None:
         if keep_last_k is not None:
             check_int("keep_last_k", keep_last_k)
@@ -89,6 +102,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
         check_number("exception_save_timeout_s", exception_save_timeout_s)
+        if async_save not in (True, False, "auto"):
+            raise ValueError(f"async_save must be True, False or 'auto', got {async_save!r}")
+        check_number("async_timeout_s", async_timeout_s)
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -110,6 +126,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self.exception_save_timeout_s = float(exception_save_timeout_s)
         self.decisions: dict[str, Decision] = {}
         self.exception_checkpoint_path: str | None = None
+        self.async_save = async_save
+        self.async_timeout_s = float(async_timeout_s)
+        self._writer: BackgroundWriter | None = None
+        self._group_depth = 0
+        self._auto: dict[str, Any] | None = None  # async_save="auto" until decided: step starts, save time
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -124,6 +145,21 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             rank_zero_warn(
                 f"SoloCheckpoint with {type(io).__name__}: writes are not atomic and carry no manifest;"
                 " use SoloDDP (or plugins=[SoloCheckpointIO()]) for crash-safe checkpoints"
+            )
+        self._writer, self._auto = None, None
+        if self.async_save == "auto" and isinstance(io, SoloCheckpointIO) and stage == "fit":
+            self._auto = {"starts": [], "save_s": 0.0}
+            self._decide(Decision("async_save", "auto", "the first save is timed against the step time"))
+        elif not self.async_save:
+            self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
+        elif isinstance(io, SoloCheckpointIO) and stage == "fit":
+            self._writer = BackgroundWriter() if trainer.is_global_zero else None
+            self._decide(
+                Decision("async_save", True, "host snapshot at the save, written by a background thread")
+            )
+        else:
+            self._decide(
+                Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously")
             )
         if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
             stale_after_s = io.stale_after_s if isinstance(io, SoloCheckpointIO) else 3600.0
@@ -143,6 +179,93 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return False
         return super().check_monitor_top_k(trainer, current)
 
+    # -- background writes (async_save=True) -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _group(self, trainer=None) -> Iterator[None]:
+        # The writes, rotations and link of one hook call form one group, written in order after the hook.
+        self._group_depth += 1
+        try:
+            yield
+        finally:
+            self._group_depth -= 1
+            if self._group_depth == 0 and self._writer is not None:
+                self._writer.submit()
+            elif (
+                self._group_depth == 0
+                and self._auto is not None
+                and self._auto["save_s"]
+                and trainer is not None
+            ):
+                self._decide_auto(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._auto is not None:
+            self._auto["starts"] = [*self._auto["starts"][-16:], time.perf_counter()]
+
+    def _decide_auto(self, trainer) -> None:
+        auto, self._auto = self._auto, None
+        assert auto is not None
+        starts = auto["starts"]
+        steps = [b - a for a, b in itertools.pairwise(starts[1:])]  # the first may include the loader's start
+        step_s = statistics.median(steps) if steps else None
+        if step_s is None:
+            self._auto = auto  # a save before two steps ran: decide at the next one
+            auto["save_s"] = 0.0
+            return
+        decision = self._decide(decide_async_save(auto["save_s"], step_s))
+        if decision.value and trainer.is_global_zero:
+            self._writer = BackgroundWriter()
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with self._group(trainer):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        writer, io = self._writer, trainer.strategy.checkpoint_io
+        if self._auto is not None:  # timed: the first save decides async_save="auto"
+            start = time.perf_counter()
+            with self._group(trainer):
+                super()._save_checkpoint(trainer, filepath)
+                self._auto["save_s"] += time.perf_counter() - start
+            return None
+        if writer is None or not isinstance(io, SoloCheckpointIO):
+            return super()._save_checkpoint(trainer, filepath)
+        # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused.
+        writer.wait(None, "the next save")
+        with self._group(), io.staging(writer.stage):
+            super()._save_checkpoint(trainer, filepath)
+
+    def _wait_for_write(self, why: str) -> None:
+        """The fit's end, an exception: wait (bounded) for the write in flight; say so if it is still going."""
+        writer = self._writer
+        if writer is None:
+            return
+        pending = writer.in_flight
+        if not writer.wait(self.async_timeout_s, why):
+            log.error(
+                "the background checkpoint write of %s did not finish within async_timeout_s=%.0f s (%s); it was"
+                " told to stop; the newest committed checkpoint in %s is what a resume will use",
+                pending,
+                self.async_timeout_s,
+                why,
+                self.dirpath,
+            )
+        self._decide(
+            Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them")
+        )
+
+    @override
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        try:
+            self._wait_for_write("the fit ended")
+        finally:
+            self._writer = None
+            super().teardown(trainer, pl_module, stage)
+
     # -- `last` is the newest state ---------------------------------------------------------------------------
 
     # Lightning 2.6 writes `last` only in a step where it also wrote a top-k checkpoint, so once the monitored
@@ -150,15 +273,17 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     # rank (the save is collective).
     @override
     def on_validation_end(self, trainer, pl_module) -> None:
-        super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+        with self._group(trainer):
+            super().on_validation_end(trainer, pl_module)
+            if not self._should_save_on_train_epoch_end(trainer):
+                self._refresh_last(trainer)
 
     @override
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+        with self._group(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+            if self._should_save_on_train_epoch_end(trainer):
+                self._refresh_last(trainer)
 
     @override
     def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
@@ -181,27 +306,28 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     @override
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         successor = self._last_checkpoint_saved
-        if trainer.is_global_zero and not _intact(trainer, successor, filepath):
-            rank_zero_warn(f"keeping {filepath!r}: its successor {successor!r} is missing or damaged")
-            return
-        super()._remove_checkpoint(trainer, filepath)
 
-    @staticmethod
+        def remove() -> None:
+            if trainer.is_global_zero and not _intact(trainer, successor, filepath):
+                rank_zero_warn(f"keeping {filepath!r}: its successor {successor!r} is missing or damaged")
+                return
+            super(SoloCheckpoint, self)._remove_checkpoint(trainer, filepath)
+
+        self._run_or_queue(remove, trainer)
+
+    def _run_or_queue(self, op: Any, trainer) -> None:
+        # Rank 0's file operations (rotation, link) wait for the write before them (only rank 0 has a writer).
+        if self._writer is None:
+            op()
+        else:
+            with self._group():
+                self._writer.add(op)
+
     @override
-    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+    def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
         # The parent removes the old link and then creates the new one; a crash in between leaves no
         # `last` at all. A new link under a temporary name, renamed over the old one, is atomic.
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            if os.path.isdir(linkpath) and not os.path.islink(linkpath):
-                raise ValueError(f"cannot replace directory {linkpath!r} with a link to the last checkpoint")
-            tmp = f"{linkpath}.{os.getpid()}.link-tmp"
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
-            os.replace(tmp, linkpath)
-            _fsync_dir(
-                os.path.dirname(os.path.abspath(linkpath))
-            )  # the swap itself must survive a power loss
+        self._run_or_queue(lambda: _swap_link(trainer, filepath, linkpath), trainer)
         trainer.strategy.barrier()
 
     # -- exceptions -----------------------------------------------------------------------------------------
@@ -210,6 +336,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # Deliberately not the parent's: it calls trainer.save_checkpoint (a barrier) and file_exists (an
         # all-reduce) on the failing rank alone, which hangs until the process-group timeout (#20187).
+        self._wait_for_write(f"{type(exception).__name__} raised")
         if not self._should_save_on_exception(trainer) or not trainer.is_global_zero or self.dirpath is None:
             return
         if trainer.world_size > 1 and not torch.distributed.is_initialized():
@@ -253,6 +380,18 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         else:
             self.exception_checkpoint_path = path
             log.warning("saved %s after %s: %s", path, type(exception).__name__, exception)
+
+
+def _swap_link(trainer, filepath: str, linkpath: str) -> None:
+    if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+            raise ValueError(f"cannot replace directory {linkpath!r} with a link to the last checkpoint")
+        tmp = f"{linkpath}.{os.getpid()}.link-tmp"
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+        os.replace(tmp, linkpath)
+        _fsync_dir(os.path.dirname(os.path.abspath(linkpath)))  # the swap itself must survive a power loss
 
 
 def _intact(trainer, successor: str | None, filepath: str) -> bool:

@@ -18,8 +18,9 @@ import pickle
 import re
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,6 +93,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
         self.stale_after_s = float(stale_after_s)
         self._cleaned_dirs: set[str] = set()
         self.removed_temp_files: list[str] = []
+        self._stager: tuple[int, Callable[..., None]] | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -110,14 +112,32 @@ class SoloCheckpointIO(TorchCheckpointIO):
         if directory not in self._cleaned_dirs:
             self.removed_temp_files += clean_stale_temp_files(directory, self.stale_after_s)
             self._cleaned_dirs.add(directory)
-        extra = {"trigger": "train", **(storage_options or {})}
+        manifest = _manifest_fields(checkpoint, {"trigger": "train", **(storage_options or {})})
+        stager = getattr(self, "_stager", None)
+        if stager is not None and stager[0] == threading.get_ident():
+            return stager[1](self, checkpoint, path, manifest)
+        self.write_file(checkpoint, path, manifest)
+
+    def write_file(self, checkpoint: Any, path: str, manifest: dict[str, Any]) -> None:
+        """The write itself: temp file in ``path``'s directory, ``torch.save``, manifest, fsync, ``os.replace``.
+        Runs in ``save_checkpoint``, or on the background thread for a staged save."""
         _atomic_write(
             path,
             lambda f: torch.save(checkpoint, f),
-            _manifest_fields(checkpoint, extra),
+            manifest,
             fsync=self.fsync,
             verify_after_write=self.verify_after_write,
         )
+
+    @contextlib.contextmanager
+    def staging(self, stage: Callable[[Any, Any, str, dict[str, Any]], None]) -> Iterator[None]:
+        """Within the block, a ``save_checkpoint`` from this thread calls ``stage(io, checkpoint, path,
+        manifest)`` instead of writing (:class:`~lightning_solo.checkpoint.background.BackgroundWriter`)."""
+        previous, self._stager = getattr(self, "_stager", None), (threading.get_ident(), stage)
+        try:
+            yield
+        finally:
+            self._stager = previous
 
     @override
     def load_checkpoint(

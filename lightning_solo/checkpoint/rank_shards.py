@@ -80,9 +80,10 @@ def _write_file(stem: str, state: Any) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    # This rank's shards of earlier saves to this path: the newest stays, the checkpoint file on disk may
-    # still be that save's until rank 0 has replaced it.
+    # This rank's shards of earlier saves to this path: the two newest stay, the checkpoint file on disk may
+    # still be one of theirs until rank 0 has replaced it (with SoloCheckpoint(async_save=True) rank 0 may
+    # still be writing the previous save while the others write this one).
     older = sorted((p for p in glob.glob(f"{glob.escape(stem)}.*.pt") if p != path), key=os.path.getmtime)
-    for stale in older[:-1]:
+    for stale in older[:-2]:
         os.remove(stale)
     return digest
