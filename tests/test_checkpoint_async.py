@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -41,14 +40,8 @@ from lightning_solo.checkpoint import (
     verify,
 )
 from lightning_solo.checkpoint.background import HostStaging, decide_async_save
-from tests.helpers import REPO
+from tests.helpers import run_driver
 from tests.helpers.modules import TinyModule
-
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-}
 
 
 class SlowIO(SoloCheckpointIO):
@@ -273,16 +266,7 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
 @pytest.mark.timeout(120)
 def test_kill9_during_background_writes_leaves_the_newest_committed_checkpoint(tmp_path):
     trials = 10
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path), str(trials)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=ENV,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1])
+    out = run_driver(__file__, tmp_path, trials, timeout=110)
     print(f"\nasync kill -9: {json.dumps(out)}")
     assert out["errors"] == [] and out["trials"] == trials and out["ok"] == trials
     assert out["killed_mid_write"] >= trials // 4, "the kills never hit a background write"

@@ -40,16 +40,10 @@ from lightning_solo.checkpoint import (
     verify,
 )
 from lightning_solo.testing import free_port
-from tests.helpers import REPO
+from tests.helpers import SCRIPT_ENV, run_driver
 from tests.helpers.modules import TinyModule
 
 TRIALS = 20
-# The driver and its ranks run this file as a script: they import tests.helpers from the checkout.
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-}
 
 
 class Wide(TinyModule):
@@ -215,16 +209,7 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path), str(TRIALS)],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        env=ENV,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1])
+    out = run_driver(__file__, tmp_path, TRIALS, timeout=140)
     print(f"\nfault injection: {json.dumps({k: v for k, v in out.items() if k != 'steps'})}")
     assert out["errors"] == []
     assert out["trials"] == TRIALS and out["last_verified"] == TRIALS and out["resumed"] == TRIALS - 1
@@ -312,7 +297,7 @@ def test_exception_on_one_rank_ends_the_run_promptly_and_enters_no_collective(tm
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[rank])},
+            env={**SCRIPT_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[rank])},
             start_new_session=True,
         )
         for rank in (0, 1)

@@ -16,6 +16,12 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
 REPO = Path(__file__).resolve().parents[2]
+# A test file run as a script (its fault-injection driver and the ranks it starts) imports tests.helpers from here.
+SCRIPT_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+}
 CONF = REPO / "conf"
 # The smallest real run of the runner: one epoch of 8x8 synthetic images.
 TINY_RUN = [
@@ -64,3 +70,17 @@ def run_cli(
     return subprocess.run(
         [python, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_driver(script: str | Path, *args: object, timeout: float) -> dict:
+    """Run ``script`` (a test file's ``__main__`` driver) with ``args`` under :data:`SCRIPT_ENV`; the last JSON line
+    it printed."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        env=SCRIPT_ENV,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
