@@ -126,16 +126,12 @@ def run(variant: str, mb: int, interval_s: float, saves: int, root: str) -> dict
     def window(lo: float, hi: float) -> list[float]:
         return [s for i, s in enumerate(steps) if i not in saving and lo <= starts[i] < hi]
 
-    after = [
-        s for j in saving if j + 1 < len(starts) for s in window(starts[j + 1], starts[j + 1] + WINDOW_S)
-    ]
+    after = [s for j in saving if j + 1 < len(starts) for s in window(starts[j + 1], starts[j + 1] + WINDOW_S)]
     before = [s for j in saving for s in window(ends[j] - WINDOW_S, ends[j])]
     return {
         "blocked_s": statistics.median(blocked),
         "step_s": plain,
-        "during_write": statistics.median(after) / statistics.median(before)
-        if after and before
-        else float("nan"),
+        "during_write": statistics.median(after) / statistics.median(before) if after and before else float("nan"),
         "fit_s": total,
     }
 
@@ -161,9 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--delay", type=float, default=5.0, help="seconds added to each file's write")
-    parser.add_argument(
-        "--interval", type=float, default=0.0, help="seconds between saves (default 1.5 delay + 3)"
-    )
+    parser.add_argument("--interval", type=float, default=0.0, help="seconds between saves (default 1.5 delay + 3)")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)")
@@ -184,9 +178,7 @@ def main() -> None:
     table = {v: {k: statistics.median(res[k] for res in rs) for k in rs[0]} for v, rs in results.items()}
     print(json.dumps({"mb": args.mb, "delay_s": args.delay, "interval_s": interval, "rounds": args.rounds,
                       "snapshot_s": snap, "results": table}, indent=1))  # fmt: skip
-    print(
-        f"\n{args.mb} MiB, write delay {args.delay} s/file, a save every {interval:.1f} s, {args.rounds} rounds"
-    )
+    print(f"\n{args.mb} MiB, write delay {args.delay} s/file, a save every {interval:.1f} s, {args.rounds} rounds")
     print(f"snapshot copy alone: {snap * 1000:.0f} ms")
     print(f"{'variant':30s} {'blocked/save':>13s} {'one step':>9s} {'steps during write':>18s}")
     for v, row in table.items():

@@ -57,9 +57,7 @@ def main() -> None:
         "solo, full verify": SoloCheckpointIO(verify_after_write=True),
         "solo, no fsync": SoloCheckpointIO(fsync=False),
     }
-    times: dict[str, list[float]] = {
-        name: [] for name in [*savers, "load: torch.load", "load: solo (verify+load)"]
-    }
+    times: dict[str, list[float]] = {name: [] for name in [*savers, "load: torch.load", "load: solo (verify+load)"]}
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         names = list(savers)
         for r in range(args.rounds):

@@ -26,9 +26,7 @@ HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
 
 def make_net(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
+    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 def run_hook(name, width, steps, rank, world_size) -> tuple[float, float]:

@@ -206,18 +206,14 @@ def _fit(model_name: str, config: str, steps: int, warmup: int, out: str, compil
     if config == "stock_compile":
         strategy, fit_model = DDPStrategy(start_method="fork", **ddp), torch.compile(module)
     else:
-        strategy = SoloDDP(
-            start_method="fork", compile=False if config == "eager" else compile_setting, **ddp
-        )
+        strategy = SoloDDP(start_method="fork", compile=False if config == "eager" else compile_setting, **ddp)
         fit_model = module
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=planned or steps, callbacks=[Timer()],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
     import torch._dynamo
 
-    with torch._dynamo.config.patch(
-        optimize_ddp=config != "solo_compile_no_split"
-    ):  # the forked ranks inherit it
+    with torch._dynamo.config.patch(optimize_ddp=config != "solo_compile_no_split"):  # the forked ranks inherit it
         trainer.fit(fit_model)
     with open(os.path.join(out, f"{model_name}-{config}.json")) as f:
         return json.load(f)
@@ -232,16 +228,12 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its 25)")
     parser.add_argument("--no-auto", action="store_true", help="skip the compile='auto' fits")
     parser.add_argument("--single", action="store_true", help="only: one process, no DDP, eager vs compiled")
-    parser.add_argument(
-        "--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan"
-    )
+    parser.add_argument("--auto-steps", type=int, default=2000, help="max_steps of the compile='auto' fit's plan")
     parser.add_argument(
         "--link-ms", type=float, default=0, help="a simulated serial link: each bucket also takes this long"
     )
     parser.add_argument("--seq", type=int, default=SEQ, help="the transformer's sequence length")
-    parser.add_argument(
-        "--batch", type=int, default=None, help="batch per rank for every model (default: MODELS')"
-    )
+    parser.add_argument("--batch", type=int, default=None, help="batch per rank for every model (default: MODELS')")
     args = parser.parse_args()
     globals()["SEQ"] = args.seq  # read by _module in the forked ranks
     if args.batch:
@@ -368,7 +360,9 @@ def _paired(rows: dict, model_name: str, config: str, key: str) -> str:
     if config == "eager" or len(ratios) < 2:
         return "-"
     low, high = median_interval(ratios)
-    return f"{statistics.median(ratios):.2f} ({low:.2f}-{high:.2f}), lower in {sum(r < 1 for r in ratios)}/{len(ratios)}"
+    return (
+        f"{statistics.median(ratios):.2f} ({low:.2f}-{high:.2f}), lower in {sum(r < 1 for r in ratios)}/{len(ratios)}"
+    )
 
 
 def _rel_diff(out: str, model_name: str, config: str) -> float:

@@ -48,9 +48,7 @@ def _parts(args: argparse.Namespace, workload: str):
             net = torchvision.models.resnet18(num_classes=10)
             net.conv1, net.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
             return net
-        return nn.Sequential(
-            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-        )
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
     data = torch.randn(8, batch, *shape), torch.randint(10, (8, batch))
     return model, data, batch
@@ -215,9 +213,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="mlp,resnet18")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per fit (default: per workload)")
-    parser.add_argument(
-        "--block", type=int, default=None, help="steps per on/off block (default: 25 mlp, 4 resnet18)"
-    )
+    parser.add_argument("--block", type=int, default=None, help="steps per on/off block (default: 25 mlp, 4 resnet18)")
     parser.add_argument("--pairs", type=int, default=4, help="on/off block pairs per fit or round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, default=16, help="resnet18's input (CIFAR stem)")

@@ -51,9 +51,7 @@ def _worker(rank: int, port: int, buffer: int, ops: int, nprocs: int, out: mp.Si
 
 def per_op(buffer: int, ops: int, nprocs: int) -> float:
     queue = mp.get_context("fork").SimpleQueue()
-    mp.start_processes(
-        _worker, args=(_free_port(), buffer, ops, nprocs, queue), nprocs=nprocs, start_method="fork"
-    )
+    mp.start_processes(_worker, args=(_free_port(), buffer, ops, nprocs, queue), nprocs=nprocs, start_method="fork")
     return queue.get()
 
 

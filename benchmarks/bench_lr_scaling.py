@@ -97,9 +97,7 @@ class Classifier(L.LightningModule):
 def accuracy(net: nn.Module, data: TensorDataset) -> float:
     net.eval()
     x, y = data.tensors
-    correct = sum(
-        (net(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum().item() for i in range(0, len(y), 1024)
-    )
+    correct = sum((net(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum().item() for i in range(0, len(y), 1024))
     return 100.0 * correct / len(y)
 
 
@@ -123,17 +121,13 @@ def train_once(args, train, val, batch: int, policy: dict, seed: int, lr: float)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", choices=("synthetic", "digits"), default="synthetic")
     parser.add_argument("--base-batch", type=int, default=16)
     parser.add_argument("--multiples", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
-    parser.add_argument(
-        "--lr", type=float, default=0.00625, help="base lr at the base global batch (--sweep)"
-    )
+    parser.add_argument("--lr", type=float, default=0.00625, help="base lr at the base global batch (--sweep)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train-size", type=int, default=8192)
     parser.add_argument("--val-size", type=int, default=4096)
@@ -214,9 +208,7 @@ def main() -> None:
         seeds = " ".join(f"{a:.2f}" for a in results[name]) + (
             f" ({diverged[name]} diverged)" if diverged[name] else ""
         )
-        print(
-            f"| {name:<28} | {batch:12d} | {args.lr * scale:15g} | {med:10.2f} | {med - base:+9.2f} | {seeds} |"
-        )
+        print(f"| {name:<28} | {batch:12d} | {args.lr * scale:15g} | {med:10.2f} | {med - base:+9.2f} | {seeds} |")
 
 
 if __name__ == "__main__":

@@ -99,9 +99,7 @@ def worker(args: argparse.Namespace) -> dict:
             return self.x, self.y
 
     loader = DataLoader(SameBatch(), batch_size=None)
-    plugin = (
-        Precision() if args.precision.startswith("32-") else SoloMixedPrecision(args.precision, args.device)
-    )
+    plugin = Precision() if args.precision.startswith("32-") else SoloMixedPrecision(args.precision, args.device)
     clock, model = Clock(), Net()
     trainer = L.Trainer(
         accelerator=args.device,
@@ -152,9 +150,7 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
 
-    precisions = (
-        args.precisions or ",".join(ALL_PRECISIONS if args.device == "cuda" else CPU_DEFAULT)
-    ).split(",")
+    precisions = (args.precisions or ",".join(ALL_PRECISIONS if args.device == "cuda" else CPU_DEFAULT)).split(",")
     bad = [x for x in precisions if x not in ALL_PRECISIONS]
     if bad:
         raise ValueError(f"unknown precision(s) {bad}; accepted: {ALL_PRECISIONS}")

@@ -53,12 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--module", default="lightning_solo", help="what the process imports")
-    parser.add_argument(
-        "--with-site", help="compare the import as installed against it with this on PYTHONPATH"
-    )
-    parser.add_argument(
-        "--freeze", action="store_true", help="compare the import then gc.freeze() against it alone"
-    )
+    parser.add_argument("--with-site", help="compare the import as installed against it with this on PYTHONPATH")
+    parser.add_argument("--freeze", action="store_true", help="compare the import then gc.freeze() against it alone")
     args = parser.parse_args(argv)
     code = f"import {args.module}"
     # (name, code, site): the first arm is the one measured, the second the one it is compared against.
@@ -76,9 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             c, w = _start(*arms[i][1:])
             cpu[i].append(c)
             wall[i].append(w)
-        print(
-            f"round {r + 1}/{args.rounds}: CPU {arms[0][0]} {cpu[0][-1]:.2f} s, {arms[1][0]} {cpu[1][-1]:.2f} s"
-        )
+        print(f"round {r + 1}/{args.rounds}: CPU {arms[0][0]} {cpu[0][-1]:.2f} s, {arms[1][0]} {cpu[1][-1]:.2f} s")
     a, b = arms[0][0], arms[1][0]
     print(f"\n`{code}`, {args.rounds} rounds, medians (per-round ratio {a} / {b}, 95 % interval)\n")
     print(f"| figure | {a} | {b} | ratio |\n|---|---|---|---|")

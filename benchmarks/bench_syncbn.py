@@ -108,9 +108,7 @@ def main() -> None:
 
     print(f"2 CPU processes (gloo), per-process batch {args.batch}, {args.size}x{args.size} inputs, "
           f"{args.rounds} rounds x {args.steps} interleaved steps; ratio to plain BN (min-max over rounds)")  # fmt: skip
-    print(
-        f"{'model':<14}{'BN layers':>10}{'plain ms':>10}{'synced (world group)':>32}{'synced (own group)':>32}"
-    )
+    print(f"{'model':<14}{'BN layers':>10}{'plain ms':>10}{'synced (world group)':>32}{'synced (own group)':>32}")
     for name, r in results.items():
         cells = [
             f"{r['ms'][key]:7.1f} ms {r['ratio'][key][0]:5.3f} ({r['ratio'][key][1]:.3f}-{r['ratio'][key][2]:.3f})"

@@ -104,9 +104,7 @@ def _worker(rank: int, world: int, args) -> dict:
     side_channel = dist.new_group(backend="gloo")  # SoloDDP's: a gloo group apart from DDP's
     for head in (False, True):
         # False on the unused-head model raises on its second step (and leaves the peer waiting): not run.
-        runs = {
-            s: _Run(s, head, rank, side_channel) for s in (["auto", True] if head else ["auto", True, False])
-        }
+        runs = {s: _Run(s, head, rank, side_channel) for s in (["auto", True] if head else ["auto", True, False])}
         for run in runs.values():
             run.steps(args.warmup)  # includes auto's evidence window and its re-wrap
         names = list(runs)
@@ -125,9 +123,7 @@ def _worker(rank: int, world: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=15, help="timed blocks per setting")
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--warmup", type=int, default=12, help="untimed steps first (auto's window is 4)")
@@ -156,14 +152,10 @@ def main() -> None:
         print(f"auto ({'unused head' if h else 'all used'}): {results[h, 'policy_us']:.0f} us per step inside the "
               f"policy's calls, {100 * results[h, 'policy_us'] * (head if h else used)['auto'] / 1e6:.2f}% of a step; "
               f"{results[h, 'decision']}")  # fmt: skip
-    quartiles = {
-        k: statistics.quantiles(v, n=4) for k, v in results.items() if k[1] not in ("decision", "policy_us")
-    }
+    quartiles = {k: statistics.quantiles(v, n=4) for k, v in results.items() if k[1] not in ("decision", "policy_us")}
     print(
         "interquartile range (steps/s):",
-        ", ".join(
-            f"{'head' if h else 'used'}/{s}: {q[0]:.1f}..{q[2]:.1f}" for (h, s), q in quartiles.items()
-        ),
+        ", ".join(f"{'head' if h else 'used'}/{s}: {q[0]:.1f}..{q[2]:.1f}" for (h, s), q in quartiles.items()),
     )
 
 

@@ -77,15 +77,11 @@ class StepTimer(L.Callback):
             self.out.write_text(json.dumps({"times": times, "cpu": float(cpu)}))
 
 
-def fit(
-    watchdog: bool, steps: int, hidden: int, batch: int, start_method: str | None = "fork"
-) -> tuple[float, float]:
+def fit(watchdog: bool, steps: int, hidden: int, batch: int, start_method: str | None = "fork") -> tuple[float, float]:
     """Rank 0's median step (s) of one fit, and both processes' CPU time per step (s); ``start_method=None``: the
     ranks are already running (this process is one of them, in an initialised process group)."""
     out = Path(tempfile.mkdtemp()) / "times.json"
-    data = TensorDataset(
-        torch.randn(2 * batch * (steps + 1), 256), torch.randint(0, 10, (2 * batch * (steps + 1),))
-    )
+    data = TensorDataset(torch.randn(2 * batch * (steps + 1), 256), torch.randint(0, 10, (2 * batch * (steps + 1),)))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=steps,
         strategy=SoloDDP(start_method=start_method or "auto", watchdog=watchdog),
@@ -153,15 +149,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--costs-only", action="store_true", help="only the per-step and per-beat costs")
-    parser.add_argument(
-        "--same-processes", action="store_true", help="every fit in one long-lived pair of ranks"
-    )
+    parser.add_argument("--same-processes", action="store_true", help="every fit in one long-lived pair of ranks")
     args = parser.parse_args()
     cost, beat = hook_cost_us(), beat_cost_ms()
     print(f"training-thread work per step: {cost:.2f} us = {cost / 1e4:.3%} of a 10 ms step")
-    print(
-        f"watchdog thread per heartbeat (judging rank, 2 ranks): {beat:.3f} ms, once a second = {beat / 1e3:.3%}"
-    )
+    print(f"watchdog thread per heartbeat (judging rank, 2 ranks): {beat:.3f} ms, once a second = {beat / 1e3:.3%}")
     if args.costs_only:
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -375,8 +375,7 @@ def section_comm(args: argparse.Namespace) -> str:
     lines = [
         "### Communication-bound workload and its levers",
         "",
-        workload_line(args, w, spec)
-        + f" SGD lr {spec['lr']}, momentum 0.9; post-local-SGD and PowerSGD start "
+        workload_line(args, w, spec) + f" SGD lr {spec['lr']}, momentum 0.9; post-local-SGD and PowerSGD start "
         f"at step {start}. Loss: cross-entropy on 512 held-out samples after the run (the same samples seen by "
         "every lever; post-local-SGD's replicas averaged at the end).",
         "",
@@ -575,9 +574,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument("--workload", default="resnet18", choices=("resnet18", "mlp", "digits"))
     p.add_argument("--batch", type=int, default=32, help="per rank")
-    p.add_argument(
-        "--batches", type=int, default=26, help="batches per rank per measurement, warm-up included"
-    )
+    p.add_argument("--batches", type=int, default=26, help="batches per rank per measurement, warm-up included")
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--scaling", default="1,2,4", help="process counts for the scaling section")
@@ -624,9 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sections.split(","):
         print(f"[compare] section {name}", file=sys.stderr, flush=True)
         parts.append(globals()[f"section_{name}"](args))
-    parts.append(
-        f"Wall time {time.monotonic() - started:.0f} s; load average at the end {os.getloadavg()[0]:.1f}."
-    )
+    parts.append(f"Wall time {time.monotonic() - started:.0f} s; load average at the end {os.getloadavg()[0]:.1f}.")
     text = "\n\n".join(parts) + "\n"
     print(text)
     if args.out:

@@ -44,9 +44,7 @@ def peak_rss_mb() -> float:
 # ------------------------------------------------------------------ workloads
 
 
-def build_workload(
-    spec: dict, world: int | None = None
-) -> tuple[nn.Module, TensorDataset, TensorDataset | None]:
+def build_workload(spec: dict, world: int | None = None) -> tuple[nn.Module, TensorDataset, TensorDataset | None]:
     """The network (same initial weights on every rank) and the training (and held-out) data, for ``world``
     ranks (default: ``WORLD_SIZE``)."""
     world, batch = world or int(os.environ["WORLD_SIZE"]), spec["batch"]

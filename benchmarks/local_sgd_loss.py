@@ -33,9 +33,7 @@ def shards(n: int, order: int) -> list[list[int]]:
     return [perm[r::2] for r in range(2)]
 
 
-def held_out_loss(
-    period: int | None, order: int, lr: float = 0.01, outer: tuple[float, float] | None = None
-) -> float:
+def held_out_loss(period: int | None, order: int, lr: float = 0.01, outer: tuple[float, float] | None = None) -> float:
     """``period`` None: exact DDP (gradients averaged every step). ``outer``: (outer lr, outer momentum) applied to
     each average's move from the previous average."""
     net, data, held_out = build_workload(SPEC, world=2)
@@ -92,12 +90,8 @@ RUNS: dict[str, dict] = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--orders", type=int, nargs="+", default=[0, 1, 2], help="data orders (sampler seeds)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--orders", type=int, nargs="+", default=[0, 1, 2], help="data orders (sampler seeds)")
     args = parser.parse_args(argv)
     losses = {name: [] for name in RUNS}
     for order in args.orders:
@@ -106,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"order {order}: {name}: {losses[name][-1]:.4f}", flush=True)
     exact = losses["exact DDP"]
     orders = ", ".join(str(o) for o in args.orders)
-    print(
-        f"\n| run | held-out loss, orders {orders} | Δ vs exact DDP per order | median Δ |\n|---|---|---|---|"
-    )
+    print(f"\n| run | held-out loss, orders {orders} | Δ vs exact DDP per order | median Δ |\n|---|---|---|---|")
     for name, values in losses.items():
         deltas = [100 * (v / e - 1) for v, e in zip(values, exact)]
         cells = ", ".join(f"{v:.4f}" for v in values), ", ".join(f"{d:+.1f} %" for d in deltas)

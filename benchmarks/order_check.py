@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     print(compare.machine_line())
     print("| contender | samples/s | CPU ms per batch |\n|---|---|---|")
     for name in contenders:
-        print(
-            f"| {name} | {compare.spread(compare.sps(res[name]))} | {compare.spread(compare.cpu(res[name]))} |"
-        )
+        print(f"| {name} | {compare.spread(compare.sps(res[name]))} | {compare.spread(compare.cpu(res[name]))} |")
     for label, values in (
         ("samples/s", compare.ratios(res, SOLO, STOCK)),
         ("CPU per batch", compare.cpu_ratios(res, SOLO, STOCK)),

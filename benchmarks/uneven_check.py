@@ -122,9 +122,7 @@ def overhead(out: str, rounds: int, batches: int) -> None:
             medians[name].append(statistics.median(torch.load(out)))
     a, b = medians["SoloDDP()"], medians["SoloDDP(uneven_data=False)"]
     ratios = [x / y for x, y in zip(a, b)]
-    print(
-        f"\neven data, {batches} batches of {BATCH} per rank, {rounds} rounds (order alternated), median step ms:"
-    )
+    print(f"\neven data, {batches} batches of {BATCH} per rank, {rounds} rounds (order alternated), median step ms:")
     print("| contender | ms/step (median of rounds; range) |")
     print("|---|---|")
     for name, values in medians.items():

@@ -52,9 +52,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         # Plain pickle, not torch's shared-memory reduction: a tensor must outlive the rank that made it.
@@ -71,9 +69,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -138,9 +134,7 @@ class HostSyncRecorder:
 
         self._tracking = True
         for owner in owners:
-            tensors = (
-                [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
-            )
+            tensors = [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
             for tensor in tensors:
                 self._device_tensors[tensor] = True
         return self

@@ -249,17 +249,13 @@ def run_pass(
         *targets,
     ]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SCRIPTS), str(src / "tests"), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS), str(src / "tests"), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = args.results / f"{label}.log"
     print(f"\n== {label}: {shlex.join(command[1:])}\n   (cwd {src / 'tests'}, log {log_path})", flush=True)
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command, cwd=src / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
+        proc = subprocess.Popen(command, cwd=src / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         assert proc.stdout is not None
         # Chunks, not lines: pytest's progress dots come without a newline.
         while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -316,9 +312,7 @@ def run_standalone(src: Path, args: argparse.Namespace, stock: dict, swapped: di
                     continue
                 target = target_of(src, report["tests"][n].get("nodeid", n))
                 label = f"{name}-standalone-{base_name(n)}"
-                again = run_pass(
-                    src, [target], [], args, swapped=name == "swapped", label=label, allow_missing=True
-                )
+                again = run_pass(src, [target], [], args, swapped=name == "swapped", label=label, allow_missing=True)
                 record = again["tests"].get(n) or {
                     "nodeid": target,
                     "outcome": "error",
@@ -354,9 +348,7 @@ def rerun_failures(src: Path, args: argparse.Namespace, stock: dict, swapped: di
                 continue
             targets = [target_of(src, report["tests"][n].get("nodeid", n)) for n in todo[name]]
             label = f"{name}-rerun{attempt}"
-            again = run_pass(
-                src, targets, [], args, swapped=name == "swapped", label=label, allow_missing=True
-            )
+            again = run_pass(src, targets, [], args, swapped=name == "swapped", label=label, allow_missing=True)
             for n in todo[name]:
                 record, first = again["tests"].get(n), report["tests"][n]
                 if record is not None and record["outcome"] in PASSING:
@@ -415,9 +407,7 @@ def markdown(stock: dict, swapped: dict, meta: dict) -> str:
     why = {n: explained(n, w.get(n, {}).get("message", "")) for n in lost}
     unexplained = [n for n in lost if not why[n]]
     names = list(dict.fromkeys([*s, *w]))
-    both_skipped = {
-        n for n in names if s.get(n, {}).get("outcome") == w.get(n, {}).get("outcome") == "skipped"
-    }
+    both_skipped = {n for n in names if s.get(n, {}).get("outcome") == w.get(n, {}).get("outcome") == "skipped"}
     out = [
         "# Lightning's own DDP tests, stock vs SoloDDP",
         "",
@@ -443,9 +433,7 @@ def markdown(stock: dict, swapped: dict, meta: dict) -> str:
         f"- Command: `{meta['command']}`",
         f"- Wall time: stock pass {stock['wall_s']:.0f} s, swapped pass {swapped['wall_s']:.0f} s"
         + (
-            f"; {swapped['total_s']:.0f} s in all, with the reruns and standalone tests"
-            if "total_s" in swapped
-            else ""
+            f"; {swapped['total_s']:.0f} s in all, with the reruns and standalone tests" if "total_s" in swapped else ""
         ),
         "",
         f"**Lost (pass stock, fail swapped): {len(unexplained)}**, apart from {len(lost) - len(unexplained)} "
@@ -500,9 +488,7 @@ def markdown(stock: dict, swapped: dict, meta: dict) -> str:
         if wo not in PASSING and wo != "skipped" and so in PASSING:
             notes.append("accepted (see above)" if why.get(n) else "LOST (see above)")
         notes += [
-            f"{name} flaky: {r[n]['flaky']}"
-            for name, r in (("stock", s), ("swapped", w))
-            if r.get(n, {}).get("flaky")
+            f"{name} flaky: {r[n]['flaky']}" for name, r in (("stock", s), ("swapped", w)) if r.get(n, {}).get("flaky")
         ]
         if s.get(n, {}).get("standalone"):
             notes.append("standalone")
@@ -520,9 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--areas", nargs="+", choices=sorted(AREAS), default=list(AREAS), metavar="AREA")
     parser.add_argument("-k", default=None, help="pytest -k expression, applied to both passes")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
-    parser.add_argument(
-        "--timeout", type=int, default=120, help="per-test timeout in seconds (pytest-timeout)"
-    )
+    parser.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds (pytest-timeout)")
     parser.add_argument("--results", type=Path, default=None, help="folder for the JSON reports and logs")
     parser.add_argument("--full", action="store_true", help="run every case of the tests in TRIM")
     parser.add_argument("--reuse-stock", action="store_true", help="take the stock pass from --results")
@@ -531,9 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run nothing: report on stock.json/swapped.json in --results",
     )
-    parser.add_argument(
-        "--tracebacks", action="store_true", help="print the swapped failure of each lost test"
-    )
+    parser.add_argument("--tracebacks", action="store_true", help="print the swapped failure of each lost test")
     parser.add_argument(
         "--reruns",
         type=int,
@@ -559,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkout is None:
         note = "no src/version.info in the checkout: make sure it is the installed release"
     elif checkout != installed:
-        note = VERSION_NOTES.get(
-            (installed, checkout), f"the checkout is {checkout}, not the installed {installed}"
-        )
+        note = VERSION_NOTES.get((installed, checkout), f"the checkout is {checkout}, not the installed {installed}")
     if note:
         print(f"warning: {note}", file=sys.stderr)
     if not (src / "pyproject.toml").is_file():

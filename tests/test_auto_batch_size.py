@@ -60,9 +60,7 @@ class _MLP(L.LightningModule):
 
     def __init__(self, samples: int = 4096) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-        )
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
         self.batch_size, self.samples = 16, samples
         self.steps_taken = 0  # in the state_dict through torch's get_extra_state
 
@@ -179,9 +177,7 @@ def test_what_counts_as_too_big(error, too_big):
 
 def test_the_decision_gives_allocated_and_reserved():
     search = search_batch_size(lambda b: 0.01 * b, 8, LOW, HIGH, 1024)
-    reason = decide_batch_size(
-        search, LOW, HIGH, [0.7, 0.69], "80 GiB of the GPU's memory", [0.75, 0.74]
-    ).reason
+    reason = decide_batch_size(search, LOW, HIGH, [0.7, 0.69], "80 GiB of the GPU's memory", [0.75, 0.74]).reason
     assert "0.700, 0.690 allocated (0.750, 0.740 reserved) of 80 GiB" in reason
     cpu = decide_batch_size(search, LOW, HIGH, [0.7], "1 GiB of the CPU budget", [math.nan]).reason
     assert "reserved" not in cpu
@@ -226,9 +222,7 @@ def test_a_cudnn_or_cudamalloc_failure_on_one_rank_counts_as_too_big_on_every_ra
 @pytest.mark.timeout(60)
 def test_another_error_on_one_rank_stops_every_rank_at_that_probe(tmp_path):
     start = time.monotonic()
-    first, second = run_ranks(
-        _fit_failing, 2, str(tmp_path), ValueError("a bug in training_step"), timeout=50
-    )
+    first, second = run_ranks(_fit_failing, 2, str(tmp_path), ValueError("a bug in training_step"), timeout=50)
     assert time.monotonic() - start < 45  # not the collective timeout
     for result in (first, second):
         assert "the probe at batch" in result["raised"] and "failed on rank(s) [1]" in result["raised"]

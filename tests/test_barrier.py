@@ -60,9 +60,7 @@ def test_soloddp_barrier_names_the_sleeping_rank():
         enable_model_summary=False,
     )
     start = time.monotonic()
-    with pytest.raises(
-        Exception, match=r"barrier 'after_sleep' timed out after 3 s: rank\(s\) \[1\] did not arrive"
-    ):
+    with pytest.raises(Exception, match=r"barrier 'after_sleep' timed out after 3 s: rank\(s\) \[1\] did not arrive"):
         trainer.fit(SleepyRankOne())
     assert time.monotonic() - start < 30
 
@@ -123,10 +121,7 @@ def test_gloo_side_group_made_turned_off_or_fallen_back_on_every_rank():
 
 
 def test_backend_strings_and_gloo_interface_check():
-    assert (
-        backend_for("cuda:nccl,cpu:gloo", "cpu") == "gloo"
-        and backend_for("cuda:nccl,cpu:gloo", "cuda") == "nccl"
-    )
+    assert backend_for("cuda:nccl,cpu:gloo", "cpu") == "gloo" and backend_for("cuda:nccl,cpu:gloo", "cuda") == "nccl"
     assert backend_for("nccl", "cuda") == "nccl" and backend_for("cuda:nccl", "cpu") is None
     loopback = gloo_interface_warning("node7", ifname="", resolve=lambda host: "127.0.1.1")
     assert "loopback address 127.0.1.1" in loopback and "GLOO_SOCKET_IFNAME" in loopback

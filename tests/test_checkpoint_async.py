@@ -47,9 +47,7 @@ from tests.helpers.modules import TinyModule
 class SlowIO(SoloCheckpointIO):
     """A slow disk: each file's write starts ``delay_s`` late (on the background thread when async)."""
 
-    def __init__(
-        self, delay_s: float = 0.0, fail: bool = False, block: threading.Event | None = None
-    ) -> None:
+    def __init__(self, delay_s: float = 0.0, fail: bool = False, block: threading.Event | None = None) -> None:
         super().__init__()
         self.delay_s, self.fail, self.block = delay_s, fail, block
         self.seen: list[tuple[str, list[str]]] = []  # (file, the directory when its write began)
@@ -252,9 +250,7 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
             assert torch.load(chosen, weights_only=True)["global_step"] == manifest["global_step"]
             # the newest committed: no committed file in the directory has a later step
             committed = [n for n in os.listdir(ckpt_dir) if n.endswith(".ckpt") and ".solo-tmp-" not in n]
-            assert manifest["global_step"] == max(
-                verify(os.path.join(ckpt_dir, n))["global_step"] for n in committed
-            )
+            assert manifest["global_step"] == max(verify(os.path.join(ckpt_dir, n))["global_step"] for n in committed)
             out["steps"].append(manifest["global_step"])
             out["ok"] += 1
         except Exception as err:  # noqa: BLE001 - counted and reported
@@ -317,9 +313,7 @@ def test_exception_on_one_rank_during_a_background_write_keeps_the_newest_commit
 
 
 def _single(tmp_path, io: SoloCheckpointIO, max_steps: int = 4, **kwargs) -> tuple[L.Trainer, SoloCheckpoint]:
-    callback = SoloCheckpoint(
-        dirpath=tmp_path, every_n_train_steps=1, keep_last_k=1, async_save=True, **kwargs
-    )
+    callback = SoloCheckpoint(dirpath=tmp_path, every_n_train_steps=1, keep_last_k=1, async_save=True, **kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

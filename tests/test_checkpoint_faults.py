@@ -189,14 +189,10 @@ def drive(run_dir: str, trials: int, seed: int = 0) -> dict:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    newest = next(
-        os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir) if n.endswith(f"-step={final_step}.ckpt")
-    )
+    newest = next(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir) if n.endswith(f"-step={final_step}.ckpt"))
     os.truncate(newest, os.path.getsize(newest) // 2)
     out["fallback"] = decide_resume(ckpt_dir).as_dict()
-    out["fallback_step"] = (
-        verify(out["fallback"]["value"])["global_step"] if out["fallback"]["value"] else None
-    )
+    out["fallback_step"] = verify(out["fallback"]["value"])["global_step"] if out["fallback"]["value"] else None
     pid = _fork(_child_train, run_dir, final_step + 2, "after_damage", True)
     out["after_damage_exit"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     out["after_damage_step"] = _step(last)
@@ -220,9 +216,7 @@ def test_kill9_while_checkpointing_last_always_verifies_and_resumes(tmp_path):
     fallback = out["fallback"]
     assert not fallback["value"].endswith("last.ckpt") and "last.ckpt: sha256 mismatch" in fallback["reason"]
     assert f"step={out['final_target']}.ckpt: the file does not end in a zip directory" in fallback["reason"]
-    assert (
-        out["fallback_step"] == out["final_target"] - 1
-    )  # the keep-last-k checkpoint before the truncated one
+    assert out["fallback_step"] == out["final_target"] - 1  # the keep-last-k checkpoint before the truncated one
     assert out["after_damage_exit"] == 0 and out["after_damage_step"] == out["final_target"] + 2
     assert out["resumes"][-1].split()[1] == fallback["value"]
 

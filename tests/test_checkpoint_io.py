@@ -74,9 +74,7 @@ def test_write_is_same_directory_fsynced_and_independent_of_tmpdir(tmp_path, mon
 
     replaced, synced = [], []
     real_replace, real_fsync = os.replace, os.fsync
-    monkeypatch.setattr(
-        os, "replace", lambda src, dst: (replaced.append((src, dst)), real_replace(src, dst))[1]
-    )
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((src, dst)), real_replace(src, dst))[1])
     monkeypatch.setattr(
         os, "fsync", lambda fd: (synced.append(os.path.realpath(f"/proc/self/fd/{fd}")), real_fsync(fd))[1]
     )

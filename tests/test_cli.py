@@ -47,9 +47,7 @@ def _one_line_error(proc) -> str:
 @pytest.mark.timeout(120)
 def test_bad_input_fails_before_any_worker_starts(tmp_path):
     # The other bad-input cases are checked in-process in test_configs.py; these show the CLI path.
-    proc = run_cli(
-        ["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False
-    )
+    proc = run_cli(["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False)
     line = _one_line_error(proc)
     assert "model.optimizer.momentm" in line and "Did you mean 'momentum'?" in line
     assert not list(tmp_path.rglob("train_ddp_process_*.log"))
@@ -81,9 +79,7 @@ def test_trainer_trains_two_processes_with_solo_ddp(tmp_path):
         p0, p1 = torch.load(tmp_path / mode / "rank0.pt"), torch.load(tmp_path / mode / "rank1.pt")
         assert torch.equal(p0, p1), f"{mode}: DDP must keep the replicas identical"
     # The same seed and data: the string and the instance train the same model.
-    assert torch.equal(
-        torch.load(tmp_path / "string" / "rank0.pt"), torch.load(tmp_path / "instance" / "rank0.pt")
-    )
+    assert torch.equal(torch.load(tmp_path / "string" / "rank0.pt"), torch.load(tmp_path / "instance" / "rank0.pt"))
     # A healthy run: the watchdog says nothing and dumps nothing, at its defaults and at small thresholds.
     assert "SoloDDP watchdog" not in proc.stdout + proc.stderr and not (tmp_path / "hang").exists()
 
@@ -117,9 +113,7 @@ def _readme_command(module: str, containing: str = "") -> list[str]:
 def _default_run_end_to_end(tmp_path, args: list[str]) -> dict:
     # The default: small_cnn on the handwritten digits (real images, held-out split), 2 gloo processes, 10 epochs.
     started = time.perf_counter()
-    proc = run_cli(
-        [*args, "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280, module="lightning_solo.run"
-    )
+    proc = run_cli([*args, "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=280, module="lightning_solo.run")
     wall = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lightning_solo run summary" in proc.stdout + proc.stderr
@@ -137,10 +131,7 @@ def _default_run_end_to_end(tmp_path, args: list[str]) -> dict:
     doctor = json.loads((run / "doctor.json").read_text())  # TrainingDoctor is on by default
     assert Path(summary["doctor"]["json"]).resolve() == (run / "doctor.json").resolve()
     assert (run / "doctor.png").exists()
-    assert (
-        doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"]
-        and len(doctor["series"]["ranks"]) == 2
-    )
+    assert doctor["final"]["verdict"]["bound"] == summary["doctor"]["bound"] and len(doctor["series"]["ranks"]) == 2
     assert summary["global_step"] == 230  # 1,437 training images / 64 per step, rounded up, × 10 epochs
     assert summary["val_acc"] >= 0.97  # 360 held-out digits; chance is 0.1
     ckpt = torch.load(summary["checkpoint_last"], map_location="cpu", weights_only=True)
@@ -184,9 +175,7 @@ def test_readme_first_command_then_its_evaluate_commands(tmp_path):
                    timeout=150, module="lightning_solo.evaluate")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "eval3" / "evaluation.json").read_text())
-    assert report["world_size"] == 3 and report["metrics"]["test/acc"] == pytest.approx(
-        trained["val_acc"], abs=1e-6
-    )
+    assert report["world_size"] == 3 and report["metrics"]["test/acc"] == pytest.approx(trained["val_acc"], abs=1e-6)
     assert len((tmp_path / "eval3" / "predictions_predict.csv").read_text().splitlines()) == 361
 
     # A checkpoint that does not fit the model: one line, exit status 2, before any worker starts.

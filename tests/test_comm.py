@@ -139,9 +139,7 @@ def _hooks_against_exact_allreduce(rank: int, world_size: int, ckpt: str) -> dic
             "logged": ddp._get_ddp_logging_data().get("comm_hook"),
             "decision": decision.value,
             "errors": errors,
-            "params": torch.cat(
-                [p.detach().flatten() for p in net.parameters()]
-            ).tolist(),  # no shared memory
+            "params": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),  # no shared memory
         }
     out["resume_across_rebucketing"] = _powersgd_resume_across_rebucketing(rank, ckpt)
     # post-local-SGD counters come back from a state dict on every rank
@@ -182,9 +180,7 @@ def test_hooks_registered_on_cpu_and_close_to_exact_allreduce(tmp_path):
 def _post_local_sgd_nodes_and_layout(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)  # every rank starts from different parameters: the average is visible
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
-    net.append(
-        nn.Linear(2048, 2100)
-    )  # a 17 MB weight: averaged on its own, in place (the rest in one buffer)
+    net.append(nn.Linear(2048, 2100))  # a 17 MB weight: averaged on its own, in place (the rest in one buffer)
     start = [p.detach().clone() for p in net.parameters()]
     ddp = nn.parallel.DistributedDataParallel(net)  # broadcasts rank 0's parameters
     for p, mine in zip(net.parameters(), start):
@@ -322,9 +318,7 @@ def test_powersgd_resume_continues_iteration_and_error_feedback(tmp_path):
 @pytest.mark.multiproc
 def test_post_local_sgd_averages_with_configured_period(tmp_path):
     warmup, period = 2, 3
-    r0, r1 = fit(
-        tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period
-    )
+    r0, r1 = fit(tmp_path, save=True, comm_hook="post_local_sgd", local_sgd_warmup=warmup, local_sgd_period=period)
     assert r0["logged"] == "post_localSGD_hook"
     steps = len(r0["steps"])
     assert steps == 8
@@ -441,9 +435,7 @@ def test_post_local_sgd_local_steps_skip_the_reducer_and_match_torchs_hook(tmp_p
         assert fast[rank]["val"] == reference[rank]["val"]
     assert not torch.equal(fast[0]["steps"][-2], fast[1]["steps"][-2])  # local steps: the replicas differ
     final = [
-        torch.cat(
-            [t.flatten() for k, t in r["state"].items() if "running" not in k and "num_batches" not in k]
-        )
+        torch.cat([t.flatten() for k, t in r["state"].items() if "running" not in k and "num_batches" not in k])
         for r in fast
     ]
     assert torch.equal(*final)  # and are averaged at the end
@@ -451,9 +443,7 @@ def test_post_local_sgd_local_steps_skip_the_reducer_and_match_torchs_hook(tmp_p
 
 def test_post_local_sgd_save_without_the_other_ranks_says_it_keeps_rank_0s_replica_only():
     hook = CommHook("post_local_sgd", local_sgd_warmup=0)
-    hook.state = post_local.PostLocalSGDState(
-        None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False
-    )
+    hook.state = post_local.PostLocalSGDState(None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False)
     with pytest.warns(UserWarning, match="holds rank 0's replica only"):
         saved = hook.state_dict("last.ckpt", replica=None)  # the exception path: no collective
     assert "replicas" not in saved

@@ -140,9 +140,7 @@ def test_auto_tries_every_hook_and_keeps_exact_allreduce_on_cpu(tmp_path):
     trainer.fit(Tiny())
     r0, r1 = read_rank_records(tmp_path)
     runs = [hook for i, hook in enumerate(r0["seen"]) if i == 0 or hook != r0["seen"][i - 1]]
-    assert runs[:2] == [None, "fp16_compress_hook"] and runs[2].startswith(
-        "bf16_compress"
-    )  # the CPU-build name
+    assert runs[:2] == [None, "fp16_compress_hook"] and runs[2].startswith("bf16_compress")  # the CPU-build name
     assert runs[3] == "resumable_powerSGD_hook"
     assert r0["seen"][: TRIAL * len(AUTO_CANDIDATES)].count(None) == TRIAL  # each candidate its whole trial
     assert list(r0["measured"]) == [label(name) for name in AUTO_CANDIDATES]
@@ -151,9 +149,7 @@ def test_auto_tries_every_hook_and_keeps_exact_allreduce_on_cpu(tmp_path):
     kept = decide_comm_hook(r0["measured"])
     assert (r0["value"], r0["reason"]) == (kept.value, kept.reason)
     chosen = list(r0["measured"]).index(label(kept.value))
-    assert r0["seen"][TRIAL * len(AUTO_CANDIDATES) :] == [r0["seen"][TRIAL * chosen + TRIAL - 1]] * 3, r0[
-        "seen"
-    ]
+    assert r0["seen"][TRIAL * len(AUTO_CANDIDATES) :] == [r0["seen"][TRIAL * chosen + TRIAL - 1]] * 3, r0["seen"]
     assert r0["measured"] == r1["measured"] and r0["reason"] == r1["reason"]  # MAX-reduced: one choice
     assert all(ms >= 100.0 for ms in r0["measured"].values())  # the synchronising batch's 100 ms, timed
 

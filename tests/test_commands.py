@@ -46,9 +46,7 @@ def test_the_readme_shows_the_commands_this_file_checks():
 @pytest.mark.parametrize("args", COMMANDS + SUGGESTED, ids=lambda a: " ".join(a) or "(defaults)")
 def test_command_composes_and_its_model_takes_its_data(args, tmp_path):
     overrides = [a for a in strategy_options(args) if a != "-m"]
-    overrides = [
-        a.split(",")[0] if a.startswith("trainer.max_epochs=") else a for a in overrides
-    ]  # one sweep point
+    overrides = [a.split(",")[0] if a.startswith("trainer.max_epochs=") else a for a in overrides]  # one sweep point
     with composed(overrides, tmp_path) as cfg:
         if cfg.parallelism.accelerator == "gpu" and "+dryrun=cpu" not in overrides:
             overrides.append("+dryrun=cpu")  # the runner's hint on a machine without the GPUs
@@ -86,6 +84,4 @@ def test_parallelism_yaml_holds_overrides_only(path):
         assert key in defaults, f"{path.name}: strategy.{key} is no option of {strategy['_target_']}"
         default = defaults[key]
         default = default.total_seconds() if hasattr(default, "total_seconds") else default
-        assert value != default, (
-            f"{path.name}: strategy.{key}={value!r} restates {strategy['_target_']}'s default"
-        )
+        assert value != default, f"{path.name}: strategy.{key}={value!r} restates {strategy['_target_']}'s default"

@@ -96,9 +96,7 @@ def test_every_section_builds_its_table(monkeypatch):
         },
         "_barrier_rank": {"dist.barrier": [0.001], "monitored barrier (SoloDDP)": [0.002]},
     }
-    monkeypatch.setattr(
-        lightning_solo.testing, "run_ranks", lambda fn, world, *a, timeout: [collectives[fn.__name__]]
-    )
+    monkeypatch.setattr(lightning_solo.testing, "run_ranks", lambda fn, world, *a, timeout: [collectives[fn.__name__]])
     args = compare.parse_args(["--tiny", "--rounds", "2"])
     main = compare.section_main(args)
     assert "| SoloDDP / stock | 0.988 (0.988–0.988) | 0.988 (0.988–0.988) |" in main
@@ -133,9 +131,7 @@ def test_every_ablation_and_the_profiler_find_what_they_patch():
         "SeededDataset(TensorDataset(torch.arange(4)), 0).__getitems__([(0, 1), (0, 2)])\n"
         "assert spent['SeededDataset.__getitems__'][1] == 1, dict(spent)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=110
-    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -158,9 +154,7 @@ def test_the_order_check_and_the_local_sgd_probe_report_every_run(monkeypatch, c
 def test_the_local_sgd_loss_simulation_reports_every_run(monkeypatch, capsys):
     from benchmarks import local_sgd_loss
 
-    monkeypatch.setattr(
-        local_sgd_loss, "SPEC", {**local_sgd_loss.SPEC, "width": 16, "batches": 24, "warmup": 4}
-    )
+    monkeypatch.setattr(local_sgd_loss, "SPEC", {**local_sgd_loss.SPEC, "width": 16, "batches": 24, "warmup": 4})
     local_sgd_loss.main(["--orders", "0", "1"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]

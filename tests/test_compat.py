@@ -30,9 +30,7 @@ def _accessors():
                 yield module, name, value
 
 
-@pytest.mark.parametrize(
-    ("module", "name", "accessor"), list(_accessors()), ids=lambda v: getattr(v, "__name__", v)
-)
+@pytest.mark.parametrize(("module", "name", "accessor"), list(_accessors()), ids=lambda v: getattr(v, "__name__", v))
 def test_every_accessor_says_the_versions_it_was_checked_on(module, name, accessor):
     assert accessor.__doc__ and "checked on" in accessor.__doc__, f"{module.__name__}.{name}"
 
@@ -41,9 +39,7 @@ def test_every_accessor_says_the_versions_it_was_checked_on(module, name, access
     ("owner", "name"), [(cls, n) for cls, names in lightning_compat.OVERRIDDEN.items() for n in names]
 )
 def test_overridden_lightning_methods_exist(owner, name):
-    assert hasattr(owner, name), (
-        f"{owner.__name__}.{name} is gone: SoloDDP/SoloCheckpoint/SoloLauncher override it"
-    )
+    assert hasattr(owner, name), f"{owner.__name__}.{name} is gone: SoloDDP/SoloCheckpoint/SoloLauncher override it"
 
 
 def test_ddp_strategy_attributes_exist():
@@ -74,9 +70,7 @@ def test_lightning_reads_exist():
     assert hasattr(trainer.fit_loop, "_data_source") and lightning_compat.fit_data_source(trainer) is None
     assert hasattr(trainer._checkpoint_connector, "_ckpt_path")
     assert callable(trainer._checkpoint_connector.dump_checkpoint)
-    assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path(
-        "s3://b/x.ckpt"
-    )
+    assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path("s3://b/x.ckpt")
     assert lightning_compat.hpc_save_path(trainer).endswith("hpc_ckpt_1.ckpt")
     assert lightning_compat.lightning_owns_requeue_signal(trainer, signal.SIGUSR1) is False
     handler = trainer._signal_connector._slurm_sigusr_handler_fn
@@ -200,9 +194,7 @@ def test_compile_names_exist():
     assert torch_compat.optimize_ddp() in (True, False, "ddp_optimizer", "python_reducer",
                                            "python_reducer_without_compiled_forward", "no_optimization")  # fmt: skip
     compiled = torch.compile(torch.nn.Linear(2, 2), backend="eager")
-    assert torch_compat.is_compiled_module(compiled) and not torch_compat.is_compiled_module(
-        torch.nn.Linear(2, 2)
-    )
+    assert torch_compat.is_compiled_module(compiled) and not torch_compat.is_compiled_module(torch.nn.Linear(2, 2))
     assert getattr(compiled, torch_compat.COMPILED_CHILD) is compiled._orig_mod
     holder = torch.nn.Module()
     holder.net = compiled
@@ -233,9 +225,7 @@ def test_flight_recorder_dumps_have_the_fields_the_watchdog_reads():
     from tests.helpers import REPO
 
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "8", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", _FR_SCRIPT], env=env, capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", _FR_SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     dumps = json.loads(out.stdout.strip().splitlines()[-1])
     (entry,) = dumps["gloo"]["entries"]  # _dump_fr_trace_json

@@ -39,9 +39,7 @@ class _Logging(TinyModule):
 
 
 def _model(**kwargs) -> TinyModule:
-    options = dict(
-        loss="cross_entropy", samples=96, batch_size=2, init_seed=0, data_seed=0, lr=0.1, shuffle=True
-    )
+    options = dict(loss="cross_entropy", samples=96, batch_size=2, init_seed=0, data_seed=0, lr=0.1, shuffle=True)
     return _Logging(**{"widths": (8, 16, 16, 4), **options, **kwargs})
 
 
@@ -92,9 +90,7 @@ def _launch_counts(trainer, module) -> list[tuple[int, int]]:
     return next((c.counts for c in trainer.callbacks if isinstance(c, _Launches)), [])
 
 
-def _fit(
-    out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, accumulate=1, **strategy
-) -> list[dict]:
+def _fit(out, model, steps: int, callbacks=(), ckpt_path=None, fit_model=None, accumulate=1, **strategy) -> list[dict]:
     os.makedirs(out, exist_ok=True)
     recorder = RankRecorder(
         out,
@@ -184,9 +180,7 @@ def test_rewraps_recompile_at_most_twice(tmp_path):
     records = _fit(tmp_path, _model(), 36, callbacks=[_FreezeThenUnfreeze()], compile=CHEAP, comm_hook="auto")
     for record in records:
         frames, wrappers = record["frames"], record["ddp"]
-        assert len(set(wrappers)) >= 6, (
-            f"only {len(set(wrappers))} DDP wrappers: the scenario did not re-wrap"
-        )
+        assert len(set(wrappers)) >= 6, f"only {len(set(wrappers))} DDP wrappers: the scenario did not re-wrap"
         assert frames[-1] - frames[0] <= 2, f"{frames[-1] - frames[0]} recompiles: {frames}"
         decisions = record["decisions"]
         assert f"{frames[-1] - frames[0]} recompiles in training steps" in decisions["compile"]["reason"]

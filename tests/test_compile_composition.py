@@ -30,9 +30,7 @@ TOL = 1e-5
 BF16_TOL = 2e-2  # bf16 has 8 bits of mantissa: ~4e-3 per rounding
 
 
-_OPTIONS = dict(
-    widths=(8, 16, 16, 4), loss="cross_entropy", samples=96, batch_size=4, init_seed=0, data_seed=0, lr=0.1
-)
+_OPTIONS = dict(widths=(8, 16, 16, 4), loss="cross_entropy", samples=96, batch_size=4, init_seed=0, data_seed=0, lr=0.1)
 
 
 def _model(cls: type[TinyModule] = TinyModule, **kwargs) -> TinyModule:
@@ -227,9 +225,7 @@ def test_a_compiled_submodules_checkpoints_resume_eagerly_and_back(tmp_path):
         checkpoint = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
         assert list(checkpoint["state_dict"]) == list(_model(first, **options).state_dict())
         # What a user's evaluation script does, outside any Trainer and strategy: a plain strict load.
-        loaded = first.load_from_checkpoint(
-            run / "ckpt" / "last.ckpt", weights_only=True, **_OPTIONS, **options
-        )
+        loaded = first.load_from_checkpoint(run / "ckpt" / "last.ckpt", weights_only=True, **_OPTIONS, **options)
         _assert_close(loaded.state_dict(), checkpoint["state_dict"], 0.0)
         export_checkpoint(run / "ckpt" / "last.ckpt", run / "export", onnx=False)
         assert list(torch.load(run / "export" / "weights.pt", weights_only=True)) == eager_keys

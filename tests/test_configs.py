@@ -75,9 +75,7 @@ def test_the_progress_bar_refreshes_where_the_loggers_write(tmp_path):
     with composed(["trainer.enable_progress_bar=false"], tmp_path) as cfg:
         assert progress_bar(cfg, []) == []
     with composed([], tmp_path) as cfg:
-        assert (
-            progress_bar(cfg, [TQDMProgressBar(refresh_rate=3)]) == []
-        )  # the user's own bar stays the only one
+        assert progress_bar(cfg, [TQDMProgressBar(refresh_rate=3)]) == []  # the user's own bar stays the only one
 
 
 @pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger", "profile"])
@@ -137,9 +135,7 @@ def test_device_preflight():
     check_devices("cpu", 4, 1)  # more gloo processes than cores is allowed (the dry run uses it)
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() >= 4, reason="this machine has the 4 GPUs the experiment asks for"
-)
+@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has the 4 GPUs the experiment asks for")
 def test_gpu_experiment_without_gpus_stops_before_any_worker_with_the_dry_run_hint(tmp_path):
     # What `python -m lightning_solo.run +experiment=resnet_4gpu` checks before starting anything; the CLI prints
     # such an error as one line with exit status 2 (test_fsdp.py's parallelism=fsdp command, test_cli.py).

@@ -57,9 +57,7 @@ def test_steps_outside_the_reducer_stop_faulting_their_gradients_in(tmp_path):
         ranks = run("malloc_steps.py", out=tmp_path / f"attempt{attempt}")
         if max(_refaulted("default", rank) for rank in ranks) >= 3:
             break
-    assert max(_refaulted("default", rank) for rank in ranks) >= 3, [
-        (r["default"], r["default_growth"]) for r in ranks
-    ]
+    assert max(_refaulted("default", rank) for rank in ranks) >= 3, [(r["default"], r["default_growth"]) for r in ranks]
     for rank in ranks:
         reuse = _steps("reuse", rank)
         assert _refaulted("reuse", rank) == 0, (rank["reuse"], rank["reuse_growth"])
@@ -115,10 +113,7 @@ def test_an_allocator_the_user_chose_is_left_alone(monkeypatch, env):
     monkeypatch.setattr(ctypes, "CDLL", no_mallopt)
     decision = cpu_malloc.decide(reuse=True)
     assert decision.value == "unchanged"
-    assert any(
-        word in decision.reason
-        for word in ("jemalloc", "tcmalloc", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    )
+    assert any(word in decision.reason for word in ("jemalloc", "tcmalloc", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"))
 
 
 def test_cpu_malloc_reuse_must_be_a_bool():

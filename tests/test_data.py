@@ -88,9 +88,7 @@ def test_digits_split_is_fixed_held_out_and_stratified():
     assert xa.shape == (1437, 1, 8, 8) and va.shape == (360, 1, 8, 8) and xa.dtype == torch.float32
     assert torch.equal(xa, b.train_set.tensors[0]) and torch.equal(vya, b.val_set.tensors[1])  # deterministic
     train_rows = {tuple(r) for r in xa.flatten(1).tolist()}
-    assert (
-        sum(tuple(r) in train_rows for r in va.flatten(1).tolist()) <= 2
-    )  # held out (digits has 1 duplicate)
+    assert sum(tuple(r) in train_rows for r in va.flatten(1).tolist()) <= 2  # held out (digits has 1 duplicate)
     assert torch.bincount(vya, minlength=10).min() >= 35  # every class in the val split (stratified)
     assert abs(xa.mean().item()) < 0.1 and abs(xa.std().item() - 1) < 0.1
     other = DigitsDataModule(split_seed=1)

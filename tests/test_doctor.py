@@ -129,9 +129,7 @@ def test_each_phase_gets_its_verdict_on_every_rank_and_the_files_are_written(tmp
     bounds = [r["verdict"]["bound"] for r in r0["reports"]]
     details = [(r["verdict"]["text"], [(x["data_ms"], x["comm_ms"], x["compute_ms"]) for x in r["ranks"]]) for r in r0["reports"]]  # fmt: skip
     assert bounds == list(PHASES), details
-    assert [r["verdict"] for r in r1["reports"]] == [
-        r["verdict"] for r in r0["reports"]
-    ]  # one verdict, all ranks
+    assert [r["verdict"] for r in r1["reports"]] == [r["verdict"] for r in r0["reports"]]  # one verdict, all ranks
     _compute, data, _comm, straggler = r0["reports"]
     assert straggler["straggler"]["rank"] == 1 and straggler["straggler"]["behind_ms"] > 0.5 * SLOW_S * 1e3
     # named with its phase from SoloDDP's heartbeat (strategy.heartbeats()): slow in training_step, not stopped
@@ -186,9 +184,7 @@ def test_time_waiting_in_syncbn_collectives_is_communication_not_compute():
     waiting, late = run_ranks(_syncbn_wait, 2)
     late_ms = LATE_S * 1e3
     assert waiting["comm_ms"] > 0.7 * late_ms and waiting["compute_ms"] < 0.5 * late_ms, waiting
-    assert late["compute_ms"] > 0.9 * late_ms and late["comm_ms"] < 0.5 * late_ms, (
-        late
-    )  # its sleep: its own work
+    assert late["compute_ms"] > 0.9 * late_ms and late["comm_ms"] < 0.5 * late_ms, late  # its sleep: its own work
 
 
 class _HostEvent:
@@ -240,9 +236,7 @@ class _Iterations(L.Callback):
         trainer.strategy.add_rewrap_listener(self.read)
 
     def read(self, ddp):
-        self.dropped += ddp._get_ddp_logging_data().get(
-            "iteration", 0
-        )  # every one timed (sample rate 1 on CPU)
+        self.dropped += ddp._get_ddp_logging_data().get("iteration", 0)  # every one timed (sample rate 1 on CPU)
 
     def on_train_end(self, trainer, pl_module):  # after the doctor's final report (it comes first)
         self.read(trainer.strategy.model)

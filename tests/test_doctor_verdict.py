@@ -70,9 +70,7 @@ def test_the_straggler_is_named_with_how_far_behind():
     verdict = diagnose([RankTimes(1, 10, 42, 1), RankTimes(1, 10, 42, 1), RankTimes(1, 50, 2, 1)], CPU)
     assert verdict.straggler == 2 and verdict.behind_ms == pytest.approx(40)
     assert "rank 2 is 40.0 ms per step slower" in verdict.remedies[0].action
-    assert verdict.shares["communication"] == pytest.approx(
-        2 / 54
-    )  # the wait for rank 2 is not communication
+    assert verdict.shares["communication"] == pytest.approx(2 / 54)  # the wait for rank 2 is not communication
 
 
 def test_no_compression_advice_on_cpu_nor_where_auto_measured_it_slower():
@@ -108,10 +106,7 @@ def test_a_full_gpu_is_not_told_to_double_its_batch_and_pinned_memory_is_advised
     full = Setup(device="cuda", world_size=2, per_device_batch=64, memory_fraction=0.8)
     keys = [r.setting for r in diagnose(same(RankTimes(1, 10, 30, 1)), full).remedies]
     assert "DataLoader.batch_size" not in keys and keys[0] == "Trainer.accumulate_grad_batches"
-    keys = [
-        r.setting
-        for r in diagnose(same(RankTimes(40, 8, 1, 1)), Setup(device="cuda", num_workers=2)).remedies
-    ]
+    keys = [r.setting for r in diagnose(same(RankTimes(40, 8, 1, 1)), Setup(device="cuda", num_workers=2)).remedies]
     assert {"DataLoader.pin_memory", "DataLoader.prefetch_factor"} <= set(keys)
 
 
@@ -127,9 +122,7 @@ def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
     assert tp["global_samples_per_s"] == pytest.approx(640 / 2.5)  # all samples over the slowest rank's time
     assert tp["per_device_samples_per_s"] == pytest.approx(320 / 2.5)
     assert tp["scaling_efficiency"] == pytest.approx(256 / 400)
-    assert throughput([sums(0.0, 1.0, 0.0), slow])["global_samples_per_s"] == pytest.approx(
-        640 / 2.5
-    )  # not 2 × 320
+    assert throughput([sums(0.0, 1.0, 0.0), slow])["global_samples_per_s"] == pytest.approx(640 / 2.5)  # not 2 × 320
     # SoloDDP's heartbeats, gathered too: seconds in each phase of the rank's own work
     beats = [{"phase_s:data wait": 0.1, "phase_s:training_step": 1.0}, {"phase_s:data wait": 1.6, "phase_s:training_step": 1.0}]  # fmt: skip
     gathered = [
@@ -137,9 +130,9 @@ def test_throughput_is_reduced_over_ranks_not_rank0_times_world():
         {"window": slow, "total": slow, "peak_memory_mib": 500.0, "memory_total_mib": 1000.0, "idle_cores": 0.0, "bins": [], **beats[1]},
     ]  # fmt: skip
     report = summarize(gathered, "window", CPU)
-    assert report["ranks"][1]["data_ms"] == pytest.approx(150.0) and report["ranks"][0][
-        "compute_ms"
-    ] == pytest.approx(100.0)
+    assert report["ranks"][1]["data_ms"] == pytest.approx(150.0) and report["ranks"][0]["compute_ms"] == pytest.approx(
+        100.0
+    )
     assert report["verdict"]["bound"] == "straggler" and report["straggler"]["rank"] == 1
     assert report["straggler"]["behind_ms"] == pytest.approx(150.0)
     # named with its phase, from the heartbeat: the straggler has not stopped, it waits on data

@@ -80,9 +80,7 @@ def test_registry_names(name, start_method):
     assert type(strategy) is SoloDDP
     if start_method is not None:
         assert strategy._start_method == start_method
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=name, logger=False, enable_checkpointing=False
-    )
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False, enable_checkpointing=False)
     assert type(trainer.strategy) is SoloDDP
     assert "ddp" in StrategyRegistry and StrategyRegistry["ddp"]["strategy"] is DDPStrategy
 

@@ -25,9 +25,7 @@ from tests.distributed import run_ranks
 SAMPLES = 101
 
 
-@pytest.mark.parametrize(
-    ("total", "world"), list(itertools.product([1, 2, 3, 5, 17, 24, 25, 101], [1, 2, 3, 4]))
-)
+@pytest.mark.parametrize(("total", "world"), list(itertools.product([1, 2, 3, 5, 17, 24, 25, 101], [1, 2, 3, 4])))
 def test_rank_order_names_every_padding_repeat_of_lightnings_sampler(total, world):
     """Lightning's DistributedSampler, as it builds it for validate/test: every sample valid on exactly one rank,
     interleaved (rank r: r, r+W, ...), every rank the same length, at most W-1 repeats, each a rank's last row."""
@@ -81,13 +79,9 @@ class _Classifier(ImageClassifier):
         self.rows_seen = MeanMetric(dist_sync_on_step=True)
 
     def test_step(self, batch, batch_idx):
-        self.log(
-            "test/rows_step", float(len(batch[1])), on_step=True, on_epoch=False, sync_dist=True, batch_size=1
-        )
+        self.log("test/rows_step", float(len(batch[1])), on_step=True, on_epoch=False, sync_dist=True, batch_size=1)
         self.rows_seen(torch.tensor(float(len(batch[1]))))
-        sampler = (
-            self.trainer.test_dataloaders.sampler
-        )  # Lightning's own, untouched (its tests and users read it)
+        sampler = self.trainer.test_dataloaders.sampler  # Lightning's own, untouched (its tests and users read it)
         self.test_sampler = [type(sampler).__name__, sampler.num_replicas]
         return super().test_step(batch, batch_idx)
 

@@ -39,9 +39,7 @@ def test_exported_weights_and_program_match_the_trained_model(tmp_path):
         enable_model_summary=False,
         limit_val_batches=0,
     )
-    trainer.fit(
-        model, DataLoader(data, batch_size=4)
-    )  # BatchNorm statistics move, so eval outputs are non-trivial
+    trainer.fit(model, DataLoader(data, batch_size=4))  # BatchNorm statistics move, so eval outputs are non-trivial
 
     out = tmp_path / "export"
     proc = subprocess.run(

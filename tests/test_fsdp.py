@@ -122,9 +122,7 @@ def test_sharded_checkpoint_verifies_and_ranks(tmp_path):
     save_sharded(state, {"global_step": 3, "epoch": 0}, path, rank=0, barrier=lambda: None)
     assert verify_sharded(path)["global_step"] == 3
     save_sharded(state, {"global_step": 5, "epoch": 0}, path, rank=0, barrier=lambda: None)  # replaced whole
-    assert verify_sharded(path)["global_step"] == 5 and sorted(p.name for p in path.parent.iterdir()) == [
-        path.name
-    ]
+    assert verify_sharded(path)["global_step"] == 5 and sorted(p.name for p in path.parent.iterdir()) == [path.name]
     assert decide_resume(path.parent).value == str(path)
     out = tmp_path / "full.ckpt"
     assert consolidate(path, out)["global_step"] == 5
@@ -190,15 +188,11 @@ def test_fsdp_commands_on_cpu_work_on_the_default_config(tmp_path):
     # that suggestion runs; then FSDP over 2 gloo processes trains the default job (small_cnn on digits).
     proc = run_cli(["parallelism=fsdp"], cwd=tmp_path, timeout=100, full_error=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    suggested = re.search(
-        r"To try this configuration on CPU: python -m lightning_solo.run (.*?) \(", proc.stderr
-    )
+    suggested = re.search(r"To try this configuration on CPU: python -m lightning_solo.run (.*?) \(", proc.stderr)
     assert suggested, proc.stderr[-4000:]
     args = shlex.split(suggested[1])
     assert args == ["parallelism=fsdp", "+dryrun=cpu"]
-    proc = run_cli(
-        [*args, "hydra.run.dir=dry", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150
-    )
+    proc = run_cli([*args, "hydra.run.dir=dry", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "dry" / "summary.json").read_text())
     assert (summary["strategy"], summary["world_size"], summary["global_step"]) == ("SoloFSDP", 1, 3)

@@ -60,9 +60,7 @@ def test_no_cycle_between_packages():
                 edges.setdefault(_unit(module), set()).add(_unit(name))
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(
-            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges.get(start, ())
-        )
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges.get(start, ()))
 
     cycles = sorted(unit for unit in edges if reaches(unit, unit, {unit}))
     assert not cycles, f"packages in an import cycle: {cycles} ({edges})"

@@ -184,22 +184,16 @@ def _saved_steps(tmp_path) -> dict[int, bool]:
     saved = {}
     for path in (tmp_path / "ckpt").glob("step=*.ckpt"):
         checkpoint = torch.load(path, weights_only=True)
-        saved[checkpoint["global_step"]] = all(
-            torch.isfinite(v).all() for v in checkpoint["state_dict"].values()
-        )
+        saved[checkpoint["global_step"]] = all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())
     return saved
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop_before_step", [False, True], ids=["next-step", "before-step"])
-def test_a_nan_on_one_rank_stops_both_after_the_skew_was_flagged_and_no_checkpoint_holds_it(
-    tmp_path, stop_before_step
-):
+def test_a_nan_on_one_rank_stops_both_after_the_skew_was_flagged_and_no_checkpoint_holds_it(tmp_path, stop_before_step):
     start = time.monotonic()
-    with pytest.raises(
-        Exception, match=rf"non-finite values at optimizer step {NAN_AT} .*first on rank\(s\) \[1\]"
-    ):
+    with pytest.raises(Exception, match=rf"non-finite values at optimizer step {NAN_AT} .*first on rank\(s\) \[1\]"):
         _fit(tmp_path, skewed=True, nan_at=NAN_AT, stop_before_step=stop_before_step)
     assert time.monotonic() - start < 60
     records = read_rank_records(tmp_path)
@@ -211,8 +205,7 @@ def test_a_nan_on_one_rank_stops_both_after_the_skew_was_flagged_and_no_checkpoi
             assert record["step"] == NAN_AT + 1 and not record["finite_weights"]
         # the labels rank 0 and rank 1 see differ: flagged by a spread check, on both ranks alike
         assert any(
-            "rank 1 averaged a loss" in line and "Check the sampler and shuffling" in line
-            for line in record["advice"]
+            "rank 1 averaged a loss" in line and "Check the sampler and shuffling" in line for line in record["advice"]
         )
     assert records[1]["after_nan_s"] < 5  # rank 1 failed within seconds of its NaN
     saved = _saved_steps(tmp_path)

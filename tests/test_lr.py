@@ -137,9 +137,7 @@ def test_scale_rules_and_schedule_points():
     assert [s.factor(i) for i in (0, 5, 10)] == [1.0, 4.5, 8.0]
     assert s.factor(60) == pytest.approx(8.0 * (0.1 + 0.9 * 0.5))
     assert s.factor(110) == pytest.approx(0.8)
-    step = LRSchedule(
-        scale=2.0, warmup_steps=0, total_steps=100, decay="step", milestones=(50, 80), gamma=0.1
-    )
+    step = LRSchedule(scale=2.0, warmup_steps=0, total_steps=100, decay="step", milestones=(50, 80), gamma=0.1)
     assert [step.factor(i) for i in (0, 49, 50, 80)] == pytest.approx([2.0, 2.0, 0.2, 0.02])
     # A global batch below the reference scales down; warmup must then not start above its target.
     down = LRSchedule(scale=0.25, warmup_steps=4, total_steps=8)
@@ -149,9 +147,7 @@ def test_scale_rules_and_schedule_points():
 
 
 def test_plot_a_planned_schedule(tmp_path):
-    cb = WarmupScaledLR(
-        reference_batch_size=256, warmup_epochs=5, decay="step", decay_milestones=[1 / 3, 2 / 3]
-    )
+    cb = WarmupScaledLR(reference_batch_size=256, warmup_epochs=5, decay="step", decay_milestones=[1 / 3, 2 / 3])
     png = cb.plot_schedule(tmp_path / "plan.png", global_batch=2048, total_steps=900, steps_per_epoch=10)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert cb.decisions == {}  # a plan is not a decision of the run
@@ -249,9 +245,7 @@ def test_lr_is_logged_on_the_steps_lr_monitor_logs_with_its_values(tmp_path):
         return {int(r[step]): float(r[lr]) for r in rows[1:] if r[lr]}
 
     ours = logged([WarmupScaledLR(reference_batch_size=1, warmup_steps=8)], "ours")
-    monitor = logged(
-        [WarmupScaledLR(reference_batch_size=1, warmup_steps=8), LearningRateMonitor()], "monitor"
-    )
+    monitor = logged([WarmupScaledLR(reference_batch_size=1, warmup_steps=8), LearningRateMonitor()], "monitor")
     # LearningRateMonitor adds the lr at train start and at an epoch start; at batches, the same steps and lrs.
     at_batches = {step: lr for step, lr in monitor.items() if (step + 1) % 3 == 0}
     assert list(ours) == list(at_batches) == list(range(2, 32, 3))

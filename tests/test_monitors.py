@@ -33,11 +33,7 @@ def test_cpu_sampler_reads_psutil():
     assert decision.value == ["psutil"]
     sampler = ResourceSampler(torch.device("cpu"), nvml=False)
     values = dict(zip(sampler.keys, sampler.sample()))
-    assert (
-        tuple(values) == CPU_KEYS
-        and values["memory/rss_gib"] > 0.05
-        and not any(map(math.isnan, values.values()))
-    )
+    assert tuple(values) == CPU_KEYS and values["memory/rss_gib"] > 0.05 and not any(map(math.isnan, values.values()))
 
 
 class _HeavyRank1(TinyModule):
@@ -79,13 +75,9 @@ def test_min_max_across_ranks_and_a_trace_per_global_rank(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(3, 13))
     for row in rows:
         assert float(row["system/memory/rss_gib_max"]) - float(row["system/memory/rss_gib_min"]) > 0.2
-        assert (
-            0 <= float(row["system/cpu/process_percent_min"]) <= float(row["system/cpu/process_percent_max"])
-        )
+        assert 0 <= float(row["system/cpu/process_percent_min"]) <= float(row["system/cpu/process_percent_max"])
     for rank, record in enumerate(records):
         assert record["trace"].endswith(f"profile/trace_rank{rank}.json")
         trace = json.loads((tmp_path / "profile" / f"trace_rank{rank}.json").read_text())
         assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
-        assert (
-            sum(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"]) == 2
-        )  # active=2
+        assert sum(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"]) == 2  # active=2

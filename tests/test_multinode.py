@@ -40,9 +40,7 @@ def test_run_dir_is_agreed_before_hydra_runs():
     ]
     assert decision.value == "slurm-77"
     array = {**slurm, "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3", "SLURM_PROCID": "0"}
-    assert cluster.decide_run_dir([], env=array)[0] == [
-        "hydra.run.dir=${paths.log_dir}/${task_name}/slurm-70_3"
-    ]
+    assert cluster.decide_run_dir([], env=array)[0] == ["hydra.run.dir=${paths.log_dir}/${task_name}/slurm-70_3"]
     # An interactive allocation is not a SLURM launch (Lightning's rule); a directory given by the user stays.
     assert cluster.decide_run_dir([], env={**slurm, "SLURM_JOB_NAME": "bash"})[1] is None
     assert cluster.decide_run_dir(["hydra.run.dir=x"], env=slurm)[0][:1] == ["hydra.run.dir=x"]
@@ -55,9 +53,7 @@ def test_run_dir_is_agreed_before_hydra_runs():
 
 def test_rank_zero_decides_the_run_dir_through_torchruns_store():
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    env = _torchrun_env(
-        TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port)
-    )
+    env = _torchrun_env(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
     first = cluster.decide_run_dir([], env=env)[1].value
     other = cluster.decide_run_dir([], env={**env, "RANK": "1"})[1].value
     # A restarted rank 0 (a new process, a later time) keeps the first attempt's directory.
@@ -97,9 +93,7 @@ def test_cluster_parallelism_options_compose_and_need_their_launcher(tmp_path, m
         check_config(cfg)
         assert (cfg.parallelism.devices, cfg.parallelism.num_nodes) == (8, 2)
         env = cfg.parallelism.strategy.cluster_environment
-        with pytest.raises(
-            PreflightError, match="was started by torchrun"
-        ):  # srun torchrun: torchrun's ranks
+        with pytest.raises(PreflightError, match="was started by torchrun"):  # srun torchrun: torchrun's ranks
             cluster.check_cluster_environment(env, env={**_torchrun_env(), "SLURM_NTASKS": "2"})
 
 
@@ -150,13 +144,9 @@ def test_runner_on_two_torchrun_nodes_restarts_and_resumes_from_the_newest_verif
     assert len(list(tmp_path.rglob(".hydra"))) == 1, "only global rank 0 writes .hydra/"
     assert "DieOnce: rank 1 exits at step 3" in output
     run = _run_dir(tmp_path)
-    assert (
-        run.name == "torchrun-elastic"
-    )  # the rendezvous id: the same directory before and after the restart
+    assert run.name == "torchrun-elastic"  # the rendezvous id: the same directory before and after the restart
     assert "newest checkpoint that verifies (global step 2)" in output, "the restarted group logs its resume"
-    assert (run / "train_ddp_process_1.log").exists(), (
-        "rank 1 (the other node) logs into rank 0's run directory"
-    )
+    assert (run / "train_ddp_process_1.log").exists(), "rank 1 (the other node) logs into rank 0's run directory"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == STEPS, "the restarted run ends where an uninterrupted one does"
     assert (summary["world_size"], summary["num_nodes"], summary["devices_per_node"]) == (2, 2, 1)

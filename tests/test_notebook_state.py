@@ -150,9 +150,7 @@ def test_parent_holds_the_fit_and_can_fit_again(tmp_path, private_tmpdir):
     # Callbacks: ModelCheckpoint's best path and score, a user callback's list, the run summary.
     assert checkpoint.best_model_path and (tmp_path / "first").joinpath(checkpoint.best_model_path).exists()
     assert checkpoint.best_model_score is not None
-    assert math.isclose(
-        float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5
-    )
+    assert math.isclose(float(checkpoint.best_model_score), float(trainer.callback_metrics["val_loss"]), rel_tol=0.5)
     assert recorder.steps_seen == list(range(1, steps + 1))
     assert summary.summary is not None and summary.summary["global_step"] == steps
     # The module's state_dict (its extra state: the losses training_step appended); a plain attribute stays
@@ -210,9 +208,7 @@ def test_what_crosses_is_state_dicts_and_decisions(caplog):
     back only through its state_dict(), a callback's decisions through its public record()."""
 
     def trainer_with(callbacks):
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, logger=False, callbacks=callbacks, enable_progress_bar=False
-        )
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks, enable_progress_bar=False)
         trainer.strategy.connect(TinyClassifier())
         return trainer
 
@@ -362,9 +358,7 @@ def test_after_a_16_mixed_fit_the_parent_holds_no_device_state_and_fits_again(tm
         max_steps=3,
         logger=False,
         callbacks=[
-            RankRecorder(
-                tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}
-            ),
+            RankRecorder(tmp_path, on_train_start={"start": _training_state}, on_train_end={"end": _training_state}),
             planted,
             no_data,
         ],

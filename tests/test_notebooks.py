@@ -36,19 +36,14 @@ def execute(name: str, kernel: str) -> nbformat.NotebookNode:
     from nbclient import NotebookClient
 
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(
-        notebook, kernel_name=kernel, timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}}
-    )
+    client = NotebookClient(notebook, kernel_name=kernel, timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()  # raises CellExecutionError with the cell and its traceback
     return notebook
 
 
 def stdout_of(notebook: nbformat.NotebookNode) -> str:
     return "".join(
-        out.get("text", "")
-        for cell in notebook.cells
-        for out in cell.get("outputs", [])
-        if out.get("name") == "stdout"
+        out.get("text", "") for cell in notebook.cells for out in cell.get("outputs", []) if out.get("name") == "stdout"
     )
 
 

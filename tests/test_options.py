@@ -169,9 +169,7 @@ RUNS = {
         [
             "parallelism.precision=32-true",
             "auto_batch_size=memory",  # its batch (718) cuts the epoch to 2 steps: with no hook that needs more
-            *_strategy(
-                comm_hook="null", sync_batchnorm="true", find_unused_parameters="true", exact_eval="false"
-            ),
+            *_strategy(comm_hook="null", sync_batchnorm="true", find_unused_parameters="true", exact_eval="false"),
         ],
         _no_hook,
     ),
@@ -180,9 +178,7 @@ RUNS = {
             "logger=none",
             "parallelism.precision=16-mixed",
             "trainer.limit_train_batches=3",  # real fp16 on CPU: ~35x slower than fp32 in small_cnn
-            *_strategy(
-                comm_hook="fp16", sync_batchnorm="false", find_unused_parameters="false", exact_eval="true"
-            ),
+            *_strategy(comm_hook="fp16", sync_batchnorm="false", find_unused_parameters="false", exact_eval="true"),
         ],
         _fp16,
     ),

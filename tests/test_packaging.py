@@ -17,9 +17,7 @@ from tests.helpers import REPO
 def test_version_is_written_in_one_place():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
-        "attr": "lightning_solo._version.__version__"
-    }
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_solo._version.__version__"}
     assert lightning_solo.__version__ == installed_version("lightning_solo")
 
 
@@ -39,10 +37,7 @@ def test_the_wheel_lists_every_package():
     # setuptools' explicit list: a subpackage left out installs without its modules (seen with ddp/watchdog).
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     root = REPO / "lightning_solo"
-    found = {
-        ".".join(("lightning_solo", *init.parent.relative_to(root).parts))
-        for init in root.rglob("__init__.py")
-    }
+    found = {".".join(("lightning_solo", *init.parent.relative_to(root).parts)) for init in root.rglob("__init__.py")}
     assert found - listed == set()
 
 

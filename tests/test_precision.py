@@ -138,9 +138,7 @@ def test_auto_rule_and_trainer_strategy_agreement():
     assert decide_precision("bf16-mixed", "32-true", CPU).value == "bf16-mixed"  # 32-true == unset
     assert decide_precision("16-mixed", "16-mixed", CPU).value == "16-mixed"
     assert decide_precision(None, "bf16-mixed", CPU).value == "bf16-mixed"
-    with pytest.raises(
-        ValueError, match=r"Trainer\(precision='bf16-mixed'\) and SoloDDP\(precision='16-mixed'\)"
-    ):
+    with pytest.raises(ValueError, match=r"Trainer\(precision='bf16-mixed'\) and SoloDDP\(precision='16-mixed'\)"):
         decide_precision("16-mixed", "bf16-mixed", CPU)
     with pytest.raises(ValueError, match="precision=None"):
         decide_precision("auto", "16-true", CPU)
@@ -148,9 +146,7 @@ def test_auto_rule_and_trainer_strategy_agreement():
 
 def test_agreed_rule_takes_the_lowest_capability_of_all_ranks():
     assert agreed_rule([2]) == auto_rule("cuda", bf16_supported=True)
-    assert (
-        agreed_rule([2, 2]).value == "bf16-mixed" and "the same on all 2 ranks" in agreed_rule([2, 2]).reason
-    )
+    assert agreed_rule([2, 2]).value == "bf16-mixed" and "the same on all 2 ranks" in agreed_rule([2, 2]).reason
     mixed = agreed_rule([2, 1, 2, 1])  # A100 and V100 nodes: fp16 + GradScaler everywhere
     assert mixed.value == "16-mixed" and "rank(s) [1, 3] cannot do more" in mixed.reason
     assert agreed_rule([0, 2]).value == "32-true"
@@ -181,12 +177,8 @@ def _settle(strategy: SoloDDP, **trainer_kwargs):
 
 def test_soloddp_settles_the_plugin_on_its_device():
     # 16-mixed on CPU stays fp16 (Lightning alone would switch to bf16) and takes the scaler settings.
-    plugin, decisions = _settle(
-        SoloDDP(precision="16-mixed", scaler={"init_scale": 256.0}), precision="16-mixed"
-    )
-    assert (
-        isinstance(plugin, SoloMixedPrecision) and plugin.precision == "16-mixed" and plugin.device == "cpu"
-    )
+    plugin, decisions = _settle(SoloDDP(precision="16-mixed", scaler={"init_scale": 256.0}), precision="16-mixed")
+    assert isinstance(plugin, SoloMixedPrecision) and plugin.precision == "16-mixed" and plugin.device == "cpu"
     assert plugin.scaler._init_scale == 256.0
     assert [d.setting for d in decisions] == ["precision", "grad_scaler", "lr_on_overflow"]
     # A second fit/validate of the same Trainer keeps the settled plugin and its scaler state.
@@ -199,9 +191,7 @@ def test_soloddp_settles_the_plugin_on_its_device():
     assert type(plugin) is Precision and decisions[0].value == "32-true"
     # precision=None: Lightning's own AMP plugin is replaced by the resume-safe one, same precision.
     plugin, _ = _settle(SoloDDP(scaler={"growth_interval": 7}), precision="bf16-mixed")
-    assert (
-        isinstance(plugin, SoloMixedPrecision) and plugin.precision == "bf16-mixed" and plugin.scaler is None
-    )
+    assert isinstance(plugin, SoloMixedPrecision) and plugin.precision == "bf16-mixed" and plugin.scaler is None
     # A plugin the user gave the Trainer is left alone.
     mine = MixedPrecision("bf16-mixed", "cpu")
     plugin, decisions = _settle(SoloDDP(), plugins=[mine])
@@ -288,9 +278,7 @@ def test_resume_keeps_scale_applies_new_factors_and_stock_lightning_reads_it(tmp
     new_cfg = {"init_scale": 8.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 1}
     second, rec = SoloMixedPrecision("16-mixed", "cpu", scaler=new_cfg), recorder()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        trainer(5, plugins=[second], callbacks=[rec]).fit(
-            TinyNet(overflow_step=None), loader(), ckpt_path=ckpt
-        )
+        trainer(5, plugins=[second], callbacks=[rec]).fit(TinyNet(overflow_step=None), loader(), ckpt_path=ckpt)
     assert rec.record["scale_at_start"] == 1024.0
     assert rec.record["scales"] == [4096.0, 16384.0]  # x4 after every good step
     assert second.scaler._growth_factor == 4.0 and second.scaler._backoff_factor == 0.25
@@ -312,9 +300,7 @@ def test_resume_keeps_scale_applies_new_factors_and_stock_lightning_reads_it(tmp
 def test_two_ranks_fp16_under_soloddp_resumed_with_new_growth_factor(tmp_path):
     # One single-process step (scale 1024, growth tracker 1), then 2 ranks resume with growth_factor 4.
     ckpt = tmp_path / "one_step.ckpt"
-    t = trainer(
-        1, plugins=[SoloMixedPrecision("16-mixed", "cpu", {"init_scale": 1024, "growth_interval": 2})]
-    )
+    t = trainer(1, plugins=[SoloMixedPrecision("16-mixed", "cpu", {"init_scale": 1024, "growth_interval": 2})])
     t.fit(TinyNet(overflow_step=None), loader())
     t.save_checkpoint(ckpt)
 
@@ -346,9 +332,7 @@ def test_two_ranks_fp16_under_soloddp_resumed_with_new_growth_factor(tmp_path):
 
 @pytest.mark.multiproc
 def test_precision_conflict_fails_the_fit():
-    t = trainer(
-        1, devices=2, strategy=SoloDDP(start_method="fork", precision="16-mixed"), precision="bf16-mixed"
-    )
+    t = trainer(1, devices=2, strategy=SoloDDP(start_method="fork", precision="16-mixed"), precision="bf16-mixed")
     with pytest.raises(Exception, match="disagree"):
         t.fit(TinyNet(), loader())
 

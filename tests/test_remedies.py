@@ -56,10 +56,7 @@ def test_every_remedy_names_a_library_setting_the_runner_can_set(tmp_path):
     assert named == _verdict_settings(), "a remedy the setups above never reach: add a setup"
     overrides = sorted({config_override(setting, value) for setting, value in remedies if setting})
     assert None not in overrides and "data.num_workers=3" in overrides
-    assert (
-        "parallelism.strategy.comm_hook=post_local_sgd" in overrides
-        and "parallelism.precision=auto" in overrides
-    )
+    assert "parallelism.strategy.comm_hook=post_local_sgd" in overrides and "parallelism.precision=auto" in overrides
     for override in overrides:  # each as a user would type it after reading the summary
         with composed(strategy_options([override]), tmp_path) as cfg:
             check_config(cfg)
@@ -79,8 +76,7 @@ def test_setup_findings_name_library_settings_and_the_runner_adds_its_keys():
     assert "data.batch_size=16, trainer.accumulate_grad_batches]" in shown["loader.batch_size"]
     assert with_config_keys("no call here") == "no call here"
     assert (
-        with_config_keys("see torch.compile(mode='max') and Foo(x=1)")
-        == "see torch.compile(mode='max') and Foo(x=1)"
+        with_config_keys("see torch.compile(mode='max') and Foo(x=1)") == "see torch.compile(mode='max') and Foo(x=1)"
     )
 
 
@@ -115,11 +111,7 @@ def test_the_run_summary_shows_the_doctors_remedies_as_overrides():
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
-    return [
-        (n.lineno, n.value)
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    ]
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 @pytest.mark.parametrize(
@@ -129,13 +121,9 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
 )
 def test_diagnostics_name_no_runner_config_key(path):
     found = [
-        f"{path.name}:{line}: {m.group(0)}"
-        for line, text in _string_constants(path)
-        for m in RUNNER_KEY.finditer(text)
+        f"{path.name}:{line}: {m.group(0)}" for line, text in _string_constants(path) for m in RUNNER_KEY.finditer(text)
     ]
     if path.name in PENDING and found:
         pytest.xfail(f"its advice still names runner keys: {found}")
-    assert found == [], (
-        "diagnostics name library settings (DataLoader(num_workers=...)); app/remedies.py maps them"
-    )
+    assert found == [], "diagnostics name library settings (DataLoader(num_workers=...)); app/remedies.py maps them"
     assert path.name not in PENDING, "this file names no runner key any more: take it off PENDING"

@@ -232,8 +232,4 @@ def test_a_run_that_never_resumes_draws_the_order_stock_draws(wrap):
 
     stock, stock_rng = two_epochs(build())
     ours, our_rng = two_epochs(make_resumable(build(), seed=0)[0])
-    assert (
-        ours == stock
-        and _same_rngs(stock_rng) == _same_rngs(our_rng)
-        and torch.equal(our_rng[0], stock_rng[0])
-    )
+    assert ours == stock and _same_rngs(stock_rng) == _same_rngs(our_rng) and torch.equal(our_rng[0], stock_rng[0])

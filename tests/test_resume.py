@@ -227,14 +227,10 @@ class RealNet(Net):
         self.log("val", self.batch_loss(batch) + torch.rand(()), sync_dist=True)  # validation draws too
 
     def _split(self) -> list:  # as users split one dataset: Subsets, which bring a __getitems__ of their own
-        return random_split(
-            Augmented(), [REAL_SAMPLES, VAL_SAMPLES], generator=torch.Generator().manual_seed(0)
-        )
+        return random_split(Augmented(), [REAL_SAMPLES, VAL_SAMPLES], generator=torch.Generator().manual_seed(0))
 
     def train_dataloader(self):
-        return DataLoader(
-            self._split()[0], batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True
-        )
+        return DataLoader(self._split()[0], batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
 
     def val_dataloader(self):
         return DataLoader(self._split()[1], batch_size=BATCH)
@@ -258,15 +254,11 @@ def _fit_real(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy
-        if isinstance(strategy, Strategy)
-        else SoloDDP(start_method="fork", **(strategy or {})),
+        strategy=strategy if isinstance(strategy, Strategy) else SoloDDP(start_method="fork", **(strategy or {})),
         max_epochs=2,
         val_check_interval=0.5,
         callbacks=[
-            (checkpoint or (lambda d: SoloCheckpoint(dirpath=d, keep_last_k=1)))(
-                os.path.join(run_dir, "ckpt")
-            ),
+            (checkpoint or (lambda d: SoloCheckpoint(dirpath=d, keep_last_k=1)))(os.path.join(run_dir, "ckpt")),
             _decisions(run_dir),
             *callbacks,
         ],
@@ -332,9 +324,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     checkpoint holds differing replicas, and every rank must resume its own."""
     from lightning_solo.callbacks import LossWatch, TrainingDoctor, WarmupScaledLR
 
-    local = (
-        {"comm_hook": "post_local_sgd", "local_sgd_warmup": 2, "local_sgd_period": 1000} if local_sgd else {}
-    )
+    local = {"comm_hook": "post_local_sgd", "local_sgd_warmup": 2, "local_sgd_period": 1000} if local_sgd else {}
 
     def fit(run_dir: str, crash_at_batch: int | None = None, resume: bool = False) -> dict:
         watch = LossWatch(window=2, spread_every_n_steps=2)
@@ -359,9 +349,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     fit(run, crash_at_batch=10)
     resumed = fit(run, resume=True)
     for name, value in reference.items():
-        assert torch.equal(resumed[name], value), (
-            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
-        )
+        assert torch.equal(resumed[name], value), f"{name}: {(resumed[name] - value).abs().max()} after resuming"
 
     def loss_trend(run_dir) -> dict:
         checkpoint = torch.load(os.path.join(run_dir, "ckpt", "last.ckpt"), weights_only=True)
@@ -373,9 +361,7 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
     assert loss_trend(run) == trend
 
 
-def _resumed_equals_reference(
-    tmp_path, crash_at_batch: int = 10, saved_at_step: int = 9, **fit_kwargs
-) -> dict:
+def _resumed_equals_reference(tmp_path, crash_at_batch: int = 10, saved_at_step: int = 9, **fit_kwargs) -> dict:
     """Fit uninterrupted, fit again crashing before ``crash_at_batch`` (its last checkpoint at ``saved_at_step``),
     resume with ``ckpt_path="auto"``: the weights must end bit-identical. Returns rank 0's decisions of the
     resumed fit."""
@@ -385,9 +371,7 @@ def _resumed_equals_reference(
     assert verify(os.path.join(run, "ckpt", "last.ckpt"))["global_step"] == saved_at_step
     resumed = _fit_real(run, resume=True, **fit_kwargs)
     for name, value in reference.items():
-        assert torch.equal(resumed[name], value), (
-            f"{name}: {(resumed[name] - value).abs().max()} after resuming"
-        )
+        assert torch.equal(resumed[name], value), f"{name}: {(resumed[name] - value).abs().max()} after resuming"
     return read_rank_records(run)[0]["decisions"]
 
 
@@ -432,21 +416,14 @@ class TwoLoaders(RealNet):
 def test_several_training_loaders_and_a_wrapped_weighted_sampler_resume_exactly(tmp_path):
     """Each loader continues at its own position (the short one in its second pass of the epoch), and the
     weighted sampler draws the order it drew in the uninterrupted run, from the RNG state its pass started at."""
-    decisions = _resumed_equals_reference(
-        tmp_path, make_model=TwoLoaders, checkpoint=_every_3_steps(ModelCheckpoint)
-    )
+    decisions = _resumed_equals_reference(tmp_path, make_model=TwoLoaders, checkpoint=_every_3_steps(ModelCheckpoint))
     for rank in (0, 1):
         expected, seen = _batches_of(tmp_path / "reference", rank), _batches_of(tmp_path / "crash", rank)
         assert seen == expected, f"rank {rank}: the resumed batches differ"
     assert decisions["resumable_data"]["value"] is True, decisions["resumable_data"]
-    assert (
-        "WeightedRandomSampler (in Lightning's DistributedSamplerWrapper)"
-        in decisions["resumable_data"]["reason"]
-    )
+    assert "WeightedRandomSampler (in Lightning's DistributedSamplerWrapper)" in decisions["resumable_data"]["reason"]
     resumed = decisions["mid_epoch_resume"]
-    assert resumed["value"] == 3 and "2 loaders (max_size_cycle) at batches [3, 3]" in resumed["reason"], (
-        resumed
-    )
+    assert resumed["value"] == 3 and "2 loaders (max_size_cycle) at batches [3, 3]" in resumed["reason"], resumed
 
 
 def _batches_of(run_dir, rank: int) -> list[str]:

@@ -124,9 +124,7 @@ def test_loader_workers_leave_a_sigterm_from_outside_to_their_rank():
     # torch's worker handler dies of any SIGTERM but its rank's, which fails the rank ("DataLoader worker (pid ...)
     # is killed by signal: Terminated"). Shielded, the workers read on; the rank still ends them (quietly).
     agreement = SigtermAgreement(None)
-    loader = agreement.shield_workers(
-        DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork")
-    )
+    loader = agreement.shield_workers(DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
     batches = iter(loader)
     for worker in batches._workers:  # at once, from outside the job's processes, as SLURM's
         kill = f"import os, signal; os.kill({worker.pid}, signal.{signal.SIGTERM.name})"

@@ -131,9 +131,7 @@ def test_requeue_through_lightnings_handler(tmp_path):
     # Nothing else owned SIGUSR1: Lightning's handler did the work; SlurmRequeue stood aside.
     assert result["seen"]["lightning_owns"] is True
     assert result["seen"]["decisions"]["requeue"] == "lightning"
-    assert (
-        result["manifest"]["trigger"] == "train"
-    )  # Lightning's trainer.save_checkpoint through SoloCheckpointIO
+    assert result["manifest"]["trigger"] == "train"  # Lightning's trainer.save_checkpoint through SoloCheckpointIO
 
 
 @pytest.mark.slow
@@ -146,12 +144,8 @@ def test_requeue_when_submitit_owns_the_signal(tmp_path):
     assert result["seen"]["lightning_owns"] is False
     assert result["seen"]["decisions"]["requeue"] == "solo"
     assert result["manifest"]["trigger"] == "requeue" and result["manifest"]["signal"] == "SIGUSR1"
-    assert "Requeued job 4242" in result["log"] and "Exiting gracefully" in result["log"], (
-        "submitit's handler ran"
-    )
-    assert (tmp_path / "out" / "submitit" / f"{JOB_ID}_submitted.pkl").exists(), (
-        "submitit checkpointed its task"
-    )
+    assert "Requeued job 4242" in result["log"] and "Exiting gracefully" in result["log"], "submitit's handler ran"
+    assert (tmp_path / "out" / "submitit" / f"{JOB_ID}_submitted.pkl").exists(), "submitit checkpointed its task"
 
 
 def test_submitit_launcher_config_composes():

@@ -143,9 +143,7 @@ def _native_vs_solo_on_cuda(rank: int, world_size: int) -> dict[str, float]:
         y = layer(xi)
         (y * (gout if name == "ref" else gout[start : start + sizes[rank]])).sum().backward()
         y, gx = (
-            (y, xi.grad)
-            if name != "ref"
-            else (y[start : start + sizes[rank]], xi.grad[start : start + sizes[rank]])
+            (y, xi.grad) if name != "ref" else (y[start : start + sizes[rank]], xi.grad[start : start + sizes[rank]])
         )
         outs[name] = (y, gx, layer.running_var)
     return {
@@ -186,8 +184,7 @@ def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -
     torch.manual_seed(1)
     init = _small_net()
     data = [
-        (torch.randn(world_size * batch, 3, 8, 8), torch.randint(0, 4, (world_size * batch,)))
-        for _ in range(steps)
+        (torch.randn(world_size * batch, 3, 8, 8), torch.randint(0, 4, (world_size * batch,))) for _ in range(steps)
     ]
     reference = _train(copy.deepcopy(init), data)
     local = [(x[rank * batch : (rank + 1) * batch], y[rank * batch : (rank + 1) * batch]) for x, y in data]
@@ -199,9 +196,7 @@ def _ddp_vs_single(rank: int, world_size: int, steps: int = 4, batch: int = 4) -
         _train(model, local, nn.parallel.DistributedDataParallel(model))
         syncbn.revert(model)
         state, ref_state = model.state_dict(), reference.state_dict()
-        out[f"sync={sync}"] = max(
-            rel_err(state[k], ref_state[k]) for k in ref_state if "num_batches" not in k
-        )
+        out[f"sync={sync}"] = max(rel_err(state[k], ref_state[k]) for k in ref_state if "num_batches" not in k)
     return out
 
 
@@ -258,9 +253,7 @@ def _inputs(shape, layout, dtype, kind: str, g: torch.Generator):
     """x and dy rounded to ``dtype``; dy of the cancellation kinds is built from that x's own x̂, so that
     its terms cancel exactly in the gradient and only the computation's rounding is left."""
     dims = [0, *range(2, len(shape))]
-    std, offset = (
-        (0.03, 0.0) if kind == "scaled" else (1.0, 3.0)
-    )  # scaled: invstd ~30, dy·invstd > fp16's max
+    std, offset = (0.03, 0.0) if kind == "scaled" else (1.0, 3.0)  # scaled: invstd ~30, dy·invstd > fp16's max
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * std + offset).to(dtype)
     x64 = x.double()
     xhat = (x64 - x64.mean(dims, keepdim=True)) * (x64.var(dims, unbiased=False, keepdim=True) + EPS).rsqrt()
@@ -313,9 +306,7 @@ def test_output_and_input_gradient_as_exact_as_native_batchnorm_in_every_dtype()
         bad = {}
         for case, e in cases.items():
             factor = 4 if "float32" in case else 2
-            if not (
-                e["y"] <= factor * e["native y"] + 1e-6 and e["grad_x"] <= factor * e["native grad_x"] + 1e-6
-            ):
+            if not (e["y"] <= factor * e["native y"] + 1e-6 and e["grad_x"] <= factor * e["native grad_x"] + 1e-6):
                 bad[case] = e
         assert not bad, f"rank {rank}: {bad}"
 
@@ -388,9 +379,7 @@ def test_portable_kernels_compute_what_torchs_cuda_kernels_do():
     torch.testing.assert_close(grad, xr.grad)  # count sums to the batch of x: the local formula
     # Merge of per-rank rows (2, 0 and 4 samples; the empty row in the middle, as the CUDA kernel allows).
     parts = [x[:2], x[:0], x[2:]]
-    rows = [
-        k.stats(p, EPS) if p.numel() else (torch.zeros(3).double(), torch.ones(3).double()) for p in parts
-    ]
+    rows = [k.stats(p, EPS) if p.numel() else (torch.zeros(3).double(), torch.ones(3).double()) for p in parts]
     mean_all, invstd_all = (torch.stack(r) for r in zip(*rows))
     running = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     counts = torch.tensor([40.0, 0.0, 80.0], dtype=torch.float64)
@@ -602,9 +591,7 @@ class _Data(L.LightningDataModule):
     def train_dataloader(self):
         # Lightning always shuffles the training sampler it injects; an unshuffled one gives rank r the
         # samples r, r+2, ..., so each step's two rank batches together are the single-process batch.
-        return DataLoader(
-            self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False)
-        )
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False))
 
 
 def _bn_classes(trainer, module) -> list[str]:
@@ -636,9 +623,7 @@ def _fit(tmp_path: Path, net: nn.Module, images, labels, strategy: SoloDDP, call
 
 
 def _reference(net: nn.Module, images, labels) -> nn.Module:
-    batches = [
-        (images[i : i + 2 * BATCH], labels[i : i + 2 * BATCH]) for i in range(0, STEPS * 2 * BATCH, 2 * BATCH)
-    ]
+    batches = [(images[i : i + 2 * BATCH], labels[i : i + 2 * BATCH]) for i in range(0, STEPS * 2 * BATCH, 2 * BATCH)]
     return _train(copy.deepcopy(net), batches)
 
 

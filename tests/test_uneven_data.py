@@ -246,9 +246,7 @@ def test_an_agreed_length_is_the_loaders_own_again_after_the_run():
     loader = Loader(list(range(40)), batch_size=4)
     _agree_length(loader, 7)
     assert len(loader) == 7 and isinstance(loader, Loader) and type(loader).__name__ == "Loader"
-    assert len(list(loader)) == 10, (
-        "the iterator is the loader's own: Lightning stops it at the agreed length"
-    )
+    assert len(list(loader)) == 10, "the iterator is the loader's own: Lightning stops it at the agreed length"
     _agree_length(loader, 5)  # a later setup agrees again
     assert len(loader) == 5 and type(loader).__base__ is Loader
     _agree_length(loader, None)

@@ -263,14 +263,9 @@ def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case)
         assert records[0]["ddp"]["find_unused_parameters"] is True
         assert len(warnings) == 1 and "branch.weight, branch.bias" in warnings[0]
     else:
-        assert (
-            decision["value"] is True
-            and "switched to find_unused_parameters=True from step 7" in decision["reason"]
-        )
+        assert decision["value"] is True and "switched to find_unused_parameters=True from step 7" in decision["reason"]
         assert records[0]["ddp"]["find_unused_parameters"] is True
-        assert (
-            len(warnings) == 1 and "switching" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
-        )
+        assert len(warnings) == 1 and "switching" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
     assert records[1]["warnings"] == []  # rank zero only
 
 

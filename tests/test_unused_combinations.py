@@ -160,9 +160,7 @@ def test_trainable_set_changes_mid_fit(tmp_path, case):
     data = make_data(EPOCH, branch_off={4: (1,)})
     net = Combo(data, frozen_backbone=case == "frozen_in_init")
     callbacks = {
-        "backbone_finetuning": [
-            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
-        ],
+        "backbone_finetuning": [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)],
         "frozen_in_init": [_UnfreezeBackbone(epoch=1)],
         "frozen_mid_fit": [_FreezeAt(step=8)],
     }[case]
@@ -255,9 +253,7 @@ def test_post_local_sgd_equals_two_replicas_averaged(tmp_path, case):
     torch.manual_seed(0)
     accumulate, freeze_at = case.get("accumulate", 1), case.get("freeze_at")
     net = Combo(make_data(STEPS, accumulate, branch_off=case.get("branch_off")))
-    strategy = SoloDDP(
-        start_method="fork", comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=4
-    )
+    strategy = SoloDDP(start_method="fork", comm_hook="post_local_sgd", local_sgd_warmup=2, local_sgd_period=4)
     callbacks = [_FreezeAt(step=freeze_at)] if freeze_at is not None else []
     records = fit(tmp_path, net, strategy, accumulate=accumulate, callbacks=callbacks)
     assert_ranks_identical(records)

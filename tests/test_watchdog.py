@@ -48,23 +48,17 @@ def assert_stacks(out, ranks, frame: str) -> None:
     assert frame in stuck, stuck
 
 
-def assert_hang(
-    hung, mode: str, expected: str, frame: str, stuck: int = 1, report: bool = True, lead: str = ""
-) -> str:
+def assert_hang(hung, mode: str, expected: str, frame: str, stuck: int = 1, report: bool = True, lead: str = "") -> str:
     """``report``: a busy rank, reported at its allowance and ended at the collective timeout; else proof, ended
     at once."""
     out, (proc, elapsed, stall) = hung[mode]
     assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
     line = verdict_line(proc)
-    assert stall["rank"] == stuck and line.startswith(f"SoloDDP watchdog: {lead}rank {stuck} {expected}"), (
-        line
-    )
+    assert stall["rank"] == stuck and line.startswith(f"SoloDDP watchdog: {lead}rank {stuck} {expected}"), line
     assert (out / "hang" / "verdict.txt").read_text().strip() in line
     assert_stacks(out, [stuck, 1 - stuck], frame)
     reports = watchdog_reports(proc.stdout)
-    if (
-        report
-    ):  # reported at the allowance (1x, 2x, 4x), ended at the timeout with the diagnosis, before gloo's
+    if report:  # reported at the allowance (1x, 2x, 4x), ended at the timeout with the diagnosis, before gloo's
         assert f"; ended at the collective timeout ({TIMEOUT_S:g} s)" in line, line
         # Each rank printed each report once; the first at the allowance (3 s and a median), then at 2x, 4x ...
         texts = [text for rank, text in reports if rank == stuck]
@@ -77,9 +71,7 @@ def assert_hang(
     else:  # proof: within the margin (and the promise of the defaults)
         assert not reports, reports
         assert MARGIN_S < elapsed < min(MARGIN_S + 12, BOUND_S), (elapsed, line)
-    print(
-        f"{mode}: ended {elapsed:.1f} s after the stall: {line}"
-    )  # pytest -s: benchmarks/RESULTS.md's table
+    print(f"{mode}: ended {elapsed:.1f} s after the stall: {line}")  # pytest -s: benchmarks/RESULTS.md's table
     return line
 
 
@@ -88,9 +80,7 @@ def assert_hang(
 def test_a_rank_asleep_in_training_step(hung):
     line = assert_hang(hung, "sleep", "has been in training_step for", "in training_step")
     assert "at step 6; rank 0 waits in backward (DDP's gradient all-reduce) at step 6" in line
-    assert (
-        "; flight recorder: rank 0 issued gloo:all_reduce #" in line and "which rank 1 never entered" in line
-    )
+    assert "; flight recorder: rank 0 issued gloo:all_reduce #" in line and "which rank 1 never entered" in line
 
 
 @pytest.mark.multiproc
@@ -100,9 +90,7 @@ def test_the_job_exits_86_when_the_rank_that_started_the_others_is_slow_to_exit(
     # rank 0 would have seen a child end with an error and SIGKILLed rank 0 (exit status -9).
     _, (proc, _, stall) = hung["slow_exit"]
     assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
-    assert stall["rank"] == 1 and verdict_line(proc).startswith(
-        "SoloDDP watchdog: rank 1 has been in training_step"
-    )
+    assert stall["rank"] == 1 and verdict_line(proc).startswith("SoloDDP watchdog: rank 1 has been in training_step")
     assert "Forcefully terminating" not in proc.stdout, proc.stdout[-4000:]
 
 
@@ -123,9 +111,7 @@ def test_a_rank_issuing_one_extra_collective(hung):
     assert "in training_step) for" in line
     assert "rank 0 waits in backward (DDP's gradient all-reduce)" in line
     # The flight recorder's evidence, first for the rank named: its extra collective, which rank 0 never entered.
-    assert (
-        "; flight recorder: rank 1 issued gloo:all_gather #1 on extra, which rank 0 never entered (" in line
-    )
+    assert "; flight recorder: rank 1 issued gloo:all_gather #1 on extra, which rank 0 never entered (" in line
     assert "rank 0 issued gloo:all_reduce #" in line  # DDP's, which rank 1 never reached
     out = hung["extra"][0]
     for rank in (0, 1):
@@ -194,6 +180,4 @@ def test_the_watchdog_is_a_decision_with_a_switch():
     off = SoloDDP(watchdog=False)
     assert off.decisions["watchdog"].value is False and off.heartbeats() == {}
     assert "median of its phase + 5 s" in SoloDDP(watchdog={"margin_s": 5}).decisions["watchdog"].reason
-    assert (
-        "after 60 s (abort_after_s)" in SoloDDP(watchdog={"abort_after_s": 60}).decisions["watchdog"].reason
-    )
+    assert "after 60 s (abort_after_s)" in SoloDDP(watchdog={"abort_after_s": 60}).decisions["watchdog"].reason

@@ -90,18 +90,12 @@ def test_at_the_default_thresholds(tmp_path):
     results = finish_all(runs, 260)
     assert_same_run(results["stock"][0], results["solo"][0], tmp_path / "stock", tmp_path / "solo")
     reports = watchdog_reports(results["solo"][0].stdout)
-    assert reports and reports[0][1].startswith(
-        "SoloDDP watchdog report: rank 0 has been in on_train_epoch_end for 5"
-    )
+    assert reports and reports[0][1].startswith("SoloDDP watchdog report: rank 0 has been in on_train_epoch_end for 5")
     proc, elapsed, _ = results["extra"]
     assert proc.returncode == HANG_EXIT_CODE, proc.stdout[-4000:]
-    assert verdict_line(proc).startswith(
-        "SoloDDP watchdog: collective mismatch: rank 1 has been waiting in all_gather"
-    )
+    assert verdict_line(proc).startswith("SoloDDP watchdog: collective mismatch: rank 1 has been waiting in all_gather")
     assert 55 < elapsed < BOUND_S, elapsed
-    print(
-        f"defaults: on_train_epoch_end reported: {reports[0][1][:120]}; mismatch ended {elapsed:.1f} s after"
-    )
+    print(f"defaults: on_train_epoch_end reported: {reports[0][1][:120]}; mismatch ended {elapsed:.1f} s after")
 
 
 def test_the_two_lists_what_ends_a_run_and_what_is_only_reported_are_the_docs():

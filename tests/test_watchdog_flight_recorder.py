@@ -142,9 +142,7 @@ def test_the_watchdog_adds_the_clause_and_writes_each_ranks_record(dumps, tmp_pa
     lines = watchdog_lines(capfd.readouterr().err)
     assert sorted(lines) == [0, 1], lines  # each rank printed the whole line, flight recorder included
     line = lines[0]
-    assert line.startswith("SoloDDP watchdog: collective mismatch: rank 1 has been waiting in all_gather"), (
-        line
-    )
+    assert line.startswith("SoloDDP watchdog: collective mismatch: rank 1 has been waiting in all_gather"), line
     words = clause({r: summarize(dumps["two_groups"][r]) for r in (0, 1)}, lead=(1,))
     assert words is not None and f"; {words}. Python stacks: " in line, line
     assert line.endswith("flight recorder: " + str(tmp_path / "hang") + "/rank*.fr.json."), line

@@ -150,9 +150,7 @@ def test_verdict(name, views, kind, stuck, line):
 
 
 def test_reports_come_at_one_two_four_times_the_allowance():
-    levels = [
-        Verdict((1,), "", REPORT, over_s=t, allowance_s=3.0).level() for t in (3.1, 5.9, 6.0, 11.9, 12.5, 25)
-    ]
+    levels = [Verdict((1,), "", REPORT, over_s=t, allowance_s=3.0).level() for t in (3.1, 5.9, 6.0, 11.9, 12.5, 25)]
     assert levels == [0, 0, 1, 1, 2, 3]
 
 
@@ -239,9 +237,7 @@ def test_the_sanity_check_is_no_sample_of_a_validation():
     clock.t += 0.5  # two batches
     writer.leave(outer)
     assert writer.state[1] == hb.SETUP and writer.median("validation") is None
-    assert (
-        writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 600.0
-    )  # the first real one: the first allowance
+    assert writer.allowance(hb.VALIDATION, 2.0, 30.0, 600.0) == 600.0  # the first real one: the first allowance
     outer = writer.enter(hb.VALIDATION)
     clock.t += 100.0
     writer.leave(outer)
@@ -263,10 +259,7 @@ def test_manual_optimization_keeps_the_training_step_clock():
 
 
 def test_settings():
-    assert (
-        WatchdogSettings.from_option(False) is None
-        and WatchdogSettings.from_option(True) == WatchdogSettings()
-    )
+    assert WatchdogSettings.from_option(False) is None and WatchdogSettings.from_option(True) == WatchdogSettings()
     assert WatchdogSettings.from_option({"margin_s": 5}).margin_s == 5
     with pytest.raises(ValueError, match="unknown watchdog setting"):
         WatchdogSettings.from_option({"margin": 5})
@@ -313,9 +306,7 @@ def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tm
     from lightning_solo.ddp.watchdog import Watchdog
 
     store = dist.HashStore()
-    settings = WatchdogSettings(
-        margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False, abort_after_s=1.5
-    )
+    settings = WatchdogSettings(margin_s=0.3, first_s=0.3, interval_s=0.05, grace_s=2, abort=False, abort_after_s=1.5)
     dogs = [Watchdog(settings, dist.PrefixStore("t/", store), r, 2, tmp_path / "hang") for r in range(2)]
     dogs[1].writer.batch(6)
     dogs[1].writer.enter(hb.TRAINING_STEP)
@@ -330,17 +321,12 @@ def test_two_watchdogs_on_one_store_print_one_line_and_both_dump_their_stacks(tm
         dog.stop()
     err = capfd.readouterr().err
     lines = watchdog_lines(err)  # one line, printed by each rank
-    reports = watchdog_reports(
-        err
-    )  # at 0.3 s and 0.6 s, each printed by each rank (1.2 s: the end came first)
+    reports = watchdog_reports(err)  # at 0.3 s and 0.6 s, each printed by each rank (1.2 s: the end came first)
     assert sorted(r for r, _ in reports) in ([0, 0, 1, 1], [0, 0, 0, 1, 1, 1]), reports
     assert sorted(lines) == [0, 1], lines
     line = lines[0]
     assert line.startswith("SoloDDP watchdog: rank 1 has been in training_step for ")
-    assert (
-        "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6; ended after 1.5 s (watchdog "
-        in line
-    )
+    assert "; rank 0 waits in backward (DDP's gradient all-reduce) at step 6; ended after 1.5 s (watchdog " in line
     assert all(d.verdict is not None and d.verdict.line == line for d in dogs)
     for rank in (0, 1):
         assert line in (tmp_path / "hang" / f"rank{rank}.stacks.txt").read_text()
@@ -390,9 +376,7 @@ def _first_verdict_after_stall(median_s: float, steps: int, settings: WatchdogSe
         views = [
             RankView(r, beat, age_s=beat.age_s)
             for r, w in enumerate(writers)
-            for beat in [
-                w.snapshot(r, r, "h", 0, lambda p, w=w: w.allowance(p, s.factor, s.margin_s, s.first_s))
-            ]
+            for beat in [w.snapshot(r, r, "h", 0, lambda p, w=w: w.allowance(p, s.factor, s.margin_s, s.first_s))]
         ]
         if judge(views, s.silent_s) is not None:
             return clock.t - stall
@@ -444,9 +428,7 @@ def test_the_watchdog_thread_reads_the_hook_and_a_loaders_first_batch_from_the_s
             seen.append(where(sys._getframe()))
             return i
 
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
-    )
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     module = Module()
     call._call_lightning_module_hook(trainer, "on_train_epoch_end", pl_module=module)
     call._call_lightning_module_hook(trainer, "training_step", None, 0, pl_module=module)

@@ -33,9 +33,7 @@ def now(device: str) -> float:
 
 def trainer(device: str, steps: int, callbacks=(), strategy=None, **kwargs) -> L.Trainer:
     """``Trainer(devices=1)`` for ``steps`` optimizer steps, quiet; ``strategy`` defaults to ``SoloDDP()``."""
-    options = dict(
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
-    )
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return L.Trainer(
         accelerator=accelerator(device),
         devices=1,

@@ -95,24 +95,16 @@ def check_scaler(device: str) -> tuple[bool, str]:
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             scaler = self.trainer.precision_plugin.scaler
-            trace.append(
-                (torch.cat([p.detach().flatten().cpu() for p in self.parameters()]), scaler.get_scale())
-            )
+            trace.append((torch.cat([p.detach().flatten().cpu() for p in self.parameters()]), scaler.get_scale()))
 
     trainer = fit_solo(device, Overflowing(), regression_loader(), steps=6, precision="16-mixed")
     plugin = trainer.precision_plugin
     params, scales = [t[0] for t in trace], [t[1] for t in trace]
     skipped_held = torch.equal(params[overflow_at], params[overflow_at - 1])
-    others_moved = all(
-        not torch.equal(params[i], params[i - 1]) for i in range(1, len(params)) if i != overflow_at
-    )
-    backed_off = scales[overflow_at] == scales[overflow_at - 1] * plugin.scaler_settings.get(
-        "backoff_factor", 0.5
-    )
+    others_moved = all(not torch.equal(params[i], params[i - 1]) for i in range(1, len(params)) if i != overflow_at)
+    backed_off = scales[overflow_at] == scales[overflow_at - 1] * plugin.scaler_settings.get("backoff_factor", 0.5)
     scaler_device = plugin.scaler._scale.device.type if plugin.scaler._scale is not None else None
-    ok = (
-        skipped_held and others_moved and backed_off and plugin.skipped_steps == 1 and scaler_device == device
-    )
+    ok = skipped_held and others_moved and backed_off and plugin.skipped_steps == 1 and scaler_device == device
     return ok, (
         f"step {overflow_at} overflowed: weights held {skipped_held}, other steps moved {others_moved}; "
         f"scale {scales[overflow_at - 1]:g} -> {scales[overflow_at]:g}; skipped_steps {plugin.skipped_steps}; "
@@ -266,9 +258,7 @@ def check_rewrap(device: str) -> tuple[bool, str]:
             # Forked from this check's process, which has run no torch op: the same ranks without two interpreter
             # start-ups (~7 s each on 2 cores). On a GPU each rank is a fresh process, as torchrun starts them.
             forked = [
-                multiprocessing.get_context("fork").Process(
-                    target=rewrap_rank, args=(device, str(r), str(port), out)
-                )
+                multiprocessing.get_context("fork").Process(target=rewrap_rank, args=(device, str(r), str(port), out))
                 for r in (0, 1)
             ]
             for rank in forked:
@@ -317,9 +307,7 @@ def check_rewrap(device: str) -> tuple[bool, str]:
 
 def _comm_net(device: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(
-        device
-    )
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
 
 
 def _flat_grad(net: nn.Module) -> torch.Tensor:

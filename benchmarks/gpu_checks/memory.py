@@ -126,8 +126,7 @@ def check_fsdp(device: str) -> tuple[bool, str]:
         fit(out / "run", 4)
         resumed, again, ckpt = fit(out / "run", 8, resume=True)
         diff = max(
-            (a.full_tensor() - b.full_tensor()).abs().max().item()
-            / b.full_tensor().abs().max().clamp_min(1e-30).item()
+            (a.full_tensor() - b.full_tensor()).abs().max().item() / b.full_tensor().abs().max().clamp_min(1e-30).item()
             for a, b in zip(again.parameters(), model.parameters())
         )
         precision = straight.strategy.decisions["fsdp_precision"].value
@@ -136,11 +135,7 @@ def check_fsdp(device: str) -> tuple[bool, str]:
         plain = _BNNet().net
         state = torch.load(out / "full.ckpt", weights_only=True)["state_dict"]
         plain.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
-    want = (
-        "bf16-mixed"
-        if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        else "32-true"
-    )
+    want = "bf16-mixed" if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else "32-true"
     ok = precision == want and bn_precision == ("32-true" if want == "bf16-mixed" else "as the model")
     ok = ok and manifest["global_step"] == 8 and resumed.global_step == 8 and diff <= 1e-6
     return ok, (

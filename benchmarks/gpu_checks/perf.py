@@ -69,11 +69,7 @@ def precision_table(results: dict[str, dict[str, dict]], device: str) -> tuple[b
     lines.append(
         f"target bf16 >= {target} img/s (2x A100 AMP): best {best_bf16:.0f}, "
         f"{'MET' if best_bf16 >= target else 'MISSED'}; AMP peak memory <= 0.7x fp32: "
-        + (
-            f"worst {max(amp_memory):.2f}x, {'MET' if max(amp_memory) <= 0.7 else 'MISSED'}"
-            if amp_memory
-            else "-"
-        )
+        + (f"worst {max(amp_memory):.2f}x, {'MET' if max(amp_memory) <= 0.7 else 'MISSED'}" if amp_memory else "-")
     )
     return bool(results), "\n".join(lines)
 

@@ -151,9 +151,7 @@ def _inputs(shape, layout, dtype, kind: str, device: str, g: torch.Generator):
     x64 = x.double()
     xhat = (x64 - x64.mean(dims, keepdim=True)) * (x64.var(dims, unbiased=False, keepdim=True) + EPS).rsqrt()
     noise = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
-    dy = (
-        noise if kind == "random" else (1 + 2 * xhat + 0.01 * noise) * (65536 / 16 if kind == "scaled" else 1)
-    )
+    dy = noise if kind == "random" else (1 + 2 * xhat + 0.01 * noise) * (65536 / 16 if kind == "scaled" else 1)
     return x.contiguous(memory_format=layout), dy.to(dtype).contiguous(memory_format=layout)
 
 
@@ -195,9 +193,7 @@ def _sweep(device: str, group) -> tuple[list[str], float, int]:
                     c = shape[1]
                     w, b = ((torch.linspace(0.5, 1.5, c, device=device), torch.linspace(-0.5, 0.5, c, device=device))
                             if affine else (None, None))  # fmt: skip
-                    ref = _bn(
-                        x.double(), dy.double(), *(t.double() if t is not None else None for t in (w, b))
-                    )
+                    ref = _bn(x.double(), dy.double(), *(t.double() if t is not None else None for t in (w, b)))
                     native = _bn(x, dy, w, b)
                     with _no_host_sync(device):
                         ours = _bn(x, dy, w, b, group)
@@ -232,9 +228,7 @@ def _cost(device: str, group) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     shape = (32, 64, 56, 56) if device == "cuda" else (8, 16, 8, 8)
-    x, dy = _inputs(
-        shape, torch.channels_last, torch.bfloat16, "random", device, torch.Generator().manual_seed(1)
-    )
+    x, dy = _inputs(shape, torch.channels_last, torch.bfloat16, "random", device, torch.Generator().manual_seed(1))
     w, b = torch.ones(shape[1], device=device), torch.zeros(shape[1], device=device)
     out = []
     for who, grp in (("sync", group), ("native", None)):

@@ -33,9 +33,7 @@ def check_config(cfg: DictConfig) -> None:
             continue
         try:
             node = cfg[key]
-            container[str(key)] = (
-                OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-            )
+            container[str(key)] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
         except OmegaConfBaseException as err:
             where = getattr(err, "full_key", None) or str(key)
             raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from err
@@ -120,13 +118,9 @@ def _check_node(path: str, node: dict) -> None:
                 continue
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"{full}: {node['_target_']} has no option '{key}'.{hint} Accepted: {', '.join(names)}"
-            )
+            raise ConfigError(f"{full}: {node['_target_']} has no option '{key}'.{hint} Accepted: {', '.join(names)}")
         if key in hints and not _matches(value, hints[key]):
-            raise ConfigError(
-                f"{full}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})"
-            )
+            raise ConfigError(f"{full}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})")
 
 
 def _check_parallelism(par: dict) -> None:
@@ -136,9 +130,7 @@ def _check_parallelism(par: dict) -> None:
         if key not in allowed:
             close = difflib.get_close_matches(key, sorted(allowed), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"parallelism.{key}: unknown option.{hint} Accepted: {', '.join(sorted(allowed))}"
-            )
+            raise ConfigError(f"parallelism.{key}: unknown option.{hint} Accepted: {', '.join(sorted(allowed))}")
         if key == "precision" and value == "auto":
             continue  # SoloDDP's own rule (bf16 / fp16 / fp32 by device); the Trainer does not know "auto"
         if key != "strategy" and key in hints and not _matches(value, hints[key]):
@@ -159,11 +151,7 @@ def _matches(value: Any, hint: Any) -> bool:
         if isinstance(value, (bool, int, float, str)):
             # A plain value must fit one of the plain members; a class member (Tensor, timedelta, ...)
             # would otherwise accept anything.
-            plain = [
-                a
-                for a in args
-                if _is_plain_type(a) or typing.get_origin(a) is typing.Literal or a is type(None)
-            ]
+            plain = [a for a in args if _is_plain_type(a) or typing.get_origin(a) is typing.Literal or a is type(None)]
             if plain:
                 return any(_matches(value, a) for a in plain)
         return any(_matches(value, a) for a in args)

@@ -46,14 +46,10 @@ def decide_checkpoint(ckpt: str, ckpt_dir: str | None) -> Decision:
     checkpoints directory or a run directory holding ``checkpoints/``) that verifies. Raises ConfigError."""
     if ckpt != "auto":
         if not Path(ckpt).is_file():
-            raise ConfigError(
-                f"ckpt: no checkpoint file at {ckpt!r}; give a .ckpt path, or ckpt=auto ckpt_dir=DIR"
-            )
+            raise ConfigError(f"ckpt: no checkpoint file at {ckpt!r}; give a .ckpt path, or ckpt=auto ckpt_dir=DIR")
         return Decision("checkpoint", str(ckpt), "given as ckpt")
     if not ckpt_dir:
-        raise ConfigError(
-            "ckpt=auto needs ckpt_dir=DIR: a run directory (outputs/train/<run>) or its checkpoints/"
-        )
+        raise ConfigError("ckpt=auto needs ckpt_dir=DIR: a run directory (outputs/train/<run>) or its checkpoints/")
     directory = Path(ckpt_dir)
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"

@@ -106,9 +106,7 @@ def export_checkpoint(
         stem = hparams.get("stem", "imagenet")
         default_shape = (3, 32, 32) if stem == "cifar" else (3, 224, 224)
         shape = tuple(input_shape or getattr(net, "input_shape", None) or default_shape)
-        info.update(
-            arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape)
-        )
+        info.update(arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape))
         from lightning_solo.app.models.classifier import LOCAL_ARCHS
 
         in_channels = int(hparams.get("in_channels", 3))
@@ -158,9 +156,7 @@ def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_solo.export", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lightning_solo.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a Lightning checkpoint (.ckpt), verified before use")
     parser.add_argument("outdir", help="directory for weights.pt, model.pt2, model.onnx, export.json")
     parser.add_argument(
@@ -170,9 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="one sample's shape, e.g. 3 224 224 (default: 3 32 32 for stem=cifar, else 3 224 224)",
     )
-    parser.add_argument(
-        "--prefix", default="model.", help="attribute path of the network in the LightningModule"
-    )
+    parser.add_argument("--prefix", default="model.", help="attribute path of the network in the LightningModule")
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX even when onnx is installed")
     parser.add_argument(
         "--unsafe-pickle",

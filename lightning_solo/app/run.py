@@ -56,9 +56,7 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     if not group:
         return []
     return [
-        hydra.utils.instantiate(node)
-        for node in group.values()
-        if isinstance(node, DictConfig) and "_target_" in node
+        hydra.utils.instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node
     ]
 
 

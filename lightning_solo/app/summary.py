@@ -53,9 +53,7 @@ def doctor_summary(trainer: L.Trainer) -> dict[str, Any] | None:
 def build_summary(trainer: L.Trainer, timing: dict[str, float], lr: dict[str, float]) -> dict[str, Any]:
     strategy = trainer.strategy
     settings = strategy.settings() if hasattr(strategy, "settings") else {"strategy": type(strategy).__name__}
-    metrics = {
-        k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
-    }
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     ckpt = trainer.checkpoint_callback
     batch = global_batch(trainer)
     return {

@@ -77,9 +77,7 @@ class OrderedPredictions(Callback):
                 "a sequential loader on one process, and return one prediction per batch row"
             )
         keep = rows.valid
-        self._rows.setdefault(dataloader_idx, []).append(
-            (rows.indices[keep], predictions.detach().cpu()[keep])
-        )
+        self._rows.setdefault(dataloader_idx, []).append((rows.indices[keep], predictions.detach().cpu()[keep]))
 
     def _write(self, trainer: L.Trainer, stage: str, loaders: int) -> None:
         rows, self._rows = self._rows, {}
@@ -96,14 +94,10 @@ class OrderedPredictions(Callback):
             directory = Path(self.dirpath or trainer.default_root_dir)
             self.written[name] = write_predictions(directory / self.filename.format(stage=name), *gathered)
             self.counts[name] = len(gathered[0])
-            rank_zero_info(
-                f"[OrderedPredictions] {self.counts[name]} {name} predictions → {self.written[name]}"
-            )
+            rank_zero_info(f"[OrderedPredictions] {self.counts[name]} {name} predictions → {self.written[name]}")
 
     @override
-    def on_validation_batch_end(
-        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
-    ) -> None:
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._collect(trainer, outputs, batch_idx, dataloader_idx)
 
     @override

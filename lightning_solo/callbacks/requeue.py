@@ -77,9 +77,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
         signum = requeue_signal(environment, self.signal)
         if lightning_compat.lightning_owns_requeue_signal(trainer, signum):
             self._decide(
-                Decision(
-                    "requeue", "lightning", f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol"
-                )
+                Decision("requeue", "lightning", f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol")
             )
             return
         previous = signals.getsignal(signum)
@@ -89,9 +87,7 @@ class SlurmRequeue(DecisionLog, L.Callback):
         signals.signal(signum, self._flag)
         owner = getattr(previous, "__qualname__", None) if callable(previous) else None
         then = f"then {owner}" if owner else "then scontrol requeue"
-        self._decide(
-            Decision("requeue", "solo", f"{signum.name}: verified hpc_ckpt at the next batch end, {then}")
-        )
+        self._decide(Decision("requeue", "solo", f"{signum.name}: verified hpc_ckpt at the next batch end, {then}"))
 
     def _flag(self, signum: int, frame: Any) -> None:
         # Only a flag: a collective here would pair with whatever collective another rank is inside. SLURM signals

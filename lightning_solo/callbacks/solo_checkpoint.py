@@ -95,9 +95,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                     f" monitor={monitor!r}; use save_top_k for the best k by a metric"
                 )
             if save_top_k != 1 or mode != "min":
-                raise ValueError(
-                    "keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode"
-                )
+                raise ValueError("keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode")
             monitor, mode, save_top_k = "step", "max", keep_last_k
         if save_last not in (True, False, None, "link"):
             raise ValueError(f"save_last must be True, False, None or 'link', got {save_last!r}")
@@ -137,9 +135,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         io = trainer.strategy.checkpoint_io
         if isinstance(io, SoloCheckpointIO):
-            self._decide(
-                Decision("checkpoint_io", "SoloCheckpointIO", "atomic same-directory writes, fsync, manifest")
-            )
+            self._decide(Decision("checkpoint_io", "SoloCheckpointIO", "atomic same-directory writes, fsync, manifest"))
         else:
             self._decide(Decision("checkpoint_io", type(io).__name__, "set by the user"))
             rank_zero_warn(
@@ -154,20 +150,14 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
             self._writer = BackgroundWriter() if trainer.is_global_zero else None
-            self._decide(
-                Decision("async_save", True, "host snapshot at the save, written by a background thread")
-            )
+            self._decide(Decision("async_save", True, "host snapshot at the save, written by a background thread"))
         else:
-            self._decide(
-                Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously")
-            )
+            self._decide(Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously"))
         if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
             stale_after_s = io.stale_after_s if isinstance(io, SoloCheckpointIO) else 3600.0
             removed = clean_stale_temp_files(self.dirpath, stale_after_s)
             if removed:
-                self._decide(
-                    Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed")
-                )
+                self._decide(Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed"))
 
     # -- rank symmetry ------------------------------------------------------------------------------------
 
@@ -191,12 +181,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._group_depth -= 1
             if self._group_depth == 0 and self._writer is not None:
                 self._writer.submit()
-            elif (
-                self._group_depth == 0
-                and self._auto is not None
-                and self._auto["save_s"]
-                and trainer is not None
-            ):
+            elif self._group_depth == 0 and self._auto is not None and self._auto["save_s"] and trainer is not None:
                 self._decide_auto(trainer)
 
     @override
@@ -254,9 +239,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 why,
                 self.dirpath,
             )
-        self._decide(
-            Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them")
-        )
+        self._decide(Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them"))
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -347,9 +330,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         def save() -> None:
             try:
                 checkpoint = lightning_compat.dump_checkpoint(trainer, self.save_weights_only)
-                if hasattr(
-                    trainer.strategy, "add_resume_state"
-                ):  # SoloDDP: what every other checkpoint carries
+                if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
                 if isinstance(io, SoloCheckpointIO):

@@ -100,9 +100,7 @@ class HostStaging:
         if key not in self._group:
             self._group[key] = (storage, self._fill(storage))
         host = self._group[key][1]
-        out = torch.empty(0, dtype=tensor.dtype).set_(
-            host, tensor.storage_offset(), tensor.size(), tensor.stride()
-        )
+        out = torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())
         if isinstance(tensor, torch.nn.Parameter):
             return torch.nn.Parameter(out, requires_grad=tensor.requires_grad)
         return out.requires_grad_(tensor.requires_grad)
@@ -209,9 +207,7 @@ class BackgroundWriter:
             self.staging.release()
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(
-                f"the background checkpoint write of {self._pending} failed: {error}"
-            ) from error
+            raise RuntimeError(f"the background checkpoint write of {self._pending} failed: {error}") from error
         return True
 
 

@@ -103,9 +103,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
             rank_zero_warn(f"{path!r} is not a local path; falling back to Lightning's (non-atomic) writer")
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"storage_options must be a dict of manifest fields or None, got {storage_options!r}"
-            )
+            raise TypeError(f"storage_options must be a dict of manifest fields or None, got {storage_options!r}")
         path = os.path.abspath(os.fspath(path))
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)

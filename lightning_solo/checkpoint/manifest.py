@@ -151,9 +151,7 @@ def _unverifiable(path) -> str | None:
     if located is not None:
         return "has no lightning_solo manifest" if located[1] == b"" else None
     with open(path, "rb") as f:
-        return (
-            "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
-        )
+        return "is in torch's legacy (non-zip) format, with no manifest" if f.read(14) == _LEGACY_MAGIC else None
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:

@@ -18,9 +18,7 @@ from typing import Any
 from lightning_solo.checkpoint.io import _TMP_MARK, SoloCheckpointIO, _fsync_dir
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError, read_manifest, verify
 
-META = (
-    "meta.pt"  # Lightning's name for the non-tensor part (lightning.fabric.utilities.load._METADATA_FILENAME)
-)
+META = "meta.pt"  # Lightning's name for the non-tensor part (lightning.fabric.utilities.load._METADATA_FILENAME)
 DCP_METADATA = ".metadata"
 
 

@@ -51,9 +51,7 @@ def check_number(
     if optional and value is None:
         return value
     if not is_number(value) or not math.isfinite(value) or (positive and value <= 0):
-        what = what or ("a positive number" if positive else "a finite number") + (
-            " or None" if optional else ""
-        )
+        what = what or ("a positive number" if positive else "a finite number") + (" or None" if optional else "")
         raise error(f"{name} must be {what}, got {value!r}")
     return value
 

@@ -124,9 +124,7 @@ def decide_restart_resume(resume: str | None, env: Mapping[str, str] = os.enviro
         count = int(env.get("SLURM_RESTART_COUNT", 0) or 0)
         if count <= 0:
             return None
-        return Decision(
-            "resume_after_restart", "auto", f"SLURM requeued the job (SLURM_RESTART_COUNT={count})"
-        )
+        return Decision("resume_after_restart", "auto", f"SLURM requeued the job (SLURM_RESTART_COUNT={count})")
     count = int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
     allowed = int(env.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0)
     if count <= 0 and allowed <= 0:
@@ -172,9 +170,7 @@ _EXPECTED = {
 }
 
 
-def check_cluster_environment(
-    cluster_environment: Mapping | None, env: Mapping[str, str] = os.environ
-) -> None:
+def check_cluster_environment(cluster_environment: Mapping | None, env: Mapping[str, str] = os.environ) -> None:
     """A config that names torchrun's or SLURM's environment (``parallelism=torchrun|slurm``) must run under it:
     raise :class:`PreflightError` otherwise, before Lightning fails on a missing variable or wrong ranks."""
     target = str((cluster_environment or {}).get("_target_", ""))
@@ -185,9 +181,7 @@ def check_cluster_environment(
     found = launcher(env)
     if found != expected:
         started = f"was started by {found}" if found else "was not started by a cluster launcher"
-        raise PreflightError(
-            f"parallelism.strategy.cluster_environment is {name}, but this process {started}: {hint}"
-        )
+        raise PreflightError(f"parallelism.strategy.cluster_environment is {name}, but this process {started}: {hint}")
 
 
 def gloo_interface_warning(
@@ -213,9 +207,7 @@ def gloo_interface_warning(
     try:
         address = resolve(hostname)
     except OSError as err:
-        return (
-            f"gloo picks its interface from the hostname {hostname!r}, which does not resolve ({err}). {fix}"
-        )
+        return f"gloo picks its interface from the hostname {hostname!r}, which does not resolve ({err}). {fix}"
     if ipaddress.ip_address(address).is_loopback:
         return (
             f"gloo picks its interface from the hostname {hostname!r}, which resolves to the loopback address "

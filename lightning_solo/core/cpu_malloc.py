@@ -72,9 +72,7 @@ def decide(reuse: bool) -> Decision:
     if (libc := glibc()) is None:
         return Decision(SETTING, "unchanged", "not glibc's malloc: left alone")
     _in_force = True  # from the first call on, whatever glibc answers: restore() has something to undo
-    if not (
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    ):
+    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         restore()
         return Decision(SETTING, "unchanged", "glibc refused mallopt: its starting values set back")
     return Decision(

@@ -66,9 +66,7 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
                 "search (only if the model's control flow can never change)"
             )
     else:
-        lines.append(
-            "every synchronised parameter received a gradient: DDP's fast path (find_unused_parameters=False)"
-        )
+        lines.append("every synchronised parameter received a gradient: DDP's fast path (find_unused_parameters=False)")
 
     # Gradient communication: which hook, and whether it is the bottleneck.
     # DDP re-buckets after its first iteration (in gradient-ready order); the rebuilt sizes are the live ones.
@@ -79,9 +77,7 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     comm, compute = _ms(data.get("avg_backward_comm_time")), _ms(data.get("avg_backward_compute_time"))
     overlap = _ms(data.get("avg_backward_compute_comm_overlap_time"))
     hook = data.get("comm_hook")
-    timing = (
-        f" (backward: {compute:.1f} ms compute, {comm:.1f} ms communication, {overlap:.1f} ms overlapped)"
-    )
+    timing = f" (backward: {compute:.1f} ms compute, {comm:.1f} ms communication, {overlap:.1f} ms overlapped)"
     timing = timing if comm or compute else ""
     if hook:
         lines.append(f"comm hook in use: {hook}{timing}")
@@ -110,9 +106,7 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
             )
         lines.append(line)
     if not data.get("gradient_as_bucket_view"):
-        lines.append(
-            "gradient_as_bucket_view=False: True saves one copy of the gradients (SoloDDP's default)"
-        )
+        lines.append("gradient_as_bucket_view=False: True saves one copy of the gradients (SoloDDP's default)")
     return lines
 
 

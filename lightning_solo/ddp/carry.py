@@ -98,11 +98,7 @@ def plain(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         return _cpu_tensor(value)
-    if (
-        type(value).__module__ == "numpy"
-        and getattr(value, "dtype", None) is not None
-        and value.dtype != object
-    ):
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
         return value.copy()
     if isinstance(value, dict):
         mapping = copy.copy(value)  # keeps the subclass (OrderedDict, a defaultdict's factory, AttributeDict)
@@ -122,9 +118,7 @@ def plain(value: Any, depth: int = 0) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         instance: Any = copy.copy(value)
         for field in dataclasses.fields(value):
-            object.__setattr__(
-                instance, field.name, plain(getattr(value, field.name), depth + 1)
-            )  # frozen too
+            object.__setattr__(instance, field.name, plain(getattr(value, field.name), depth + 1))  # frozen too
         return instance
     raise NotPlain(type(value).__name__)
 
@@ -138,9 +132,7 @@ def _cpu_tensor(value: torch.Tensor) -> torch.Tensor:
             # A subclass may report a device it does not hold, or wrap one: keep the data, drop the class.
             copied = copied.as_subclass(torch.Tensor).clone()
     except Exception as err:  # a meta tensor has no data to copy
-        raise NotPlain(
-            f"a {type(value).__name__} on {value.device} has no data the CPU can copy: {err}"
-        ) from err
+        raise NotPlain(f"a {type(value).__name__} on {value.device} has no data the CPU can copy: {err}") from err
     if not is_plain_tensor(copied):
         raise NotPlain(f"a {type(value).__name__} on {value.device} did not become a plain CPU tensor")
     return copied

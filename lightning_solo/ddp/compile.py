@@ -77,9 +77,7 @@ class CompiledSteps:
         if isinstance(setting, Mapping):
             options = dict(setting)
             if unknown := sorted(set(options) - set(_COMPILE_OPTIONS)):
-                raise ValueError(
-                    f"compile={options!r}: not torch.compile options: {unknown} ({_COMPILE_OPTIONS})"
-                )
+                raise ValueError(f"compile={options!r}: not torch.compile options: {unknown} ({_COMPILE_OPTIONS})")
             self.setting: bool | str = True
             self.options = options
         else:
@@ -224,9 +222,7 @@ class CompiledSteps:
             return
         orders = self._orders_buckets(wrapper)
         eager = (
-            orders
-            or self._state == _WAITING
-            or (self._state == _TRIAL and self._schedule[len(self._times)] == "eager")
+            orders or self._state == _WAITING or (self._state == _TRIAL and self._schedule[len(self._times)] == "eager")
         )
         before = _frames_ok()
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
@@ -239,9 +235,7 @@ class CompiledSteps:
 
     def after_step(self, device: torch.device) -> None:
         """At the end of every optimizer step."""
-        first = self._state == _SETTLED or (
-            self._state == _TRIAL and self._schedule[len(self._times)] == "compile"
-        )
+        first = self._state == _SETTLED or (self._state == _TRIAL and self._schedule[len(self._times)] == "compile")
         self._steps += 1
         if not self._after_first and self.compiled and first and self._ran_compiled:
             self._after_first = True
@@ -273,9 +267,7 @@ class CompiledSteps:
         compiled = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "compiled")
         eager = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "eager")
         numbers = torch.tensor([first, compiled, eager], dtype=torch.float64, device=device)
-        if (
-            dist.is_available() and dist.is_initialized()
-        ):  # the same numbers, hence the same choice, everywhere
+        if dist.is_available() and dist.is_initialized():  # the same numbers, hence the same choice, everywhere
             dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
         first, compiled, eager = numbers.tolist()
         self.decision = decide_compile(

@@ -56,9 +56,7 @@ _START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 def in_notebook() -> bool:
     """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return (
-        hasattr(sys, "ps1") or bool(sys.flags.interactive) or ("IPython" in sys.modules and _ipython_active())
-    )
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or ("IPython" in sys.modules and _ipython_active())
 
 
 def _ipython_active() -> bool:
@@ -127,9 +125,7 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
             trainer.checkpoint_callback.best_model_path = str(worker_output.best_model_path)
         if worker_output.weights_path is not None:
             # map_location="cpu": a CUDA context in the parent would make the next fork unusable.
-            weights = self._strategy.checkpoint_io.load_checkpoint(
-                worker_output.weights_path, map_location="cpu"
-            )
+            weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path, map_location="cpu")
             # Non-strict as in Lightning: the worker may have added or removed layers.
             trainer.lightning_module.load_state_dict(weights, strict=False)
             # Lightning removes the file but leaks the mkdtemp() directory around it, one per fit.
@@ -144,9 +140,7 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
             path = extra[_STATE_KEY]
             try:
                 with open(path, "rb") as file:
-                    state = pickle.load(
-                        file
-                    )  # our own file, written by rank 0 just now: a structure of bytes
+                    state = pickle.load(file)  # our own file, written by rank 0 just now: a structure of bytes
             finally:
                 os.remove(path)
             restore(trainer, state)
@@ -181,15 +175,10 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         else [],
         "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
             name: pack(value, f"strategy.{name}")
-            for name, value in (
-                trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}
-            ).items()
+            for name, value in (trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}).items()
         },
         "loggers": [
-            {
-                name: pack(getattr(logger, name, None), f"logger.{name}")
-                for name in lightning_compat.LOGGER_ATTRIBUTES
-            }
+            {name: pack(getattr(logger, name, None), f"logger.{name}") for name in lightning_compat.LOGGER_ATTRIBUTES}
             for logger in trainer.loggers
         ],
         **{
@@ -294,9 +283,7 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
             getattr(connector, f"_{name}").update(metrics)
 
 
-def _restore_optimizers(
-    trainer: L.Trainer, optimizers: list[bytes | None], schedulers: list[bytes | None]
-) -> None:
+def _restore_optimizers(trainer: L.Trainer, optimizers: list[bytes | None], schedulers: list[bytes | None]) -> None:
     """The parent's own optimizers and schedulers (``configure_optimizers`` on its module, as the fit ran it),
     holding the worker's state: ``trainer.optimizers`` reads as after a fit in one process. A next ``fit`` makes
     new ones, as in one process."""
@@ -321,9 +308,7 @@ def _restore_optimizers(
             if (state := unpack(blob, f"{type(owner).__name__}.state_dict()")) is not LEFT_BEHIND:
                 owner.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - e.g. param groups a callback added during the fit (BackboneFinetuning)
-        rank_zero_warn(
-            f"the optimizers' state stays in the worker processes: it does not load here ({err!r})"
-        )
+        rank_zero_warn(f"the optimizers' state stays in the worker processes: it does not load here ({err!r})")
         trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = (
             [],
             [],
@@ -340,9 +325,7 @@ def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix
             _restore_progress(value, state, f"{prefix}{name}.")
 
 
-def _restore_callbacks(
-    callbacks: list[L.Callback], captured: list[tuple[str, bytes | None, bytes | None]]
-) -> None:
+def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, bytes | None, bytes | None]]) -> None:
     # Matched by state key (and order among equal keys): callbacks may reorder themselves during setup.
     pending: dict[str, list[tuple[bytes | None, bytes | None]]] = {}
     for key, state_dict, decisions in captured:

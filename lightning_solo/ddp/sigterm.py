@@ -59,10 +59,7 @@ class SigtermAgreement:
         signal handlers are registered (``Strategy.setup`` is)."""
         self._trainer = trainer
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-        stops = [
-            (functools.reduce(getattr, path.split("."), trainer), name, here)
-            for path, name, here in _LOCAL_STOPS
-        ]
+        stops = [(functools.reduce(getattr, path.split("."), trainer), name, here) for path, name, here in _LOCAL_STOPS]
         if not (
             hasattr(loop, "_broadcast_sigterm_tensor")
             and hasattr(connector, "_sigterm_notifier_fn")

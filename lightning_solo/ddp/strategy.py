@@ -149,9 +149,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._groups = comm.SideGroups(gloo=gloo_side_group)  # made at the first setup
         self._hooks = StepHooks()  # the training-step moments of the features taking part (ddp/component.py)
         self._advice: list[str] = []
-        self._rewrap_listeners: list[
-            Callable[[], Callable[[DistributedDataParallel], Any] | None]
-        ] = []  # weak
+        self._rewrap_listeners: list[Callable[[], Callable[[DistributedDataParallel], Any] | None]] = []  # weak
         self._decide(decide_exact_eval(self._exact_eval))
         self._decide(unused.decision)
         self._decide(self._watchdog.decision)
@@ -252,13 +250,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
         for decision in decisions:
             self._decide(decision)
         if self.root_device.type == "cpu":  # the threads Lightning's launchers left each rank; glibc's malloc
-            self._decide(
-                Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes")
-            )
+            self._decide(Decision("cpu_threads", torch.get_num_threads(), "cores split between local processes"))
             self._decide(cpu_malloc.decide(reuse=self._cpu_malloc_reuse))
-        self._decide(
-            Decision("process_group_backend", self.process_group_backend, "nccl on CUDA, gloo otherwise")
-        )
+        self._decide(Decision("process_group_backend", self.process_group_backend, "nccl on CUDA, gloo otherwise"))
         # The monitored barrier's group: once per process, every rank alike (one rank per node warns).
         warn = self.num_nodes > 1 and self.local_rank == 0
         if (barrier := self._groups.setup(self._collective_timeout, self.root_device, warn)) is not None:
@@ -391,9 +385,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return output
 
     @override
-    def all_gather(
-        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
-    ) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         if sync_grads and torch.is_grad_enabled() and torch.distributed.is_initialized():
             # Its backward is a collective inside backward: "auto" leaves the fast path at the next boundary, and
             # until then that collective runs on the side channel, apart from DDP's buckets.
@@ -438,16 +430,12 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         with self._watchdog.phase(hb.CHECKPOINT_SAVE):
             self.add_resume_state(checkpoint, filepath=filepath)
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def add_resume_state(
-        self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None
-    ) -> None:
+    def add_resume_state(self, checkpoint: dict[str, Any], collective: bool = True, filepath: Any = None) -> None:
         """Put the resume record and the comm-hook state into ``checkpoint``. ``collective=False`` (the save
         on an exception, which must not wait on other ranks): this rank's record and hook state only."""
         self._resume.add_to_checkpoint(checkpoint, self._attached_trainer, collective)
@@ -479,9 +467,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume.on_load_checkpoint(checkpoint)
-        self._comm.on_load_checkpoint(
-            checkpoint, checkpoint_path
-        )  # post-local-SGD: maybe this rank's own model
+        self._comm.on_load_checkpoint(checkpoint, checkpoint_path)  # post-local-SGD: maybe this rank's own model
         return checkpoint
 
     # ---------------------------------------------------------------------------------------------- the end
@@ -568,9 +554,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def _around(self, moment: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
         """The contexts of the features taking part in ``moment`` (ddp/component.py); none: no call made."""
-        return (
-            self._hooks.around(moment, *args) if self._hooks.by_moment[moment] else contextlib.nullcontext()
-        )
+        return self._hooks.around(moment, *args) if self._hooks.by_moment[moment] else contextlib.nullcontext()
 
     def _rebuild_hooks(self) -> None:
         self._hooks.rebuild([self._comm, self._watchdog, self._compile, self._resume])
@@ -602,9 +586,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @property
     def _module(self) -> pl.LightningModule:
         if (module := self.lightning_module) is None:
-            raise RuntimeError(
-                "SoloDDP has no LightningModule yet: it is connected by Trainer.fit/validate/test"
-            )
+            raise RuntimeError("SoloDDP has no LightningModule yet: it is connected by Trainer.fit/validate/test")
         return module
 
     @property

@@ -30,8 +30,7 @@ def check_policy(policy: Any) -> Policy:
     """``uneven_data=``: "shortest" or False; "join" (torch's Join: the longer ranks finish) is not built."""
     if not (policy == "shortest" or policy is False):
         raise ValueError(
-            f"uneven_data must be 'shortest' (every rank ends at the first rank's end) or False (stock), "
-            f"got {policy!r}"
+            f"uneven_data must be 'shortest' (every rank ends at the first rank's end) or False (stock), got {policy!r}"
         )
     return policy
 
@@ -115,9 +114,7 @@ def _limited(lengths: list[int], trainer: Any) -> list[float]:
         # TrainerFn is a str enum ("test", ...); a fit's loaders are training or validation (the sanity check's too).
         by_fn = {"test": trainer.limit_test_batches, "predict": trainer.limit_predict_batches}
         limit = (
-            trainer.limit_train_batches
-            if trainer.training
-            else by_fn.get(trainer.state.fn, trainer.limit_val_batches)
+            trainer.limit_train_batches if trainer.training else by_fn.get(trainer.state.fn, trainer.limit_val_batches)
         )
     limit = limit if isinstance(limit, int) else math.inf  # a fraction scales each rank's own length
     return [min(length if length >= 0 else math.inf, limit) for length in lengths]

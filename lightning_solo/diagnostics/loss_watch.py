@@ -42,9 +42,7 @@ def decide_grad_check(requested: bool, has_scaler: bool) -> Decision:
             False,
             "fp16 GradScaler: it skips steps with inf gradients and lowers its scale",
         )
-    return Decision(
-        "loss_watch.grad_norm", True, "a non-finite gradient norm stops the run like a non-finite loss"
-    )
+    return Decision("loss_watch.grad_norm", True, "a non-finite gradient norm stops the run like a non-finite loss")
 
 
 def decide_stop(stop_before_step: bool) -> Decision:
@@ -134,9 +132,7 @@ class LossWatch(DecisionLog, L.Callback):
         self._reset_spread(trainer.global_step)
 
     @override
-    def on_before_backward(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         # Under accumulation Lightning divides each micro-batch's loss by the count: their sum is the step's mean.
         loss = loss.detach().float().reshape(())
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss

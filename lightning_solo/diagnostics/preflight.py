@@ -65,11 +65,7 @@ class Preflight(DecisionLog, L.Callback):
         self.facts = gather_objects(local_facts(device, [*local, *([mismatch] if mismatch else [])]))
         self._settle(agreement.check(self.facts, self.ignore))
         shared = self.facts[0].shared
-        gpu = (
-            f", CUDA {shared['cuda']}, NCCL {shared['nccl']}, driver {shared['driver']}"
-            if shared["driver"]
-            else ""
-        )
+        gpu = f", CUDA {shared['cuda']}, NCCL {shared['nccl']}, driver {shared['driver']}" if shared["driver"] else ""
         self._checked = (
             f"{len(self.facts)} rank(s) agree on torch {shared['torch']}, lightning {shared['lightning']}, "
             f"device {shared['device']}{gpu}; launch variables and backend {backend or '-'} checked"

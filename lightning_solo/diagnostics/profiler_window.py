@@ -79,9 +79,7 @@ class ProfilerWindow(L.Callback):
         self._stop()  # a fit shorter than the window still writes what it recorded
 
     @override
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop()
 
     def _stop(self) -> None:

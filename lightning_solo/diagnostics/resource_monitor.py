@@ -37,9 +37,7 @@ def decide_every_n_steps(interval_s: float, seconds_per_step: float, measured_ov
 
 
 class ResourceMonitor(DecisionLog, L.Callback):
-    def __init__(
-        self, interval_s: float = 30.0, every_n_steps: int | None = None, calibration_steps: int = 5
-    ) -> None:
+    def __init__(self, interval_s: float = 30.0, every_n_steps: int | None = None, calibration_steps: int = 5) -> None:
         self.interval_s = check_number("interval_s", interval_s)
         self.every_n_steps = check_int("every_n_steps", every_n_steps, optional=True)
         self.calibration_steps = check_int("calibration_steps", calibration_steps)
@@ -83,9 +81,7 @@ class ResourceMonitor(DecisionLog, L.Callback):
         start, started = self._calibration
         if step - start < self.calibration_steps:
             return
-        pace = torch.tensor(
-            [(time.perf_counter() - started) / (step - start)], device=trainer.strategy.root_device
-        )
+        pace = torch.tensor([(time.perf_counter() - started) / (step - start)], device=trainer.strategy.root_device)
         if world_size() > 1:
             dist.all_reduce(pace, op=dist.ReduceOp.MAX)
         self._every = self._decide(decide_every_n_steps(self.interval_s, pace.item(), step - start)).value

@@ -26,9 +26,7 @@ _GIB = 2**30
 def decide_sources(device: torch.device) -> Decision:
     """psutil always; NVML for a CUDA device when it can be read (torch maps the device through it)."""
     if device.type != "cuda":
-        return Decision(
-            "resource_monitor.sources", ["psutil"], f"{device.type} device: CPU and RSS via psutil"
-        )
+        return Decision("resource_monitor.sources", ["psutil"], f"{device.type} device: CPU and RSS via psutil")
     try:
         torch.cuda.utilization(device)
     except Exception as err:  # noqa: BLE001 - nvidia-ml-py missing, no driver access: GPU values stay NaN

@@ -50,9 +50,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, optimizer: bool 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_solo.consolidate", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lightning_solo.consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt/)")
     parser.add_argument("output", help="the single file to write")
     parser.add_argument("--optimizer", action="store_true", help="keep the optimizer state (full, unsharded)")

@@ -55,15 +55,11 @@ def decide_fsdp_precision(
         raise ValueError(f"precision must be 'auto', 'bf16-mixed' or '32-true', got {precision!r}")
     if precision == "auto" and device.type == "cuda" and levels is None:
         levels = [device_capability(device)]
-    bf16 = precision == "bf16-mixed" or (
-        precision == "auto" and device.type == "cuda" and min(levels or [0]) == 2
-    )
+    bf16 = precision == "bf16-mixed" or (precision == "auto" and device.type == "cuda" and min(levels or [0]) == 2)
     if not bf16:
         why = "asked for" if precision == "32-true" else f"auto: no native bf16 on every rank's {device.type}"
         return None, Decision("fsdp_precision", "32-true", why)
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-    )
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     why = "bf16 parameters and compute, gradients reduced in fp32"
     return policy, Decision("fsdp_precision", "bf16-mixed", why if precision != "auto" else f"auto: {why}")
 
@@ -85,9 +81,7 @@ def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
 
     if policy is None or not layers:
         return None, Decision("fsdp_bn_precision", "as the model", "no BatchNorm layer" if layers else "fp32")
-    bn_policy = MixedPrecisionPolicy(
-        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
+    bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     why = (
         f"{layers} BatchNorm layer(s) keep fp32 parameters beside their fp32 running statistics (each its own "
         "shard group, gathered from forward to backward) and take the activations in bf16, as under torch.autocast"
@@ -222,9 +216,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
             self._decide(Decision("fsdp_wrap", "configure_model", "the LightningModule shards itself"))
         else:
             levels = (  # agreed by every rank (a collective), as SoloDDP's precision "auto"
-                capabilities(self.root_device)
-                if self.precision == "auto" and self.root_device.type == "cuda"
-                else None
+                capabilities(self.root_device) if self.precision == "auto" and self.root_device.type == "cuda" else None
             )
             policy, decision = decide_fsdp_precision(self.precision, self.root_device, levels)
             self._decide(decision)
@@ -255,16 +247,10 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        why = (
-            "torch distributed checkpoint, one shard per rank"
-            if self.state_dict_type == "sharded"
-            else "rank 0"
-        )
+        why = "torch distributed checkpoint, one shard per rank" if self.state_dict_type == "sharded" else "rank 0"
         self._decide(Decision("fsdp_state_dict", self.state_dict_type, why))
         layers = [
-            m
-            for m in self.model.modules()
-            if isinstance(m, torch_compat.BatchNormBase) and m.running_mean is not None
+            m for m in self.model.modules() if isinstance(m, torch_compat.BatchNormBase) and m.running_mean is not None
         ]
         decision = self._decide(decide_bn_stats(self.average_bn_stats, len(layers), self.world_size))
         self._bn_layers = layers if decision.value == "mean over ranks" else []
@@ -306,9 +292,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         return super().lightning_module_state_dict()
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if self.state_dict_type == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0, SoloCheckpointIO
         path = self.broadcast(os.fspath(filepath))

@@ -53,15 +53,11 @@ BACKEND = os.environ.get("CONFORMANCE_COMPILE_BACKEND", "aot_eager")
 class Pattern:
     run: Any  # pattern(trainer) -> module | (module, extras)
     weights: bool = True  # False: compare outcome and replicas only (why says why)
-    solo: dict = field(
-        default_factory=dict
-    )  # SoloDDP options that turn a documented default off, for the weights
+    solo: dict = field(default_factory=dict)  # SoloDDP options that turn a documented default off, for the weights
     stock: dict = field(default_factory=dict)  # what stock DDP needs for the pattern to run at all
     why: str = ""
     stock_replicas: bool = True  # False: stock DDP itself lets the replicas diverge (why says how)
-    also: dict = field(
-        default_factory=dict
-    )  # one more SoloDDP run with these options: outcome and replicas only
+    also: dict = field(default_factory=dict)  # one more SoloDDP run with these options: outcome and replicas only
     timeout: float = 60  # seconds for the pattern's runs, after which the pair of ranks is ended
 
 
@@ -200,9 +196,7 @@ class GAN(L.LightningModule):
         return [adam(self.generator), adam(self.discriminator)], []
 
 
-@pattern(
-    stock=dict(find_unused_parameters=True), why="toggled-off parameters go unused: stock needs find_unused"
-)
+@pattern(stock=dict(find_unused_parameters=True), why="toggled-off parameters go unused: stock needs find_unused")
 def manual_gan(trainer):
     model = GAN()
     trainer().fit(model, loader())
@@ -356,9 +350,7 @@ class UncertaintyWeighted(Classifier):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        losses = torch.stack(
-            [F.cross_entropy(self(x), y), F.mse_loss(self.regressor(x).squeeze(1), x.sum(1))]
-        )
+        losses = torch.stack([F.cross_entropy(self(x), y), F.mse_loss(self.regressor(x).squeeze(1), x.sum(1))])
         loss = (torch.exp(-self.log_vars) * losses + self.log_vars).sum()
         self.log("train_loss", loss)
         return loss
@@ -834,9 +826,7 @@ def ema_weight_averaging(trainer):
 @pattern()
 def stochastic_weight_averaging(trainer):
     model = Classifier()
-    trainer(max_epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]).fit(
-        model, loader()
-    )
+    trainer(max_epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]).fit(model, loader())
     return model
 
 
@@ -1004,9 +994,7 @@ def lr_finder_callback(trainer):
     from lightning.pytorch.callbacks import LearningRateFinder
 
     model = Classifier()
-    finder = LearningRateFinder(
-        num_training_steps=20, early_stop_threshold=None, update_attr=True, attr_name="lr"
-    )
+    finder = LearningRateFinder(num_training_steps=20, early_stop_threshold=None, update_attr=True, attr_name="lr")
     trainer(max_epochs=2, callbacks=[finder]).fit(model, loader(128), val_loader())
     return model, {"lr": model.hparams.lr}
 

@@ -80,9 +80,7 @@ def fit_once(pattern, make_strategy, root: str, devices: int = WORLD_SIZE) -> di
         error, tb = f"{type(err).__name__}: {first}", traceback.format_exc()
         return {"error": error, "where": where(err), "tb": tb, "seconds": time.perf_counter() - start}
     model, extras = out if isinstance(out, tuple) else (out, None)
-    weights = {
-        k: v.detach().clone().cpu() for k, v in model.state_dict().items() if torch.is_floating_point(v)
-    }
+    weights = {k: v.detach().clone().cpu() for k, v in model.state_dict().items() if torch.is_floating_point(v)}
     return {"error": None, "weights": weights, "extras": extras, "seconds": time.perf_counter() - start}
 
 
@@ -140,9 +138,7 @@ def run_corpus(names: list[str], root: str, world_size: int = WORLD_SIZE) -> dic
     while pending:  # one pair of ranks, until a pattern fails
         queue, got = ctx.Queue(), {}
         args = (world_size, free_port(), pending, root, queue)
-        procs = [
-            ctx.Process(target=_rank, args=(r, *args)) for r in range(world_size)
-        ]  # not daemons: workers
+        procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world_size)]  # not daemons: workers
         for p in procs:
             p.start()
         try:

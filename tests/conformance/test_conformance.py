@@ -64,18 +64,14 @@ def check(pattern: Pattern, ranks: list[dict]) -> None:
         if variant == "stock" and not pattern.stock_replicas:
             continue  # pattern.why: stock DDP itself lets them diverge
         for r in ranks[1:]:
-            assert not differing(ranks[0][variant]["weights"], r[variant]["weights"]), (
-                f"{variant}: replicas differ"
-            )
+            assert not differing(ranks[0][variant]["weights"], r[variant]["weights"]), f"{variant}: replicas differ"
     if not pattern.weights:
         return  # pattern.why says why the weights are not comparable
     compared = "solo_off" if pattern.solo else "solo"
     for rank, r in enumerate(ranks):
         stock, solo = r["stock"], r[compared]
         assert not (keys := differing(stock["weights"], solo["weights"])), f"{compared} != stock in {keys}"
-        assert close(stock["extras"], solo["extras"]), (
-            f"rank {rank}: {solo['extras']} != stock {stock['extras']}"
-        )
+        assert close(stock["extras"], solo["extras"]), f"rank {rank}: {solo['extras']} != stock {stock['extras']}"
 
 
 @pytest.mark.multiproc
@@ -94,9 +90,7 @@ def test_pattern_one_device(one_device, name):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("start_method", "name"), [("fork", "validate_and_test_before_fit"), ("spawn", "dropout")]
-)
+@pytest.mark.parametrize(("start_method", "name"), [("fork", "validate_and_test_before_fit"), ("spawn", "dropout")])
 def test_launchers(tmp_path, monkeypatch, start_method, name):
     """The ranks started by Lightning's launcher from this process; the trained weights come back to it. Stock
     runs under the fork launcher either way: spawned ranks start as fresh interpreters (~8 s each importing

@@ -123,9 +123,7 @@ class Record(RankRecorder):
         super().on_fit_end(trainer, pl_module)
 
 
-def fit(
-    tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS, callbacks=()
-) -> list[dict]:
+def fit(tmp_path: Path, net: Net, strategy, accumulate: int = 1, steps: int = STEPS, callbacks=()) -> list[dict]:
     """Fit a copy of ``net`` on 2 CPU ranks; return both ranks' records."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
@@ -146,9 +144,7 @@ def reference(net: Net, accumulate: int = 1, steps: int = STEPS) -> dict[str, to
     for step in range(steps):
         for micro in range(accumulate):
             start = 2 * BATCH * (step * accumulate + micro)
-            (
-                F.mse_loss(net(x[start : start + 2 * BATCH]), y[start : start + 2 * BATCH]) / accumulate
-            ).backward()
+            (F.mse_loss(net(x[start : start + 2 * BATCH]), y[start : start + 2 * BATCH]) / accumulate).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach().flatten() for n, p in net.named_parameters()}

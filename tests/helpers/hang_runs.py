@@ -46,9 +46,7 @@ def start(out, mode: str, timeout_s: float | None = None, env: dict | None = Non
                                  start_new_session=True) for env in envs]  # fmt: skip
 
 
-def finish_all(
-    runs: dict, limit_s: float = 150
-) -> dict[str, tuple[subprocess.CompletedProcess, float, dict]]:
+def finish_all(runs: dict, limit_s: float = 150) -> dict[str, tuple[subprocess.CompletedProcess, float, dict]]:
     """``runs``: name -> (its dir, its processes), waited for together; each result's time is its own end's."""
     ended: dict[str, float] = {}
     deadline = time.monotonic() + limit_s
@@ -68,9 +66,7 @@ def finish_all(
     return {name: _result(out, procs[0].returncode, ended[name]) for name, (out, procs) in runs.items()}
 
 
-def finish(
-    out, procs: list[subprocess.Popen], limit_s: float = 150
-) -> tuple[subprocess.CompletedProcess, float, dict]:
+def finish(out, procs: list[subprocess.Popen], limit_s: float = 150) -> tuple[subprocess.CompletedProcess, float, dict]:
     return finish_all({"run": (out, procs)}, limit_s)["run"]
 
 

@@ -50,9 +50,7 @@ def _wrapper(trainer: L.Trainer, module: L.LightningModule) -> int:
 
 READERS: dict[str, Reader] = {
     "params": lambda trainer, module: parameters_to_vector(module.parameters()).detach().clone(),
-    "named_params": lambda trainer, module: {
-        n: p.detach().clone().flatten() for n, p in module.named_parameters()
-    },
+    "named_params": lambda trainer, module: {n: p.detach().clone().flatten() for n, p in module.named_parameters()},
     "state": lambda trainer, module: {  # a module's extra state (get_extra_state) is not a tensor
         k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
         for k, v in module.state_dict().items()
@@ -178,7 +176,7 @@ def watchdog_lines(output: str) -> dict[int, str]:
             assert rank not in lines, f"rank {rank} printed twice:\n{lines[rank]}\n{text}"
             lines[rank] = "SoloDDP watchdog: " + line
     assert len(set(lines.values())) <= 1, lines
-    assert "SoloDDP watchdog:" not in "\n".join(
-        t for t in output.splitlines() if not t.startswith("[rank: ")
-    ), output[-4000:]  # no line without its rank
+    assert "SoloDDP watchdog:" not in "\n".join(t for t in output.splitlines() if not t.startswith("[rank: ")), output[
+        -4000:
+    ]  # no line without its rank
     return lines

@@ -56,9 +56,7 @@ def torchrun_nodes(
             *command,
         ]  # fmt: skip
         procs.append(
-            subprocess.Popen(
-                args, cwd=cwd, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            subprocess.Popen(args, cwd=cwd, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
         logs.append(log)
     deadline = time.monotonic() + timeout

@@ -30,9 +30,7 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         (x,) = batch
         assert torch.get_num_threads() == 2
-        noise = (
-            torch.randn(1_000_000).mul(2).add(1).abs().sum()
-        )  # parallel regions, as a large batch's ops are
+        noise = torch.randn(1_000_000).mul(2).add(1).abs().sum()  # parallel regions, as a large batch's ops are
         return self.layer(x).pow(2).mean() + 0 * noise
 
     def configure_optimizers(self):

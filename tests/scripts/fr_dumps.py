@@ -31,9 +31,7 @@ def main(rank: int, port: int, out: Path) -> None:
     dist.broadcast(t, 0)
     time.sleep(0.2)  # gloo retires a finished collective just after it returns
     (out / f"rank{rank}.agree.json").write_bytes(flight_recorder_json(False))
-    dist.barrier(
-        side
-    )  # both dumped before either issues its extra one (a barrier on the side group, recorded)
+    dist.barrier(side)  # both dumped before either issues its extra one (a barrier on the side group, recorded)
     works = []
     if rank == 1:
         works.append(dist.all_reduce(t, async_op=True))

@@ -56,8 +56,7 @@ def main(mode: str) -> None:
     probe = MemoryProbe(torch.device("cpu"), cap_bytes=2**30)
     with probe.session(module, None):
         record["measured"] = [
-            probe.measure(module, Precision(), (torch.randn(n, 512), torch.randint(0, 2, (n,))))
-            for n in (64, 256)
+            probe.measure(module, Precision(), (torch.randn(n, 512), torch.randint(0, 2, (n,)))) for n in (64, 256)
         ]
     record["filters_kept"] = len(warnings.filters) == filters
     record["after_probe"] = observe()

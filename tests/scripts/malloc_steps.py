@@ -42,9 +42,7 @@ def rank_main(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     width = 2048  # 16 MiB weight matrices
-    net = nn.Sequential(
-        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
+    net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
     ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(8, width), torch.randint(10, (8,))

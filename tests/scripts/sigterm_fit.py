@@ -94,9 +94,7 @@ def main(mode: str, batch: int, out: Path) -> None:
             "start_step": getattr(model, "start_step", None),
             "ckpt_path": trainer.ckpt_path,
             "received_sigterm": trainer.received_sigterm,
-            "decisions": {
-                k: d.as_dict() for k in SIGTERM_DECISIONS if (d := trainer.strategy.decisions.get(k))
-            },
+            "decisions": {k: d.as_dict() for k in SIGTERM_DECISIONS if (d := trainer.strategy.decisions.get(k))},
             # After teardown the trainer has Lightning's own check, notifier and stops back, the loaders their own
             # worker_init_fn.
             "given_back": not {"_broadcast_sigterm_tensor", "_sigterm_notifier_fn", "on_advance_end"}

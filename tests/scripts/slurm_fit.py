@@ -75,9 +75,7 @@ class Record(L.Callback):
             (self.out / f"progress{rank}").touch()
 
     def on_train_end(self, trainer, pl_module):
-        (self.out / f"end{trainer.global_rank}.json").write_text(
-            json.dumps({"global_step": trainer.global_step})
-        )
+        (self.out / f"end{trainer.global_rank}.json").write_text(json.dumps({"global_step": trainer.global_step}))
 
 
 def main(out: Path, max_steps: int) -> None:
@@ -88,9 +86,7 @@ def main(out: Path, max_steps: int) -> None:
         delayed = DelayedSubmission(Task())
         delayed.set_timeout(60, 3)
         (out / "submitit").mkdir(exist_ok=True)  # submitit's job folder, which its submission would have made
-        JobEnvironment()._handle_signals(
-            JobPaths(out / "submitit", job_id=os.environ["SLURM_JOB_ID"]), delayed
-        )
+        JobEnvironment()._handle_signals(JobPaths(out / "submitit", job_id=os.environ["SLURM_JOB_ID"]), delayed)
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
     requeue = SlurmRequeue()

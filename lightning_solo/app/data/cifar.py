@@ -43,13 +43,9 @@ class CIFAR10DataModule(ImageDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         normalize = [transforms.ToTensor(), transforms.Normalize(_MEAN, _STD)]
-        train_tf = (
-            [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if self.augment else []
-        )
+        train_tf = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if self.augment else []
         try:
-            self.train_set = datasets.CIFAR10(
-                self.root, train=True, transform=transforms.Compose(train_tf + normalize)
-            )
+            self.train_set = datasets.CIFAR10(self.root, train=True, transform=transforms.Compose(train_tf + normalize))
             self.val_set = datasets.CIFAR10(self.root, train=False, transform=transforms.Compose(normalize))
         except RuntimeError as err:  # torchvision: "Dataset not found or corrupted."
             raise FileNotFoundError(

@@ -31,9 +31,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :64].float(), rows[:, 64]
 
 
-def stratified_split(
-    labels: torch.Tensor, val_fraction: float, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def stratified_split(labels: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted indices ``(train, val)``: ``ceil(val_fraction * N)`` held out, each class in proportion to its size
     (largest remainders take the rounding), drawn by a generator seeded with ``seed`` alone."""
     n_val = math.ceil(val_fraction * len(labels))

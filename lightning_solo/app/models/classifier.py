@@ -58,9 +58,7 @@ def build_backbone(
             f"{', '.join(available)}"
         )
     if in_channels != 3 and stem != "cifar":
-        raise ValueError(
-            f"in_channels={in_channels} needs stem='cifar' for {arch!r} (torchvision's stem is RGB)"
-        )
+        raise ValueError(f"in_channels={in_channels} needs stem='cifar' for {arch!r} (torchvision's stem is RGB)")
     if stem not in ("imagenet", "cifar"):
         raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
     if weights is not None:  # pretrained heads have 1000 classes; replace the head after loading
@@ -70,12 +68,8 @@ def build_backbone(
         net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     if stem == "cifar":
         if not (hasattr(net, "conv1") and hasattr(net, "maxpool")):
-            raise ValueError(
-                f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none"
-            )
-        net.conv1 = nn.Conv2d(
-            in_channels, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
-        )
+            raise ValueError(f"stem='cifar' is defined for ResNet-style models (conv1 + maxpool); {arch!r} has none")
+        net.conv1 = nn.Conv2d(in_channels, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
     return net
 

@@ -20,18 +20,12 @@ FAILED_EXIT = 2  # as the runner's exit status for bad input
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_solo.preflight", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--backend", default=None, help="process-group backend (default: nccl on GPU, gloo on CPU)"
-    )
+    parser = argparse.ArgumentParser(prog="python -m lightning_solo.preflight", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None, help="process-group backend (default: nccl on GPU, gloo on CPU)")
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for every rank to join")
     parser.add_argument("--strict", action="store_true", help="fail on warnings too")
     parser.add_argument("--ignore", action="append", default=[], help="a fact allowed to differ (repeatable)")
-    parser.add_argument(
-        "--json", default=None, help="also write the facts and findings to this file (rank 0)"
-    )
+    parser.add_argument("--json", default=None, help="also write the facts and findings to this file (rank 0)")
     args = parser.parse_args(argv)
     try:
         every, findings = check_machine(args.backend, args.timeout, args.ignore)

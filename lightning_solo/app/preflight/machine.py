@@ -37,9 +37,7 @@ def check_machine(
     found = check_launch_env(os.environ, gpus_visible=gpus_visible)
     if (mismatch := check_backend(backend, device.type)) is not None:
         found.append(mismatch)
-    if world > 1 and not any(
-        f.error for f in found
-    ):  # a rank with broken variables would not meet the others
+    if world > 1 and not any(f.error for f in found):  # a rank with broken variables would not meet the others
         if on_gpu:
             torch.cuda.set_device(device)
         dist.init_process_group(
@@ -57,9 +55,7 @@ def check_machine(
             dist.all_reduce(total)
             expected = world * (world + 1) / 2
             if total.item() != expected:
-                findings.append(
-                    Finding("allreduce", f"a test all-reduce gave {total.item()}, not {expected}", True)
-                )
+                findings.append(Finding("allreduce", f"a test all-reduce gave {total.item()}, not {expected}", True))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

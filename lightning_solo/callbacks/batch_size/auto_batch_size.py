@@ -55,9 +55,7 @@ class AutoBatchSize(DecisionLog, Callback):
         self.decisions: dict[str, Decision] = {}
         self.batch_size: int | None = None
         self.measured: list[float] = []  # every rank's fraction for the chosen batch
-        self.measured_reserved: list[
-            float
-        ] = []  # the same for the allocator's reserved peak (GPU; nan on CPU)
+        self.measured_reserved: list[float] = []  # the same for the allocator's reserved peak (GPU; nan on CPU)
         self._trainer: L.Trainer | None = None
 
     def _decide(self, decision: Decision) -> Decision:
@@ -93,9 +91,7 @@ class AutoBatchSize(DecisionLog, Callback):
             gathered = trainer.strategy.all_gather(torch.tensor(local, device=trainer.strategy.root_device))
             rows = gathered.reshape(-1, 3).tolist()
             failed = [rank for rank, row in enumerate(rows) if row[2]]
-            if (
-                failed
-            ):  # every rank raises here, at the same probe: no rank waits for another's next collective
+            if failed:  # every rank raises here, at the same probe: no rank waits for another's next collective
                 message = f"AutoBatchSize: the probe at batch {batch_size} failed on rank(s) {failed}"
                 raise RuntimeError(message + ("" if failure is None else f": {failure!r}")) from failure
             history[batch_size] = [row[0] for row in rows]
@@ -127,6 +123,4 @@ class AutoBatchSize(DecisionLog, Callback):
         saved = state_dict.get("batch_size")
         if saved is not None and saved != self.batch_size and self._trainer is not None:
             self._apply(self._trainer, saved)
-            self._decide(
-                Decision("per_device_batch_size", saved, "kept from the checkpoint this fit resumes")
-            )
+            self._decide(Decision("per_device_batch_size", saved, "kept from the checkpoint this fit resumes"))

@@ -73,9 +73,7 @@ def search_batch_size(
         bracket = [(lo, measured[lo]), (hi, measured[hi])] if lo and hi in measured else finite[-2:]
         guess: int | None
         if len(finite) < 2 or bracket[0][0] == bracket[-1][0]:  # one point: memory taken as proportional
-            guess = (
-                round(batch * target / fraction) if math.isfinite(fraction) and fraction > 0 else batch // 2
-            )
+            guess = round(batch * target / fraction) if math.isfinite(fraction) and fraction > 0 else batch // 2
         else:
             guess = _line_guess(bracket, target)
         if guess is None:
@@ -113,9 +111,5 @@ def decide_batch_size(
             "that fits in the probes (the set, max_batch_size or the probe count limits it)"
         )
     else:
-        verdict = (
-            f"even batch 1 exceeds {high:.2f} of {budget}; raise the budget (cap_mb) or shrink the model"
-        )
-    return Decision(
-        "per_device_batch_size", search.batch, f"{verdict}; probes (batch→largest rank's share): {probes}"
-    )
+        verdict = f"even batch 1 exceeds {high:.2f} of {budget}; raise the budget (cap_mb) or shrink the model"
+    return Decision("per_device_batch_size", search.batch, f"{verdict}; probes (batch→largest rank's share): {probes}")

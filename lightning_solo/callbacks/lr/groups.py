@@ -25,9 +25,7 @@ class ScaledParamGroups:
         factor: the schedule's factor now (read at each application).
     """
 
-    def __init__(
-        self, optimizers: Sequence[Any], user_lrs: list[list[float]], factor: Callable[[], float]
-    ) -> None:
+    def __init__(self, optimizers: Sequence[Any], user_lrs: list[list[float]], factor: Callable[[], float]) -> None:
         self.optimizers, self.user_lrs, self.factor = list(optimizers), user_lrs, factor
         self.applied = [False] * len(self.optimizers)
         self.in_step = [False] * len(self.optimizers)

@@ -44,9 +44,7 @@ def plot_schedule(
         ax.axvline(end, color="tab:orange", lw=0.8, ls="--", label="end of warmup")
     ax.set_xlabel("epoch" if steps_per_epoch else "optimizer step")
     ax.set_ylabel("learning rate")
-    ax.set_title(
-        title or f"scale ×{schedule.scale:g}, warmup {schedule.warmup_steps} steps, decay {schedule.decay}"
-    )
+    ax.set_title(title or f"scale ×{schedule.scale:g}, warmup {schedule.warmup_steps} steps, decay {schedule.decay}")
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     path = Path(path)

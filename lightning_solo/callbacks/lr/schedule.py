@@ -58,21 +58,15 @@ def check_options(
     if any(v < 0 for v in warmup.values()):
         raise ValueError(f"warmup length must be >= 0, got {warmup}")
     if warmup.get("warmup_fraction", 0) > 1:
-        raise ValueError(
-            f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}"
-        )
+        raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}")
     steps = warmup.get("warmup_steps")
     if steps is not None and int(steps) != steps:
         raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {steps!r}")
     milestones = list(decay_milestones)
     if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
-        raise ValueError(
-            f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}"
-        )
+        raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
     if decay == "step" and not milestones:
-        raise ValueError(
-            "decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)"
-        )
+        raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
     # Ignored for mypy: `factors` are LRSchedule's float fields (start_factor, min_factor, gamma); any other
     # name is LRSchedule's own TypeError.
     LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, decay=decay, **factors)  # type: ignore[arg-type]
@@ -124,9 +118,7 @@ class LRSchedule:
         if not 0.0 < self.gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma!r}")
         if list(self.milestones) != sorted(self.milestones) or any(m < 0 for m in self.milestones):
-            raise ValueError(
-                f"milestones must be increasing optimizer steps >= 0, got {list(self.milestones)!r}"
-            )
+            raise ValueError(f"milestones must be increasing optimizer steps >= 0, got {list(self.milestones)!r}")
 
     @property
     def start(self) -> float:

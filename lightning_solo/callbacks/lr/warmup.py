@@ -153,9 +153,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         self.global_batch = batch.value
         self._decide(batch)
         batches = trainer.num_training_batches
-        self.steps_per_epoch = (
-            None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
-        )
+        self.steps_per_epoch = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
         self.schedule, decisions = self.build_schedule(
             batch.value,
             total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
@@ -227,9 +225,7 @@ class WarmupScaledLR(DecisionLog, Callback):
                     pl_module.log(name, g["lr"], on_step=True, on_epoch=False, batch_size=1)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         # Usually this runs inside optimizer.step (Lightning passes the closure to it), between our pre-hook
         # and the update: leave the lr alone. Outside a step it is AMP's GradScaler path (closure first,
         # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's

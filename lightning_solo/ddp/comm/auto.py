@@ -41,9 +41,7 @@ def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> D
     fastest = min(measured_ms, key=measured_ms.__getitem__)
     exact = measured_ms.get("exact")
     if fastest == "exact" or (exact is not None and measured_ms[fastest] > exact * (1 - min_gain)):
-        return Decision(
-            "comm_hook", None, f"auto: kept exact all-reduce, no hook was {min_gain:.0%} faster ({where})"
-        )
+        return Decision("comm_hook", None, f"auto: kept exact all-reduce, no hook was {min_gain:.0%} faster ({where})")
     return Decision("comm_hook", fastest, f"auto: {fastest} was the fastest ({where})")
 
 
@@ -115,9 +113,7 @@ class AutoCommHook(CommHook):
         if self._decision is not None:
             return self._decision
         step = f"{self._index + 1}/{len(self.candidates)}"
-        return Decision(
-            "comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}"
-        )
+        return Decision("comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}")
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
         """While measuring: every batch start (a re-wrap between trials) and step end (the times)."""
@@ -176,9 +172,7 @@ class AutoCommHook(CommHook):
         self.name, self.powersgd_start_iter = name, powersgd_start_iter
         self.state = self.hook = None  # a fresh hook on the next wrapper
 
-    def state_dict(
-        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
         """:meth:`CommHook.state_dict` of the hook running now (the one kept, or the candidate on trial), with
         ``"auto"``: the choice and its measurement, or how far the trial got (this rank's times: a resume
         gives every rank these, MAX-reduced at the trial's end all the same). Same arguments and collectives."""
@@ -229,7 +223,5 @@ class AutoCommHook(CommHook):
             why = f"{record['world_size']} ranks, this run has {world}"
         else:
             return True
-        warnings.warn(
-            f"the checkpoint's comm_hook='auto' was measured with {why}: measuring again", stacklevel=3
-        )
+        warnings.warn(f"the checkpoint's comm_hook='auto' was measured with {why}: measuring again", stacklevel=3)
         return False

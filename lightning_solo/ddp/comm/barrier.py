@@ -124,9 +124,7 @@ def barrier_group(
     world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
     backend = backend or dist.get_backend()
     if backend_for(backend, "cpu") == "gloo":
-        return world, Decision(
-            "barrier", "monitored", f"names the ranks that did not arrive within {seconds}"
-        )
+        return world, Decision("barrier", "monitored", f"names the ranks that did not arrive within {seconds}")
     if not side_group:
         return None, Decision(
             "barrier",
@@ -140,9 +138,7 @@ def barrier_group(
     group, error = None, None
     try:
         group = create(create_timeout)
-        torch_compat.set_group_timeout(
-            timeout, group
-        )  # bounded creation; then the run's own collective timeout
+        torch_compat.set_group_timeout(timeout, group)  # bounded creation; then the run's own collective timeout
     except Exception as err:  # noqa: BLE001 - any failure means: no side group on this rank
         group, error = None, err
     made = torch.tensor([group is not None], dtype=torch.int32, device=device or _world_device(backend))
@@ -198,9 +194,7 @@ class SideGroups:
         self._side: Any = None
         self._side_made = False
 
-    def setup(
-        self, timeout: timedelta, device: torch.device, warn_interface: bool = False
-    ) -> Decision | None:
+    def setup(self, timeout: timedelta, device: torch.device, warn_interface: bool = False) -> Decision | None:
         """The barrier's group, the first time there is a live process group (none where ``init_process_group``
         is mocked, as in Lightning's own strategy tests: the next setup makes it). ``warn_interface``: warn when
         gloo would pick a network interface other nodes may not reach (one rank per node says it)."""

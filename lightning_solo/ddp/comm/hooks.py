@@ -182,9 +182,7 @@ class CommHook:
         self._apply_saved()
         lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
         serial = (
-            "; on gloo each bucket finishes before the next, to keep collectives in order"
-            if self.state.serial
-            else ""
+            "; on gloo each bucket finishes before the next, to keep collectives in order" if self.state.serial else ""
         )
         return Decision(
             "comm_hook",
@@ -203,7 +201,9 @@ class CommHook:
                 # Ranks of a node need not be contiguous (SLURM's cyclic distribution): group by the real node.
                 subgroup, _ = dist.new_subgroups_by_enumeration(groups)
                 sizes = sorted({len(g) for g in groups})
-                between = f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
+                between = (
+                    f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
+                )
             else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
                 subgroup, between = None, "no gradient communication"
             self.state = post_local.PostLocalSGDState(
@@ -273,13 +273,9 @@ class CommHook:
     def average_parameters(self, module: torch.nn.Module) -> None:
         """Average ``module``'s trainable parameters over all ranks now (collective), and those frozen since a
         local step trained them: the ranks' copies may differ."""
-        average_in_place(
-            [p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally]
-        )
+        average_in_place([p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally])
 
-    def state_dict(
-        self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
         """The hook's state for a checkpoint. A collective for PowerSGD, and for post-local-SGD given a
         ``replica``: call it on every rank.
 
@@ -375,12 +371,8 @@ class CommHook:
             )
             saved["error"] = None
         elif "shards" in saved:
-            saved["error"] = rank_shards.read(
-                checkpoint_path, saved["shards"], rank, "PowerSGD error feedback"
-            )
-        elif isinstance(
-            saved.get("error"), list
-        ):  # every rank's, gathered (a notebook's next fit, older files)
+            saved["error"] = rank_shards.read(checkpoint_path, saved["shards"], rank, "PowerSGD error feedback")
+        elif isinstance(saved.get("error"), list):  # every rank's, gathered (a notebook's next fit, older files)
             saved["error"] = saved["error"][rank]
         return {**saved, "_resolved": True}
 

@@ -42,9 +42,7 @@ class _PowerSGDState(powersgd.PowerSGDState):
     serial: bool  # finish each bucket before the next (gloo)
 
 
-def resumable_powerSGD_hook(
-    state: _PowerSGDState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def resumable_powerSGD_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook``, carried across DDP's bucket rebuild and across checkpoint/resume.
 
     torch keys error feedback and warm-start memory by bucket index, which is only valid for one bucket layout;
@@ -111,9 +109,7 @@ def apply_saved(state: _PowerSGDState, saved: dict[str, Any]) -> None:
     the buckets as DDP hands them over."""
     state.iter = saved["iter"]
     set_numpy_state(state.rng, saved["rng"])
-    state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report = (
-        saved["stats"]
-    )
+    state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report = saved["stats"]
     state.error_dict.clear()
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
@@ -140,9 +136,7 @@ def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
         if state.watch == 0:
             left = sorted(set(state.pending.get("error", {})) | set(state.pending.get("q", {})))
             if left:
-                warnings.warn(
-                    f"PowerSGD state for {left} matched no DDP bucket and was dropped", stacklevel=2
-                )
+                warnings.warn(f"PowerSGD state for {left} matched no DDP bucket and was dropped", stacklevel=2)
             # The layout is final now (DDP rebuilds once); keep it for state_dict().
             state.pending = {}
 
@@ -163,9 +157,7 @@ def _q_order(shapes: list[torch.Size], state: powersgd.PowerSGDState) -> list[tu
     return [item for group in groups.values() for item in group]
 
 
-def _per_parameter(
-    state: _PowerSGDState, layout: dict[int, tuple[int, ...]]
-) -> dict[str, dict[str, torch.Tensor]]:
+def _per_parameter(state: _PowerSGDState, layout: dict[int, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]]:
     """The live per-bucket state, split per parameter name (views, no copies)."""
     out: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
     for index, ids in layout.items():
@@ -177,9 +169,7 @@ def _per_parameter(
         if index in state.q_memory_dict:
             order = _q_order(shapes, state)
             q = state.q_memory_dict[index]
-            if (
-                sum(length for _, length, _ in order) != q.numel()
-            ):  # torch changed its Q layout: restart warm start
+            if sum(length for _, length, _ in order) != q.numel():  # torch changed its Q layout: restart warm start
                 continue
             chunks = q.split([length for _, length, _ in order])
             out["q"].update((names[pos], chunk) for (pos, _, _), chunk in zip(order, chunks))

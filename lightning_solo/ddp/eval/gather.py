@@ -18,9 +18,7 @@ import torch.distributed as dist
 from lightning_solo.core import ranks
 
 
-def gather_rows(
-    indices: torch.Tensor, values: torch.Tensor, dst: int = 0
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def gather_rows(indices: torch.Tensor, values: torch.Tensor, dst: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every rank's ``(indices, values)`` rows on rank ``dst``, sorted by index (``None`` elsewhere). One
     collective per call, on every rank. Raises ``ValueError`` when an index came from more than one row."""
     payload = (indices.detach().cpu().long(), values.detach().cpu())
@@ -56,9 +54,7 @@ def write_predictions(path: str | os.PathLike, indices: torch.Tensor, values: to
     temp = path.with_name(f".{path.name}.tmp")
     if path.suffix == ".csv":
         if values.dim() > 2:
-            raise ValueError(
-                f"a CSV holds one number or one vector per sample, got shape {tuple(values.shape)}"
-            )
+            raise ValueError(f"a CSV holds one number or one vector per sample, got shape {tuple(values.shape)}")
         table = values.reshape(len(values), -1)
         columns = ["prediction"] if values.dim() == 1 else [f"prediction_{k}" for k in range(table.shape[1])]
         lines = [",".join(["index", *columns])]

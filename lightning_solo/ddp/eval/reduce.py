@@ -23,9 +23,7 @@ from lightning_solo.core.decision import Decision
 def mean_operand(tensor: Any, reduce_op: Any, caller: Any = None) -> Any:
     """``tensor`` in float64 when it is an integer tensor about to be averaged and, given the ``caller`` frame of
     ``strategy.reduce``, the sample count of a logged epoch mean; otherwise ``tensor`` itself."""
-    averaging = (
-        reduce_op.lower() in ("mean", "avg") if isinstance(reduce_op, str) else reduce_op == ReduceOp.AVG
-    )
+    averaging = reduce_op.lower() in ("mean", "avg") if isinstance(reduce_op, str) else reduce_op == ReduceOp.AVG
     if not (averaging and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()):
         return tensor
     if caller is not None and not lightning_compat.logged_sample_count(caller, tensor):

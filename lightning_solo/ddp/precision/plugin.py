@@ -66,9 +66,7 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         skip_lr_on_overflow: bool = False,
     ) -> None:
         if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(
-                f"SoloMixedPrecision precision must be '16-mixed' or 'bf16-mixed', got {precision!r}"
-            )
+            raise ValueError(f"SoloMixedPrecision precision must be '16-mixed' or 'bf16-mixed', got {precision!r}")
         settings = scaler_settings(scaler)
         grad_scaler = (
             torch.amp.GradScaler(
@@ -147,12 +145,8 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is None:
             return
-        configured = {
-            k: self.scaler_settings[k] for k in ("growth_factor", "backoff_factor", "growth_interval")
-        }
-        changed = {
-            k: (state_dict[k], v) for k, v in configured.items() if k in state_dict and state_dict[k] != v
-        }
+        configured = {k: self.scaler_settings[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
+        changed = {k: (state_dict[k], v) for k, v in configured.items() if k in state_dict and state_dict[k] != v}
         # Keep the saved scale and growth tracker; the factors and interval are this run's configuration.
         self.scaler.load_state_dict({**state_dict, **configured})
         scale = state_dict["scale"]
@@ -238,21 +232,15 @@ def decide_precision_plugin(
         if decision.value == "16-mixed" and device.type == "cpu":
             decision = Decision("precision", "16-mixed", decision.reason + "; real fp16 autocast on CPU")
     elif plugin is user_plugin:
-        return plugin, [
-            Decision("precision", plugin.precision, "the plugin given to the Trainer, used as is")
-        ]
+        return plugin, [Decision("precision", plugin.precision, "the plugin given to the Trainer, used as is")]
     elif type(plugin) is MixedPrecision:
         # Lightning built it from Trainer(precision=...): same precision, but resume-safe and configurable.
-        decision = Decision(
-            "precision", plugin.precision, "Trainer(precision=...); resume-safe SoloDDP plugin"
-        )
+        decision = Decision("precision", plugin.precision, "Trainer(precision=...); resume-safe SoloDDP plugin")
         device = torch.device(plugin.device)
     elif isinstance(plugin, SoloMixedPrecision) or options.precision is not None:
         return plugin, []  # settled by an earlier fit/validate of this Trainer: keep it (and its scaler)
     else:
-        return plugin, [
-            Decision("precision", plugin.precision, "Trainer(precision=...); SoloDDP(precision=None)")
-        ]
+        return plugin, [Decision("precision", plugin.precision, "Trainer(precision=...); SoloDDP(precision=None)")]
 
     if decision.value == "32-true":
         new: Precision = Precision()
@@ -261,9 +249,7 @@ def decide_precision_plugin(
     decisions = [decision]
     if decision.value == "16-mixed":
         decisions.append(
-            Decision(
-                "grad_scaler", options.scaler, "configured" if options.scaler_given else "torch defaults"
-            )
+            Decision("grad_scaler", options.scaler, "configured" if options.scaler_given else "torch defaults")
         )
         hold = "held" if options.skip_lr_on_overflow else "advanced"
         decisions.append(Decision("lr_on_overflow", hold, "step-interval LR schedulers on a skipped step"))

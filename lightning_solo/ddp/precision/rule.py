@@ -57,9 +57,7 @@ def auto_rule(device_type: str, bf16_supported: bool) -> Decision:
         return Decision("precision", "bf16-mixed", "auto: the GPU supports bf16 (no loss scaling needed)")
     if device_type == "cuda":
         return Decision("precision", "16-mixed", "auto: the GPU lacks bf16, so fp16 with a GradScaler")
-    return Decision(
-        "precision", "32-true", f"auto: fp32 on {device_type} (set 'bf16-mixed'/'16-mixed' to opt in)"
-    )
+    return Decision("precision", "32-true", f"auto: fp32 on {device_type} (set 'bf16-mixed'/'16-mixed' to opt in)")
 
 
 # What a rank's device can run, ordered: a job runs the lowest level any of its ranks has.
@@ -84,9 +82,7 @@ def agreed_rule(levels: list[int]) -> Decision:
     if len(levels) == 1:
         return decision
     if len(set(levels)) == 1:
-        return Decision(
-            "precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks"
-        )
+        return Decision("precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks")
     lowest = [rank for rank, have in enumerate(levels) if have == level]
     shown = f"{lowest[:8]}{' ...' if len(lowest) > 8 else ''}"
     return Decision(
@@ -130,9 +126,7 @@ def decide_precision(
       "not set": ``SoloDDP(precision="bf16-mixed")`` with it runs bf16 and ``"auto"`` applies its rule.
     """
     if requested is None:
-        return Decision(
-            "precision", trainer_precision, "Trainer(precision=...); SoloDDP(precision=None) defers"
-        )
+        return Decision("precision", trainer_precision, "Trainer(precision=...); SoloDDP(precision=None) defers")
     trainer_explicit = None if trainer_precision == _TRAINER_DEFAULT else trainer_precision
     if requested == "auto":
         if trainer_explicit is None:
@@ -142,9 +136,7 @@ def decide_precision(
                 f"SoloDDP(precision='auto') can defer to Trainer(precision=...) only for {PRECISIONS[1:]}, got "
                 f"{trainer_explicit!r}; use SoloDDP(precision=None) to leave that precision to Lightning"
             )
-        return Decision(
-            "precision", trainer_explicit, "Trainer(precision=...) given; SoloDDP 'auto' defers to it"
-        )
+        return Decision("precision", trainer_explicit, "Trainer(precision=...) given; SoloDDP 'auto' defers to it")
     if trainer_explicit not in (None, requested):
         raise ValueError(
             f"Trainer(precision={trainer_explicit!r}) and SoloDDP(precision={requested!r}) disagree; set one of "
@@ -161,13 +153,9 @@ class _Options:
     skip_lr_on_overflow: bool = False
 
 
-def precision_options(
-    precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool
-) -> _Options:
+def precision_options(precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool) -> _Options:
     """Validate SoloDDP's precision arguments once, at construction."""
     if precision is not None:
         check_choice("precision", precision, PRECISIONS, " (or None to leave it to the Trainer)")
     check_bool("skip_lr_on_overflow", skip_lr_on_overflow)
-    return _Options(
-        precision, scaler_settings(scaler), scaler is not None and len(scaler) > 0, skip_lr_on_overflow
-    )
+    return _Options(precision, scaler_settings(scaler), scaler is not None and len(scaler) > 0, skip_lr_on_overflow)

@@ -70,8 +70,7 @@ class ResumableSampler(Sampler):
         self.epoch = int(getattr(sampler, "epoch", 0))
         self.epoch_rng: dict[str, Any] | None = None
         self._plan: (
-            tuple[int | None, int | Callable[[], int], dict[str, Any] | None, Callable[[], None] | None]
-            | None
+            tuple[int | None, int | Callable[[], int], dict[str, Any] | None, Callable[[], None] | None] | None
         ) = None
 
     def set_epoch(self, epoch: int) -> None:

@@ -245,9 +245,7 @@ class ResumePlan:
     def rng_note(self) -> str:
         if self.rng is not None:
             return "RNG states restored"
-        return (
-            f"RNG states not restored ({len(self.record.get('rng') or [])} saved, {ranks.world_size()} ranks)"
-        )
+        return f"RNG states not restored ({len(self.record.get('rng') or [])} saved, {ranks.world_size()} ranks)"
 
     def _saved_loader(self, i: int) -> dict[str, Any]:
         loaders = self.record.get("loaders")
@@ -301,9 +299,7 @@ class ResumePlan:
             if not self.decided:
                 self.decided = True
                 self._decide(
-                    Decision(
-                        "mid_epoch_resume", 0, f"the checkpoint is at an epoch boundary; {self.rng_note}"
-                    )
+                    Decision("mid_epoch_resume", 0, f"the checkpoint is at an epoch boundary; {self.rng_note}")
                 )
             return
         self.rng_before_first_batch = self.rng
@@ -325,9 +321,7 @@ class ResumePlan:
         batches = [_batches(loader) for loader in self.loaders]
         if restart is None and any(s.get("batches") not in (None, b) for s, b in zip(saved, batches)):
             restart = f"saved with loaders of {[s.get('batches') for s in saved]} batches, now {batches}"
-        positions = [
-            _position(mode, consumed, b) if s is not None else 0 for s, b in zip(self.samplers, batches)
-        ]
+        positions = [_position(mode, consumed, b) if s is not None else 0 for s, b in zip(self.samplers, batches)]
         if restart is None and None in positions:
             restart = f"CombinedLoader mode {mode!r} with loaders of {batches} batches"
         if restart is not None:

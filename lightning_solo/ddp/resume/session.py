@@ -75,9 +75,7 @@ class ExactResume:
                 " the epoch's data, as stock Lightning does",
             ))  # fmt: skip
             return dataloader
-        if (
-            not self._loaders_open
-        ):  # Lightning processes each training loader in turn, then builds their iterators
+        if not self._loaders_open:  # Lightning processes each training loader in turn, then builds their iterators
             self._loaders_open, self._train_loaders, self._loader_decisions = True, [], []
             record, self._record = self._record, None
             self._plan = resume.ResumePlan(record, trainer, decide) if record is not None else None
@@ -161,9 +159,7 @@ class ExactResume:
         """Put the resume record into ``checkpoint`` during fit. ``collective=False``: this rank's only."""
         if self.enabled and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             last_step = self._last_step
-            checkpoint[resume.RESUME_KEY] = resume.capture(
-                trainer, self._train_loaders, last_step, collective
-            )
+            checkpoint[resume.RESUME_KEY] = resume.capture(trainer, self._train_loaders, last_step, collective)
             # Inside an accumulation cycle the forwards since the step moved buffers (BatchNorm's running
             # statistics) that the resume replays: save them as of the step, like everything else.
             resume.rewind_buffers(checkpoint, trainer, last_step, self._step_buffers)

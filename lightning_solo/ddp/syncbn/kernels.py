@@ -22,9 +22,7 @@ from torch import Tensor
 
 class Kernels(NamedTuple):
     stats: Callable[..., Any]  # (x, eps) -> (mean, invstd)
-    gather_stats_with_counts: Callable[
-        ..., Any
-    ]  # (x, mean, invstd, run_mean, run_var, momentum, eps, counts)
+    gather_stats_with_counts: Callable[..., Any]  # (x, mean, invstd, run_mean, run_var, momentum, eps, counts)
     elemt: Callable[..., Any]  # (x, weight, bias, mean, invstd, eps) -> y
     backward_reduce: Callable[..., Any]  # (dy, x, mean, invstd, weight, input_g, weight_g, bias_g) -> 4
     backward_elemt: Callable[..., Any]  # (dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> dx
@@ -44,9 +42,7 @@ def _stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     channels, acc = x.shape[1], acc_dtype(x)
     # Scratch running buffers (momentum 0) make the CPU kernel return fp32 statistics of fp16/bf16 input
     # (without them it rounds them to the input's dtype).
-    mean, var = torch.batch_norm_update_stats(
-        x, x.new_zeros(channels, dtype=acc), x.new_ones(channels, dtype=acc), 0.0
-    )
+    mean, var = torch.batch_norm_update_stats(x, x.new_zeros(channels, dtype=acc), x.new_ones(channels, dtype=acc), 0.0)
     return mean, var.add_(eps).rsqrt_()
 
 

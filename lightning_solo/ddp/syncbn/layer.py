@@ -62,8 +62,7 @@ def _check_count(stats: Tensor, local: int) -> None:
     """
     if local <= 1 and (total := int(stats[-1].item())) <= 1:
         raise ValueError(
-            f"Expected more than 1 value per channel when training, got {total} over all ranks "
-            f"(this rank: {local})"
+            f"Expected more than 1 value per channel when training, got {total} over all ranks (this rank: {local})"
         )
 
 
@@ -76,9 +75,7 @@ def _update_running(k, x, stats, mean_invstd, running_mean, running_var, factor,
     total, dtype = stats[-1:], running_mean.dtype
     if isinstance(factor, float) and dtype in _FLOAT and dtype == mean_invstd.dtype:
         counts = total.to(dtype)
-        k.gather_stats_with_counts(
-            x, mean_invstd[:1], mean_invstd[1:], running_mean, running_var, factor, eps, counts
-        )
+        k.gather_stats_with_counts(x, mean_invstd[:1], mean_invstd[1:], running_mean, running_var, factor, eps, counts)
         return
     mean, var = _moments(stats)
     factor = factor.to(dtype) if isinstance(factor, Tensor) else factor
@@ -254,9 +251,7 @@ class SoloSyncBatchNorm(BatchNormBase):
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, local, self.eps
             )
-        return sync_batch_norm(
-            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
-        )
+        return sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group)
 
 
 _SYNC_CLASSES = (nn.SyncBatchNorm, SoloSyncBatchNorm)

@@ -186,9 +186,7 @@ def decide_layer_sync(
         return decision, None
     timeout = getattr(trainer.strategy, "collective_timeout", None)
     group = "its own NCCL group" if _nccl_world() else "the world group"
-    return Decision(
-        decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm on {group}"
-    ), _SoloLayerSync(timeout)
+    return Decision(decision.setting, True, f"{decision.reason}; SoloSyncBatchNorm on {group}"), _SoloLayerSync(timeout)
 
 
 class LayerSyncChoice:
@@ -206,9 +204,7 @@ class LayerSyncChoice:
     def choose(self, strategy: Any, trainer: pl.Trainer) -> Decision:
         if not self._read:
             self._request, self._read = strategy._layer_sync, True
-        decision, strategy._layer_sync = decide_layer_sync(
-            trainer, self.option, self.threshold, self._request
-        )
+        decision, strategy._layer_sync = decide_layer_sync(trainer, self.option, self.threshold, self._request)
         return decision
 
     @contextlib.contextmanager

@@ -144,9 +144,7 @@ class UnusedParameters:
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
         """Around backward: in the window, the evidence of a collective inside backward."""
-        return (
-            watch_collectives(self.note_backward_collective) if self.in_window else contextlib.nullcontext()
-        )
+        return watch_collectives(self.note_backward_collective) if self.in_window else contextlib.nullcontext()
 
     # ----------------------------------------------------------------------------------------- hooks
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
@@ -158,14 +156,10 @@ class UnusedParameters:
         self._named = trainable(ddp.module)
         self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        self._to_ours = [
-            index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)
-        ]
+        self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)]
         if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
             more = ", ..." if len(found) > 3 else ""
-            self._backward_collective = (
-                f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
-            )
+            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
             self._search(f"{self._backward_collective} communicate inside backward")
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
             self._fast = FastPathStep(
@@ -263,9 +257,7 @@ class UnusedParameters:
         self._remove_hooks()
         if self._user_ignore is None:
             self._user_ignore = ddp_ignore_list(ddp.module)
-        return unwrap_excluding(
-            ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads
-        )
+        return unwrap_excluding(ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads)
 
     def finish(self, ddp: Module) -> None:
         """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the

@@ -64,9 +64,7 @@ def unwrap_excluding(
         param.grad = param.grad.detach().clone() if keep_grads and param.grad is not None else None
     _clear_ignored_flags(module)
     # "." + name as well: DDP's reducer spells root-level parameters that way.
-    torch_compat.set_params_to_ignore(
-        module, user_ignore + excluded + ["." + n for n in excluded if "." not in n]
-    )
+    torch_compat.set_params_to_ignore(module, user_ignore + excluded + ["." + n for n in excluded if "." not in n])
     return module
 
 

@@ -33,15 +33,9 @@ def _search_safe_apply(
     preserve_rng_state: bool,
     *args: Any,
 ) -> Any:
-    if (
-        _substitutions
-        and torch.is_grad_enabled()
-        and any(torch.is_tensor(a) and a.requires_grad for a in args)
-    ):
+    if _substitutions and torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args):
         _substitutions[-1]()
-        return torch_checkpoint.checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
-        )
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
     return super(torch_checkpoint.CheckpointFunction, cls).apply(function, preserve_rng_state, *args)
 
 

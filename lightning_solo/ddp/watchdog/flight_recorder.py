@@ -40,17 +40,13 @@ PgLast = Mapping[str, Any]  # {"desc", "seq", "op", "state", "pending"}
 Summary = Mapping[str, PgLast]
 
 
-def decide_flight_recorder(
-    backend: str | None, environ: Mapping[str, str]
-) -> tuple[Decision | None, dict[str, str]]:
+def decide_flight_recorder(backend: str | None, environ: Mapping[str, str]) -> tuple[Decision | None, dict[str, str]]:
     """What to add to the environment (nothing the user set) and the decision; ``None`` without a backend."""
     if backend is None:
         return None, {}
     nccl = "nccl" in backend
     if user := [k for k in (_FR, _NCCL) if k in environ]:
-        return Decision(
-            "flight_recorder", ", ".join(f"{k}={environ[k]}" for k in user), "set by the user"
-        ), {}
+        return Decision("flight_recorder", ", ".join(f"{k}={environ[k]}" for k in user), "set by the user"), {}
     env = {_FR: str(TRACE_BUFFER_SIZE)}  # the older name, read too, warns that it is deprecated
     if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
@@ -120,9 +116,7 @@ def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tupl
             else ", ".join(f"rank {r} issued {ops[r]}" for r in waiting)
         )
         theirs = "; ".join(
-            f"rank {r}'s last there: {_op(last)}"
-            if (last := lasts[r])
-            else f"rank {r} has none recorded there"
+            f"rank {r}'s last there: {_op(last)}" if (last := lasts[r]) else f"rank {r} has none recorded there"
             for r in idle
         )
         return f"{issued} on {label}, which {_ranks(idle)} never entered ({theirs})", tuple(waiting)
@@ -130,11 +124,7 @@ def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tupl
         return f"rank {waiting[0]} waits in {ops[waiting[0]]} on {label}", tuple(waiting)
     if len({last["op"] for last in waits.values()}) == 1:
         seqs = {last["seq"] for last in waits.values()}
-        at = (
-            f"#{seqs.pop()}"
-            if len(seqs) == 1
-            else ", ".join(f"rank {r} #{v['seq']}" for r, v in waits.items())
-        )
+        at = f"#{seqs.pop()}" if len(seqs) == 1 else ", ".join(f"rank {r} #{v['seq']}" for r, v in waits.items())
         return f"every rank waits in {waits[waiting[0]]['op']} on {label} ({at})", tuple(waiting)
     each = ", ".join(f"rank {r} {ops[r]}" for r in waiting)
     return f"the ranks wait in different collectives on {label}: {each}", tuple(waiting)

@@ -62,9 +62,7 @@ class Heartbeat:
     seq: int = 0
     beats: int = 0
     median_step_s: float | None = None
-    phase_s: dict[str, float] = field(
-        default_factory=dict
-    )  # seconds in each phase so far (TrainingDoctor reads it)
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds in each phase so far (TrainingDoctor reads it)
     wait_s: float = 0.0  # seconds in the collective it waits in (0: none)
     wait_allowance_s: float = 0.0  # how long a wait may go on before the verdict looks (a step's allowance)
     late: bool = False  # its thread could not run for a while: the phase it tells of may be over
@@ -127,9 +125,7 @@ class HeartbeatWriter:
                 self._batch_other += now - since
         if previous in (BATCH_START, SETUP) and phase in (TRAINING_STEP, BACKWARD, OPTIMIZER_STEP):
             self.state = (step, DATA_WAIT, now, None, seq)
-        elif (
-            previous == OPTIMIZER_STEP
-        ):  # the closure's training_step and backward ran: the step's own work now
+        elif previous == OPTIMIZER_STEP:  # the closure's training_step and backward ran: the step's own work now
             self.state = (step, previous, now, None, seq)
         elif previous in (TRAINING_STEP, BACKWARD, VALIDATION, SANITY_CHECK, SETUP):
             # A phase inside a step (manual optimization's step inside training_step) or inside validation:
@@ -168,9 +164,7 @@ class HeartbeatWriter:
         untimed = (SETUP, SANITY_CHECK, DONE, FAILED)
         return first_s if median is None or phase in untimed else factor * median + margin_s
 
-    def snapshot(
-        self, rank: int, pid: int, host: str, beats: int, allowance: Callable[[str], float]
-    ) -> Heartbeat:
+    def snapshot(self, rank: int, pid: int, host: str, beats: int, allowance: Callable[[str], float]) -> Heartbeat:
         step, phase, since, collective, seq = self.state
         now, mark = self._clock(), self._mark
         totals = dict(self._totals)
@@ -193,9 +187,7 @@ class Observer:
 
     def __init__(self, writer: HeartbeatWriter, clock: Callable[[], float] = time.monotonic) -> None:
         self.writer, self._clock = writer, clock
-        self._refined: tuple[tuple[int, str, float], str, float, bool] | None = (
-            None  # (writer key, name, since, first)
-        )
+        self._refined: tuple[tuple[int, str, float], str, float, bool] | None = None  # (writer key, name, since, first)
         self._wait: tuple[object, float] | None = None  # (what it waits in, since)
         self._durations: dict[str, deque[float]] = {}
 

@@ -42,9 +42,7 @@ class WatchdogSession:
         self._dog: Watchdog | None = None  # each fit's, on every rank alike
         self._validation_outer: tuple[str, float] | None = None
         self._trainer: Any = None
-        self._environ: dict[
-            str, str | None
-        ] = {}  # what prepare_environment changed: each variable's value before
+        self._environ: dict[str, str | None] = {}  # what prepare_environment changed: each variable's value before
 
     @property
     def decision(self) -> Decision:
@@ -56,8 +54,7 @@ class WatchdogSession:
             "finished while another waits in a collective) ends the run at once with one line naming the rank and "
             f"every rank's stacks; a rank busy past {s.factor:g} x the median of its phase + {s.margin_s:g} s "
             f"({s.first_s:g} s the first time) is only reported (again at 2x, 4x), and ended at the collective "
-            "timeout"
-            + (f" or after {s.abort_after_s:g} s (abort_after_s)" if s.abort_after_s is not None else "")
+            "timeout" + (f" or after {s.abort_after_s:g} s (abort_after_s)" if s.abort_after_s is not None else "")
             if s is not None
             else "set by the user: a hang waits for the collective timeout",
         )

@@ -114,9 +114,7 @@ def _describe_stuck(view: RankView, silent_after_s: float) -> str:
         return f"rank {view.rank} has been silent for {view.silent_s:.0f} s (last seen in {where}{proc})"
     silent = f" (its heartbeat silent for {view.silent_s:.0f} s{proc})" if proc else ""
     if (waits := _waits(beat)) is not None:
-        return (
-            f"rank {view.rank} has been waiting in {waits} for {view.age_s:.0f} s at step {beat.step}{silent}"
-        )
+        return f"rank {view.rank} has been waiting in {waits} for {view.age_s:.0f} s at step {beat.step}{silent}"
     return f"rank {view.rank} has been in {beat.phase} for {view.age_s:.0f} s at step {beat.step}{silent}"
 
 

@@ -169,9 +169,7 @@ def peer_failure(exception: BaseException | None) -> bool:
     if isinstance(exception, torch.distributed.DistError):
         return True
     text = str(exception) if isinstance(exception, RuntimeError) else ""
-    return any(
-        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
-    )
+    return any(mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL"))
 
 
 class Watchdog:
@@ -244,8 +242,7 @@ class Watchdog:
             if self.rank == 0:
                 deadline = time.monotonic() + self.settings.grace_s
                 while time.monotonic() < deadline and any(
-                    not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED))
-                    for v in self._views()
+                    not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED)) for v in self._views()
                 ):
                     time.sleep(0.05)
 
@@ -348,9 +345,7 @@ class Watchdog:
                     self._act(Verdict(verdict.stuck, f"collective mismatch: {verdict.line}", END))
                     return True
             verdict = replace(verdict, kind=REPORT)
-            if self._store.check(
-                [_VERDICT]
-            ):  # the other judge's verdict came first: the next look acts on it
+            if self._store.check([_VERDICT]):  # the other judge's verdict came first: the next look acts on it
                 return False
         if (why := self._ends(verdict)) is not None:
             self._act(replace(verdict, line=f"{verdict.line}; {why}"))
@@ -422,9 +417,7 @@ class Watchdog:
         s = self.settings
         refined, first = None, False
         if self.writer.state[1] in REFINABLE:
-            with contextlib.suppress(
-                Exception
-            ):  # the stack changed under the look: the writer's phase stands
+            with contextlib.suppress(Exception):  # the stack changed under the look: the writer's phase stands
                 refined = where(thread_frame(self._training_thread))
             if refined is not None:
                 epoch = self._epoch() if self._epoch is not None else self.first_epoch

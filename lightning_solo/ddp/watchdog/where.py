@@ -16,9 +16,7 @@ from types import FrameType
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 
-LOADER_START = (
-    "loader start"  # a loader's first batch of an epoch: its workers start (worker_init_fn) and fetch
-)
+LOADER_START = "loader start"  # a loader's first batch of an epoch: its workers start (worker_init_fn) and fetch
 # Hooks that are a step's or a batch's own work: the phase SoloDDP's hooks marked stands.
 STEP_HOOKS = frozenset({
     "training_step", "validation_step", "test_step", "predict_step", "backward", "optimizer_step",

@@ -47,9 +47,7 @@ def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[
         odd = sorted(r for _, ranks in groups[:-1] for r in ranks)
         fix = _FIXES.get(key, _ENV_FIX if key.startswith("env.") else _VERSION_FIX)
         found.append(
-            Finding(
-                f"agree.{key}", f"{key} differs across ranks: {values}. {fix}.", error=True, ranks=tuple(odd)
-            )
+            Finding(f"agree.{key}", f"{key} differs across ranks: {values}. {fix}.", error=True, ranks=tuple(odd))
         )
     return found
 

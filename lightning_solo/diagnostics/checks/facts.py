@@ -57,9 +57,7 @@ def shared_facts(device: torch.device, env: Mapping[str, str] | None = None) -> 
         "cuda": torch.version.cuda,
         "nccl": _nccl_version(),
         "device": torch.cuda.get_device_name(device) if on_gpu else device.type,
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
-        if on_gpu
-        else None,
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if on_gpu else None,
         "driver": _driver_version() if on_gpu else None,
         "cuda_visible_devices": _visible_count(env.get("CUDA_VISIBLE_DEVICES")),
     }

@@ -82,9 +82,7 @@ def check_launch_env(
                 )
     for name, actual in (placement or {}).items():
         if name in values and values[name] != actual:
-            bad(
-                name, f"{name}={values[name]} in the environment, but this process is {name.lower()} {actual}"
-            )
+            bad(name, f"{name}={values[name]} in the environment, but this process is {name.lower()} {actual}")
     if gpus_visible is not None and local is not None and local >= max(gpus_visible, 1):
         found.append(
             Finding(

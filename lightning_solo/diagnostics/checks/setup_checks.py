@@ -110,9 +110,7 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
         pin_memory=loader.pin_memory if loader is not None else None,
         map_style=not isinstance(loader.dataset, IterableDataset) if loader is not None else None,
         sharded=(_sharded(loader.sampler) or _sharded(loader.batch_sampler)) if loader is not None else None,
-        data_parallel=tuple(
-            n or "the model" for n, m in model.named_modules() if isinstance(m, nn.DataParallel)
-        ),
+        data_parallel=tuple(n or "the model" for n, m in model.named_modules() if isinstance(m, nn.DataParallel)),
         unsynced_batchnorm=sum(
             isinstance(m, BatchNormBase) and not isinstance(m, nn.SyncBatchNorm) and not _solo_synced(m)
             for m in model.modules()
@@ -129,9 +127,7 @@ def _sharded(sampler) -> bool:
     ``num_replicas`` and ``rank``."""
     seen = 0
     while sampler is not None and seen < 8:
-        if isinstance(sampler, DistributedSampler) or (
-            hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")
-        ):
+        if isinstance(sampler, DistributedSampler) or (hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")):
             return True
         sampler, seen = getattr(sampler, "sampler", None), seen + 1
     return False

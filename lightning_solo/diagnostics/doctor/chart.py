@@ -34,9 +34,7 @@ def plot_doctor(series: dict[str, Any], path: str | Path, title: str = "Training
         return [*values, values[-1]]
 
     # The split of the mean rank: they wait for each other, so their steps take the same time.
-    stacked = [
-        held([sum(r[key][i] for r in ranks) / len(ranks) for i in range(len(steps))]) for key, _ in PARTS
-    ]
+    stacked = [held([sum(r[key][i] for r in ranks) / len(ranks) for i in range(len(steps))]) for key, _ in PARTS]
     split.stackplot(edges, stacked, labels=[label for _, label in PARTS], step="post")
     split.set_ylabel("ms per step (mean rank)")
     split.legend(loc="upper right", fontsize="small")

@@ -49,9 +49,7 @@ def straggler_phase(phase_s: list[dict[str, float]], rank: int, steps: int) -> t
     if not others or steps <= 0 or not any(phase_s[rank].values()):
         return None
     excess = {
-        phase: 1e3
-        * (phase_s[rank].get(phase, 0.0) - statistics.median(o.get(phase, 0.0) for o in others))
-        / steps
+        phase: 1e3 * (phase_s[rank].get(phase, 0.0) - statistics.median(o.get(phase, 0.0) for o in others)) / steps
         for phase in OWN_PHASES
     }
     phase = max(excess, key=excess.__getitem__)
@@ -233,15 +231,11 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
     if s["rank"] is not None:
         line = f"slowest rank: {s['rank']}, {s['behind_ms']:.2f} ms ({s['behind_fraction']:.0%} of the step) behind the others"
         if s.get("phase") is not None:
-            line += (
-                f", most of it in {s['phase']} (+{s['phase_excess_ms']:.2f} ms per step, by its heartbeat)"
-            )
+            line += f", most of it in {s['phase']} (+{s['phase_excess_ms']:.2f} ms per step, by its heartbeat)"
         lines.append(line)
     lines.append(f"verdict: {report['verdict']['text']}")
     for i, r in enumerate(report["verdict"]["remedies"], 1):
-        lines.append(
-            f"  {i}. {setting_call(r['setting'], r['value'])}: {r['action']} (~{r['gain']:.0%} of the step)"
-        )
+        lines.append(f"  {i}. {setting_call(r['setting'], r['value'])}: {r['action']} (~{r['gain']:.0%} of the step)")
     return "\n".join(lines)
 
 

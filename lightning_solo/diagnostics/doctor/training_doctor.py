@@ -115,9 +115,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self._timer.comm.watch(trainer.strategy.model)  # then at every batch end
         if isinstance(trainer.strategy, SoloDDP):  # a re-wrap: the old wrapper read out before it is dropped
             trainer.strategy.add_rewrap_listener(self._timer.comm.read_out)
-        self._warmup = min(
-            self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps
-        )
+        self._warmup = min(self.warmup_steps, int(expected) // 4 if math.isfinite(expected) else self.warmup_steps)
         self._steps, self._first_step = 0, trainer.global_step + self._warmup
         self.report, self.reports, self.files = None, [], {}
         self._process, self._rss = psutil.Process(), 0
@@ -197,9 +195,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self.report = self._report(trainer, pl_module, "total", final=True)
         self._timer.comm.release()  # the DDP wrapper is not ours to keep
 
-    def _report(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, which: str, final: bool = False
-    ) -> dict:
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, which: str, final: bool = False) -> dict:
         """Gather every rank's sums (a collective, at the same step everywhere), judge, log, write (rank 0)."""
         window = self._timer.take_window()
         self._sample_rss()
