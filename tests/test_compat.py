@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat import patch
 from lightning_solo._compat import torch as torch_compat
 
 ACCESSOR_MODULES = (lightning_compat, torch_compat)
@@ -250,3 +251,43 @@ def test_the_watchdogs_stack_reading_names_exist():
     assert torch_compat.batches_yielded(iterator) == 0
     next(iterator)
     assert torch_compat.batches_yielded(iterator) == 1 and torch_compat.batches_yielded(object()) is None
+
+
+@pytest.mark.parametrize(("owner", "name"), [(o, n) for o, names in patch.PATCHED.items() for n in names])
+def test_patched_upstream_names_exist(owner, name):
+    assert hasattr(owner, name), f"{getattr(owner, '__name__', owner)}.{name} is gone: the pack replaces it at run time"
+
+
+def test_patches_undo_instance_class_module_and_class_changes_newest_first():
+    class Base:
+        def hello(self):
+            return "base"
+
+    class Other(Base):
+        pass
+
+    obj, module = Base(), torch.nn
+    original_linear = module.Linear
+    with patch.Patches() as patches:
+        patches.set(obj, "hello", lambda: "instance")
+        patches.set(Base, "hello", lambda self: "class")
+        patches.set(Other, "hello", lambda self: "inherited")
+        patches.set(module, "Linear", None)
+        patches.set(obj, "__class__", Other)
+        patches.set(obj, "hello", lambda: "again")  # a second patch of one name undoes to the first
+        assert (obj.hello(), type(obj), module.Linear) == ("again", Other, None)
+    assert (obj.hello(), type(obj), module.Linear) == ("base", Base, original_linear)
+    assert "hello" not in vars(Other) and "hello" not in vars(obj)
+
+
+def test_patched_is_undone_when_the_block_raises():
+    loader = torch.utils.data.DataLoader([1, 2])
+
+    def fail_inside():
+        with patch.patched(loader, "_get_iterator", None):
+            assert loader._get_iterator is None
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        fail_inside()
+    assert "_get_iterator" not in vars(loader) and list(loader) == [torch.tensor([1]), torch.tensor([2])]

@@ -11,17 +11,13 @@ from typing import Any
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
-from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.utils.data import SequentialSampler
@@ -41,11 +37,6 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     ModelParallelStrategy: ("_configure_launcher",),
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
-    # Replaced on one trainer's instances by lightning_solo.ddp.sigterm (absent: Lightning's check is kept).
-    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),
-    _EvaluationLoop: ("_evaluation_step",),
-    _FitLoop: ("on_advance_end",),
-    _SignalConnector: ("_sigterm_notifier_fn",),
 }
 # DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
 # SoloDDP turns into a property.
