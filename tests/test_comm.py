@@ -19,9 +19,9 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from lightning_solo import SoloDDP
 from lightning_solo.checkpoint.rank_shards import read, shard_dir
-from lightning_solo.ddp.comm import CHECKPOINT_KEY, COMM_HOOKS, CommHook
+from lightning_solo.ddp.comm import CHECKPOINT_KEY, CommHook
 from lightning_solo.ddp.comm import hooks as hooks_module
-from lightning_solo.ddp.comm.hooks import post_local
+from lightning_solo.ddp.comm.hooks import COMM_HOOKS, post_local
 from tests.distributed import run_ranks
 from tests.helpers import composed
 from tests.helpers.modules import TinyModule

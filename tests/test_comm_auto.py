@@ -18,14 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import TrainingDoctor
-from lightning_solo.ddp.comm import (
-    AUTO_CANDIDATES,
-    CHECKPOINT_KEY,
-    AutoCommHook,
-    decide_comm_hook,
-    make_comm_hook,
-)
-from lightning_solo.ddp.comm.auto import label
+from lightning_solo.ddp.comm import CHECKPOINT_KEY, make_comm_hook
+from lightning_solo.ddp.comm.auto import AUTO_CANDIDATES, AutoCommHook, decide_comm_hook, label
 from tests.helpers.records import RankRecorder, read_rank_records, write_rank_record
 
 TRIAL = 2 + 5  # AutoCommHook's default warm-up + timed steps per candidate
@@ -53,7 +47,7 @@ def test_auto_is_a_comm_hook_that_starts_exact_and_checks_its_candidates():
     hook = make_comm_hook("auto", powersgd_rank=2)
     assert isinstance(hook, AutoCommHook) and hook.name is None and hook.candidates == AUTO_CANDIDATES
     record = hook.state_dict()["auto"]  # where the trial is, for a checkpoint
-    assert record["decided"] is False and (record["index"], record["steps"]) == (0, 0)
+    assert record["decided"] is False and (record["index"], record["times"]) == (0, [])
     assert record["candidates"] == ["exact", "fp16", "bf16", "powersgd"]
     with pytest.raises(ValueError, match="'auto'"):
         make_comm_hook("fp8")

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -26,6 +27,7 @@ PATCHED: dict[Any, tuple[str, ...]] = {
     _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),  # one trainer's: the SIGTERM agreement
     _EvaluationLoop: ("_evaluation_step",),
     _FitLoop: ("on_advance_end",),
+    LightningModule: ("log", "log_dict"),  # one module's, eager inside its compiled steps (compile=)
     _SignalConnector: ("_sigterm_notifier_fn",),
     dist: (
         "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",

@@ -15,20 +15,20 @@ import contextlib
 import inspect
 import math
 import statistics
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo._compat.patch import Patches
 from lightning_solo.core.checks import check_choice, check_int
 from lightning_solo.core.decision import Decision
+from lightning_solo.ddp.trial import Trial
 
 CompileSetting = bool | Literal["auto"] | Mapping[str, Any]
 COMPILE_VALUES = (False, True, "auto")
@@ -38,12 +38,6 @@ _COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters 
 _EAGER_METHODS = ("log", "log_dict")
 
 _WAITING, _TRIAL, _SETTLED = "waiting", "trial", "settled"
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # during "auto"'s trial only
-    return time.perf_counter()
 
 
 def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planned_steps: float,
@@ -92,11 +86,9 @@ class CompiledSteps:
         self.fallback: Decision | None = None
         self._module: Any = None  # the LightningModule whose steps are compiled (by us or by the user)
         self._ours = False  # compiled here: uncompiled at teardown
+        self._patches = Patches()  # the module's eager log/log_dict
         self._state = _SETTLED
-        self._schedule: list[str] = []  # "auto": compiled/eager per optimizer step of the trial
-        self._times: list[float] = []
-        self._started: float | None = None
-        self._stepped = False
+        self._trial = Trial(["compile", *(["eager", "compiled"] * self.timed_steps)])  # "auto"'s, per optimizer step
         self._after_first = False  # the first compiled training step is done
         self._ran_compiled = False  # a training step of the current optimizer step ran compiled
         self._ordered: weakref.ref | None = None  # the DDP wrapper whose buckets an eager step ordered
@@ -137,8 +129,8 @@ class CompiledSteps:
             how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
         self._module = module
         if self.setting is not False:  # compile=False leaves the user's compile as Lightning applied it
-            for name in _EAGER_METHODS:  # instance attributes, removed at teardown
-                setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+            for name in _EAGER_METHODS:
+                self._patches.set(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
         log = "self.log traced, as stock" if self.setting is False else "self.log eager"
         order = (
             ""
@@ -189,27 +181,20 @@ class CompiledSteps:
         Returns a new decision, if any."""
         new = self._check_fallback()
         if self._state == _WAITING and settled and not self._orders_buckets(wrapper):
-            self._state = _TRIAL
-            self._schedule = ["compile", *(["eager", "compiled"] * self.timed_steps)]
-            left = _planned(planned_steps) - self._steps
-            if left >= len(self._schedule) and not lightning_compat.compiled_by_user(self._module):
-                self._compile(self._module)
-            if left < len(self._schedule):  # every rank alike: the same steps done and planned
+            left, trial = _planned(planned_steps) - self._steps, len(self._trial.schedule)
+            if left < trial:  # every rank alike: the same steps done and planned
                 self._state = _SETTLED
                 self.decision = Decision(
-                    "compile", False, f"auto: {left:.0f} steps left, fewer than the {len(self._schedule)} of the "
-                    "trial: too short to measure or pay back a compile -> eager",
+                    "compile", False, f"auto: {left:.0f} steps left, fewer than the {trial} of the trial: too short "
+                    "to measure or pay back a compile -> eager",
                 )  # fmt: skip
                 self._restore(uncompile=True)
                 return self.decision
-        if self._state != _TRIAL:
-            return new
-        if self._stepped:  # a new optimizer step (accumulation cycle) starts here
-            self._stepped = False
-            if len(self._times) == len(self._schedule):
-                return self._decide(device, planned_steps)
-        if self._started is None:
-            self._started = _now(device)
+            self._state = _TRIAL
+            if not lightning_compat.compiled_by_user(self._module):
+                self._compile(self._module)
+        if self._state == _TRIAL and self._trial.batch_start(device) and self._trial.done:
+            return self._decide(device, planned_steps)
         return new
 
     @contextlib.contextmanager
@@ -221,9 +206,7 @@ class CompiledSteps:
             yield
             return
         orders = self._orders_buckets(wrapper)
-        eager = (
-            orders or self._state == _WAITING or (self._state == _TRIAL and self._schedule[len(self._times)] == "eager")
-        )
+        eager = orders or self._state == _WAITING or (self._state == _TRIAL and self._trial.arm == "eager")
         before = _frames_ok()
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             yield
@@ -235,15 +218,13 @@ class CompiledSteps:
 
     def after_step(self, device: torch.device) -> None:
         """At the end of every optimizer step."""
-        first = self._state == _SETTLED or (self._state == _TRIAL and self._schedule[len(self._times)] == "compile")
+        first = self._state == _SETTLED or (self._state == _TRIAL and self._trial.arm == "compile")
         self._steps += 1
         if not self._after_first and self.compiled and first and self._ran_compiled:
             self._after_first = True
         self._ran_compiled = False
-        if self._state != _TRIAL or self._started is None:
-            return
-        self._times.append(_now(device) - self._started)
-        self._started, self._stepped = None, True
+        if self._state == _TRIAL:
+            self._trial.step_end(device)
 
     def finish(self) -> Decision:
         """At the end of training: the decision with the recompiles counted."""
@@ -263,13 +244,12 @@ class CompiledSteps:
 
     # -------------------------------------------------------------------------------------------- helpers
     def _decide(self, device: torch.device, planned_steps: Callable[[], Any]) -> Decision:
-        first = self._times[0]
-        compiled = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "compiled")
-        eager = statistics.median(t for t, m in zip(self._times, self._schedule) if m == "eager")
-        numbers = torch.tensor([first, compiled, eager], dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized():  # the same numbers, hence the same choice, everywhere
-            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
-        first, compiled, eager = numbers.tolist()
+        times = self._trial.agree(device)
+        first, compiled, eager = (
+            times["compile"][0],
+            statistics.median(times["compiled"]),
+            statistics.median(times["eager"]),
+        )
         self.decision = decide_compile(
             compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), _planned(planned_steps), self.timed_steps
         )
@@ -295,9 +275,7 @@ class CompiledSteps:
         self._ours = True
 
     def _restore(self, uncompile: bool) -> None:
-        if self.setting is not False:
-            for name in _EAGER_METHODS:
-                self._module.__dict__.pop(name, None)
+        self._patches.close()
         if uncompile and lightning_compat.compiled_by_user(self._module):
             to_uncompiled(self._module)
         self._module, self._ours = None, False

@@ -10,7 +10,6 @@ Example::
 See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.comm.hooks import CommHook, check_bucket_cap_mb
+from lightning_solo.ddp.trial import Trial
 
 AUTO_CANDIDATES = (None, "fp16", "bf16", "powersgd")  # post-local-SGD changes the optimisation: never tried
 _TRIAL_POWERSGD_START = 2  # compress from the third step, so that the timed steps measure the compression
@@ -94,12 +94,14 @@ class AutoCommHook(CommHook):
         self.min_gain = check_number("min_gain", min_gain, positive=False)
         self._start_iter = self.powersgd_start_iter
         self.measured_ms: dict[str, float] = {}
-        self._index, self._steps = 0, 0
-        self._times: list[list[float]] = [[] for _ in self.candidates]
-        self._started: float | None = None
-        self._stepped = False
+        self._index = 0
+        self.trial = self._new_trial()
         self._waiting: tuple[Any, Any] | None = None  # a checkpoint's hook state, for the winner
         self._decision: Decision | None = None  # the hook kept, and why; None while measuring
+
+    def _new_trial(self) -> Trial:
+        steps = [None] * self.warmup_steps + [True] * self.trial_steps
+        return Trial([label(name) if timed else None for name in self.candidates for timed in steps])
 
     @property
     def decided(self) -> bool:
@@ -116,48 +118,22 @@ class AutoCommHook(CommHook):
         return Decision("comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}")
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """While measuring: every batch start (a re-wrap between trials) and step end (the times)."""
+        """While measuring: every batch start (a re-wrap between candidates) and step end (the trial's clock)."""
         if self.decided:
             return super().step_hooks()
         return {"boundary": lambda strategy: self.at_boundary(strategy.root_device),
-                "after_step": lambda strategy, optimizer: self.after_step(strategy.root_device)}  # fmt: skip
+                "after_step": lambda strategy, optimizer: self.trial.step_end(strategy.root_device)}  # fmt: skip
 
     def at_boundary(self, device: torch.device) -> bool:
         """At every batch start, on every rank alike. True: re-wrap DDP now (the next candidate, or the one
-        kept). The last candidate's end is a collective (the MAX of the ranks' times)."""
-        if self.decided:
+        kept). The trial's end is a collective (:meth:`Trial.agree`)."""
+        if not self.trial.batch_start(device) or len(self.trial.times) % (self.warmup_steps + self.trial_steps):
             return False
-        switch = False
-        if self._stepped:  # the previous batch ended an optimizer step: a new accumulation cycle starts here
-            self._stepped = False
-            if self._steps >= self.warmup_steps + self.trial_steps:
-                switch = self._next(device)
-        self._started = None if self.decided else self._now(device)
-        return switch
-
-    def after_step(self, device: torch.device) -> None:
-        """At the end of every optimizer step."""
-        if self.decided or self._started is None:
-            return
-        self._steps += 1
-        if self._steps > self.warmup_steps:
-            self._times[self._index].append(self._now(device) - self._started)
-        self._stepped = True
-
-    def _now(self, device: torch.device) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # during the trial only
-        return time.perf_counter()
-
-    def _next(self, device: torch.device) -> bool:
-        self._index, self._steps = self._index + 1, 0
+        self._index += 1
         if self._index < len(self.candidates):
             self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
             return True
-        steps = torch.tensor(self._times, dtype=torch.float64, device=device)  # candidates × trial_steps
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the same numbers, hence the same choice, on every rank
-        fastest = steps.min(dim=1).values.mul(1e3).tolist()
-        self.measured_ms = {label(name): ms for name, ms in zip(self.candidates, fastest)}
+        self.measured_ms = {arm: min(times) * 1e3 for arm, times in self.trial.agree(device).items()}
         self._keep(decide_comm_hook(self.measured_ms, self.min_gain))
         return True
 
@@ -183,8 +159,7 @@ class AutoCommHook(CommHook):
             record.update(decided=True, name=self.name, reason=self._decision.reason)
             record["measured_ms"] = dict(self.measured_ms)
         else:
-            record.update(decided=False, index=self._index, steps=self._steps, stepped=self._stepped)
-            record["times"] = [list(t) for t in self._times]
+            record.update(decided=False, index=self._index, times=list(self.trial.times), stepped=self.trial.stepped)
         return {**saved, "auto": record}
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
@@ -203,9 +178,8 @@ class AutoCommHook(CommHook):
                 self.measured_ms = dict(record["measured_ms"])
                 self._keep(Decision("comm_hook", record["name"], reason))
             else:
-                self._decision, self._started, self.measured_ms = None, None, {}
-                self._index, self._steps, self._stepped = record["index"], record["steps"], record["stepped"]
-                self._times = [list(t) for t in record["times"]]
+                self._decision, self.measured_ms, self.trial = None, {}, self._new_trial()
+                self._index, self.trial.times, self.trial.stepped = record["index"], record["times"], record["stepped"]
                 self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
             if saved:
                 super().load_state_dict(saved, checkpoint_path)
