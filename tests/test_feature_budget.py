@@ -85,7 +85,7 @@ FEATURES = {
     "watchdog": (dict(watchdog=True), {"ddp/watchdog"}),
     "exact_resume": (dict(exact_resume=True), {"ddp/resume", "core/rng.py"}),
     "compile": (dict(compile={"backend": "eager"}), {"ddp/compile.py", "_compat/torch.py"}),
-    "comm_hook_auto": (dict(comm_hook="auto"), {"ddp/comm"}),
+    "comm_hook_auto": (dict(comm_hook="auto"), {"ddp/comm", "ddp/trial.py"}),
     "post_local_sgd": (dict(comm_hook="post_local_sgd", local_sgd_warmup=2), {"ddp/comm"}),
     "comm_hook_fp16": (
         dict(comm_hook="fp16"),

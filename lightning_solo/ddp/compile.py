@@ -1,13 +1,7 @@
 """``SoloDDP(compile=...)``: the LightningModule's steps compiled inside DDP's forward, re-wraps that cost no
-recompile, and ``"auto"``, which keeps compile only when the measured gain pays for it within the planned run.
-
-Example::
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(compile=True))  # "auto", {"mode": ...}
-    trainer.fit(model)                 # fit(torch.compile(model)) takes the same path
-    print(trainer.strategy.decisions["compile"])
-
-See docs/compile.md."""
+recompile, and ``"auto"``, which keeps compile only when the measured gain pays for it within the planned run
+(``SoloDDP(compile=True | "auto" | {"mode": ...})``; ``fit(torch.compile(model))`` takes the same path). See
+docs/compile.md."""
 
 from __future__ import annotations
 
@@ -33,11 +27,11 @@ from lightning_solo.ddp.trial import Trial
 CompileSetting = bool | Literal["auto"] | Mapping[str, Any]
 COMPILE_VALUES = (False, True, "auto")
 _COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters if p != "model")
-# Run eagerly inside a compiled step: traced, ``self.log`` guards on the number of metrics Lightning holds, so
-# each new metric key recompiles the step (22 recompiles per rank in the runner's model, then the limit).
+# Eager inside a compiled step: traced, ``self.log`` recompiles the step per new metric key (docs/compile.md).
 _EAGER_METHODS = ("log", "log_dict")
 
 _WAITING, _TRIAL, _SETTLED = "waiting", "trial", "settled"
+_STOCK = Decision("compile", False, "stock: the steps run eagerly")
 
 
 def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planned_steps: float,
@@ -49,17 +43,13 @@ def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planne
     keep = gain_s > 0 and payback <= planned_steps
     planned = "an unbounded run" if math.isinf(planned_steps) else f"{planned_steps:.0f} planned steps"
     pays = f"pays back after {payback:.0f} steps" if gain_s > 0 else "no steady gain"
-    return Decision(
-        "compile",
-        keep,
-        f"auto: compiled step {compiled_ms:.2f} ms vs eager {eager_ms:.2f} ms (medians of {timed} each, "
-        f"interleaved, slowest rank), compile {compile_s:.2f} s: {pays}, {planned} -> "
-        + ("compiled" if keep else "eager for the rest of the fit"),
-    )
+    measured = f"compiled step {compiled_ms:.2f} ms vs eager {eager_ms:.2f} ms (medians of {timed} each, interleaved"
+    outcome = f"{pays}, {planned} -> " + ("compiled" if keep else "eager for the rest of the fit")
+    return Decision("compile", keep, f"auto: {measured}, slowest rank), compile {compile_s:.2f} s: {outcome}")
 
 
 class CompiledSteps:
-    """The ``compile=`` component of :class:`~lightning_solo.SoloDDP` (see the module docstring).
+    """The ``compile=`` component of :class:`~lightning_solo.SoloDDP`.
 
     Args:
         setting: ``False`` (stock: eager, unless the user passed ``torch.compile(model)``), ``True``, ``"auto"``,
@@ -78,11 +68,7 @@ class CompiledSteps:
             hint = " (or a dict of torch.compile options)"
             self.setting, self.options = check_choice("compile", setting, COMPILE_VALUES, hint), {}
         self.timed_steps = check_int("timed_steps", timed_steps)
-        self.decision = (
-            Decision("compile", False, "stock: the steps run eagerly")
-            if self.setting is False
-            else Decision("compile", self.setting, "compiled at setup, inside DDP's forward")
-        )
+        self.decision = _STOCK if self.setting is False else Decision("compile", self.setting, "compiled at setup")
         self.fallback: Decision | None = None
         self._module: Any = None  # the LightningModule whose steps are compiled (by us or by the user)
         self._ours = False  # compiled here: uncompiled at teardown
@@ -92,7 +78,7 @@ class CompiledSteps:
         self._after_first = False  # the first compiled training step is done
         self._ran_compiled = False  # a training step of the current optimizer step ran compiled
         self._ordered: weakref.ref | None = None  # the DDP wrapper whose buckets an eager step ordered
-        self._recompiles = 0
+        self.recompiles = 0  # frames Dynamo compiled in training steps after the first compiled one
         self._steps = 0  # optimizer steps in this fit
         self._failed_seen = 0
 
@@ -105,19 +91,12 @@ class CompiledSteps:
         """The training steps run compiled (from now on, or once "auto"'s trial starts)."""
         return self._module is not None
 
-    @property
-    def recompiles(self) -> int:
-        """Frames Dynamo compiled inside training steps after the first compiled one: recompiles of the step
-        (guards that failed) and first compiles of code the first step did not reach."""
-        return self._recompiles
-
-    # -------------------------------------------------------------------------------------------- the fit
     def setup(self, module: Any) -> Decision:
         """At a fit's setup, on every rank, before DDP wraps ``module``."""
         self._failed_seen = _frames_failed()
         users = lightning_compat.compiled_by_user(module)
         if self.setting is False and not users:
-            self.decision = Decision("compile", False, "stock: the steps run eagerly")
+            self.decision = _STOCK
             return self.decision
         if users:
             how = "fit(torch.compile(model)): Lightning compiled the steps with the user's options"
@@ -128,16 +107,12 @@ class CompiledSteps:
                 self._compile(module)
             how = f"torch.compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
         self._module = module
+        log, order = "self.log traced, as stock", ""
         if self.setting is not False:  # compile=False leaves the user's compile as Lightning applied it
             for name in _EAGER_METHODS:
                 self._patches.set(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
-        log = "self.log traced, as stock" if self.setting is False else "self.log eager"
-        order = (
-            ""
-            if self.setting is False
-            else "; each DDP wrapper's first synchronising step runs eagerly, so its buckets follow eager's "
-            "gradient order, the order the split follows"
-        )
+            log = "self.log eager"
+            order = "; each DDP wrapper's first synchronising step runs eagerly, so its buckets follow eager's order"
         where = (
             f"{how}: training_step compiled inside DDP's forward (the LightningModule, not the wrapper; {log}); "
             f"{_ddp_note()}{order}"
@@ -145,43 +120,27 @@ class CompiledSteps:
         if self.setting == "auto":
             self._state = _WAITING
             self.decision = Decision(
-                "compile",
-                "auto",
-                f"measuring once the unused-parameter policy and the comm hook settle; {where}",
+                "compile", "auto", f"measuring once the unused-parameter policy and the comm hook settle; {where}"
             )
         else:
-            self._state = _SETTLED
             self.decision = Decision("compile", True, f"{where}; re-wraps reuse the compiled code")
         return self.decision
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none while the steps
-        run eagerly as stock (``compile=False``, no ``fit(torch.compile(model))``)."""
+        """The step moments it takes part in (:mod:`lightning_solo.ddp.component`): none while the steps run eagerly
+        as stock."""
         if not self.compiled:
             return {}
         return {"batch_start": self._batch_start, "step": lambda strategy: self.step_context(strategy.model),
                 "after_step": lambda strategy, optimizer: self.after_step(strategy.root_device)}  # fmt: skip
 
     def _batch_start(self, strategy: Any) -> None:
-        trainer = strategy.lightning_module.trainer
-        decision = self.at_boundary(
-            strategy.settled,
-            strategy.root_device,
-            lambda: float(trainer.estimated_stepping_batches),
-            strategy.model,
-        )
-        if decision is not None:
-            strategy.record(decision)
-
-    def at_boundary(
-        self, settled: bool, device: torch.device, planned_steps: Callable[[], Any], wrapper: Any = None
-    ) -> Decision | None:
-        """At every batch start, on every rank alike. ``settled``: no re-wrap is pending from the unused-parameter
-        policy or comm_hook="auto" (the trial then times steady steps, once ``wrapper``'s buckets are ordered).
-        Returns a new decision, if any."""
-        new = self._check_fallback()
-        if self._state == _WAITING and settled and not self._orders_buckets(wrapper):
-            left, trial = _planned(planned_steps) - self._steps, len(self._trial.schedule)
+        """At every batch start, on every rank alike: "auto"'s trial starts once no re-wrap is pending
+        (``strategy.settled``) and the DDP wrapper's buckets are ordered, and decides at its end."""
+        if (fallback := self._check_fallback()) is not None:
+            strategy.record(fallback)
+        if self._state == _WAITING and strategy.settled and not self._orders_buckets(strategy.model):
+            left, trial = _planned(strategy) - self._steps, len(self._trial.schedule)
             if left < trial:  # every rank alike: the same steps done and planned
                 self._state = _SETTLED
                 self.decision = Decision(
@@ -189,19 +148,18 @@ class CompiledSteps:
                     "to measure or pay back a compile -> eager",
                 )  # fmt: skip
                 self._restore(uncompile=True)
-                return self.decision
+                strategy.record(self.decision)
+                return
             self._state = _TRIAL
             if not lightning_compat.compiled_by_user(self._module):
                 self._compile(self._module)
-        if self._state == _TRIAL and self._trial.batch_start(device) and self._trial.done:
-            return self._decide(device, planned_steps)
-        return new
+        if self._state == _TRIAL and self._trial.batch_start(strategy.root_device) and self._trial.done:
+            strategy.record(self._decide(strategy))
 
     @contextlib.contextmanager
     def step_context(self, wrapper: Any = None) -> Iterator[None]:
-        """Around each training step: "auto" runs eagerly before and between its compiled trial steps, and the
-        first synchronising step of each DDP ``wrapper`` that orders its buckets runs eagerly; the frames Dynamo
-        compiles inside a step after the first compiled one are counted (``recompiles``)."""
+        """Around each training step: eager before "auto"'s trial, on its eager arm and on the step that orders a DDP
+        ``wrapper``'s buckets; counts :attr:`recompiles`."""
         if not self.compiled:  # stock: nothing read, nothing counted
             yield
             return
@@ -214,7 +172,7 @@ class CompiledSteps:
             self._ordered = weakref.ref(wrapper)
         self._ran_compiled |= not eager
         if self._after_first:
-            self._recompiles += _frames_ok() - before
+            self.recompiles += _frames_ok() - before
 
     def after_step(self, device: torch.device) -> None:
         """At the end of every optimizer step."""
@@ -230,11 +188,8 @@ class CompiledSteps:
         """At the end of training: the decision with the recompiles counted."""
         self._check_fallback()
         if self.compiled and self._after_first:
-            self.decision = Decision(
-                "compile",
-                self.decision.value,
-                f"{self.decision.reason}; {self.recompiles} recompiles in training steps after the first compiled one",
-            )
+            counted = f"; {self.recompiles} recompiles in training steps after the first compiled one"
+            self.decision = Decision("compile", self.decision.value, self.decision.reason + counted)
         return self.decision
 
     def teardown(self) -> None:
@@ -242,26 +197,19 @@ class CompiledSteps:
         if self._module is not None:
             self._restore(uncompile=self._ours)
 
-    # -------------------------------------------------------------------------------------------- helpers
-    def _decide(self, device: torch.device, planned_steps: Callable[[], Any]) -> Decision:
-        times = self._trial.agree(device)
-        first, compiled, eager = (
-            times["compile"][0],
-            statistics.median(times["compiled"]),
-            statistics.median(times["eager"]),
-        )
-        self.decision = decide_compile(
-            compiled * 1e3, eager * 1e3, max(first - compiled, 0.0), _planned(planned_steps), self.timed_steps
-        )
+    def _decide(self, strategy: Any) -> Decision:
+        times = self._trial.agree(strategy.root_device)  # the slowest rank's, per step
+        compiled, eager = statistics.median(times["compiled"]), statistics.median(times["eager"])
+        compile_s = max(times["compile"][0] - compiled, 0.0)
+        self.decision = decide_compile(compiled * 1e3, eager * 1e3, compile_s, _planned(strategy), self.timed_steps)
         self._state = _SETTLED
         if not self.decision.value and self._module is not None:
             self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)
         return self.decision
 
     def _orders_buckets(self, wrapper: Any) -> bool:
-        """This step is ``wrapper``'s first synchronising backward, where DDP records the gradients' order for
-        its buckets (not with ``find_unused_parameters=True`` and no static graph: that reducer keeps its
-        buckets), and it runs eagerly for it. ``compile=False`` leaves the user's compile as stock runs it."""
+        """This step is ``wrapper``'s first synchronising backward, where DDP orders its buckets (a reducer that
+        searches for unused parameters keeps its own), so it runs eagerly; ``compile=False`` leaves stock's."""
         return (
             self.setting is not False
             and isinstance(wrapper, DistributedDataParallel)
@@ -286,19 +234,15 @@ class CompiledSteps:
             return None
         reasons = [key.split("\n")[0] for key in torch_compat.dynamo_counters()["unimplemented"]]
         limit = [r for r in reasons if "recompile limit" in r.lower()]
-        self.fallback = Decision(
-            "compile_fallback",
-            "eager",
-            f"{_frames_failed() - self._failed_seen} frames ran eagerly (Dynamo could not compile them): "
-            + "; ".join(limit or reasons[-3:] or ["Dynamo gave no reason"]),
-        )
+        why = "; ".join(limit or reasons[-3:] or ["Dynamo gave no reason"])
+        reason = f"{_frames_failed() - self._failed_seen} frames ran eagerly (Dynamo could not compile them): {why}"
+        self.fallback = Decision("compile_fallback", "eager", reason)
         return self.fallback
 
 
-def _planned(planned_steps: Callable[[], Any]) -> float:
-    """The fit's planned optimizer steps (``inf``: unbounded or unknown), read only when "auto" needs them."""
-    steps = planned_steps()
-    return float(steps) if steps is not None else math.inf
+def _planned(strategy: Any) -> float:
+    """The fit's planned optimizer steps (``inf``: unbounded), read only when "auto" needs them."""
+    return float(strategy.lightning_module.trainer.estimated_stepping_batches)
 
 
 def _frames_ok() -> int:

@@ -11,37 +11,33 @@ import torch.distributed as dist
 
 
 class Trial:
-    """Times the optimizer steps of ``schedule``, one arm each (``None``: a warm-up step, timed but not reported),
-    from the batch start that opens a step to the step's end. Call :meth:`batch_start` and :meth:`step_end` on
-    every rank alike; once :attr:`done`, :meth:`agree` (a collective) gives each arm's times."""
+    """Times the optimizer steps of ``schedule``, one arm each (``None``: warm-up, not reported), from the batch
+    start that opens a step to its end, on every rank alike; ``times``/``stepped``: a trial resumed."""
 
-    def __init__(self, schedule: Sequence[str | None]) -> None:
-        self.schedule = list(schedule)
-        self.times: list[float] = []  # this rank's seconds per step done
-        self.stepped = False  # the last batch ended an optimizer step
+    def __init__(self, schedule: Sequence[str | None], times: Sequence[float] = (), stepped: bool = False) -> None:
+        self.schedule, self.times = list(schedule), list(times)  # this rank's seconds per step done
+        self.stepped = stepped  # the last batch ended an optimizer step
         self._started: float | None = None
-
-    @property
-    def arm(self) -> str | None:
-        """The arm of the step running now."""
-        return self.schedule[len(self.times)]
-
-    @property
-    def done(self) -> bool:
-        return len(self.times) == len(self.schedule)
+        self.done = len(self.times) == len(self.schedule)
+        self.arm = None if self.done else self.schedule[len(self.times)]  # the step running now
 
     def batch_start(self, device: torch.device) -> bool:
         """At every batch start. True: a new optimizer step starts here (the previous batch ended one)."""
         new, self.stepped = self.stepped, False
         if self._started is None:
-            self._started = _now(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self._started = time.perf_counter()
         return new
 
     def step_end(self, device: torch.device) -> None:
-        """At the end of every optimizer step."""
         if self._started is not None:
-            self.times.append(_now(device) - self._started)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.times.append(time.perf_counter() - self._started)
             self._started, self.stepped = None, True
+            self.done = len(self.times) == len(self.schedule)  # attributes, not properties: no call per step
+            self.arm = None if self.done else self.schedule[len(self.times)]
 
     def agree(self, device: torch.device) -> dict[str, list[float]]:
         """Each arm's step times in seconds, the slowest rank's per step: one MAX all-reduce over the ranks."""
@@ -53,9 +49,3 @@ class Trial:
             if arm is not None:
                 per_arm.setdefault(arm, []).append(seconds)
         return per_arm
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # during a trial only
-    return time.perf_counter()

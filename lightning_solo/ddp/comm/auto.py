@@ -1,17 +1,8 @@
-"""``comm_hook="auto"``: try exact all-reduce and each compression hook for a few steps, keep the fastest.
+"""``comm_hook="auto"``: exact all-reduce and each compression hook tried for a few steps, the fastest kept
+(``strategy.decisions["comm_hook"]``; ``strategy.comm_hook.measured_ms``). See docs/comm-hooks.md."""
 
-Example::
-
-    strategy = SoloDDP(comm_hook="auto")
-    trainer.fit(model)
-    strategy.decisions["comm_hook"]       # value None (exact) or the hook; the measured times in the reason
-    strategy.comm_hook.measured_ms            # {"exact": 12.1, "fp16": 12.9, "bf16": 12.6, "powersgd": 19.8}
-
-See docs/comm-hooks.md."""
-
-# No `from __future__ import annotations`: DDP inspects hook annotations at registration (see hooks.py).
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision
-from lightning_solo.ddp.comm.hooks import CommHook, check_bucket_cap_mb
+from lightning_solo.ddp.comm.hooks import CommHook
 from lightning_solo.ddp.trial import Trial
 
 AUTO_CANDIDATES = (None, "fp16", "bf16", "powersgd")  # post-local-SGD changes the optimisation: never tried
@@ -48,11 +39,11 @@ def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> D
 def make_comm_hook(
     name: str | None, ddp_kwargs: Mapping[str, Any] | None = None, *, rewraps: bool = False, **options: Any
 ) -> CommHook:
-    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook`; ``options`` given
-    as ``None`` take the hook's defaults. ``ddp_kwargs``: SoloDDP's, checked against it (Lightning's
-    ``ddp_comm_hook``, ``bucket_cap_mb``); ``rewraps``: DDP may be re-wrapped (``find_unused_parameters="auto"``)."""
+    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook` (``None`` options:
+    the defaults), checked against SoloDDP's ``ddp_kwargs``; ``rewraps``: DDP may be re-wrapped."""
     ddp_kwargs = ddp_kwargs or {}
-    check_bucket_cap_mb(ddp_kwargs.get("bucket_cap_mb"))
+    what = "a positive number of megabytes (DDP's default is 25) or None for the default"  # DDP takes <= 0, then fails
+    check_number("bucket_cap_mb", ddp_kwargs.get("bucket_cap_mb"), optional=True, what=what)
     if name is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
         raise ValueError("pass either comm_hook= or Lightning's ddp_comm_hook= to SoloDDP, not both")
     if rewraps and type(ddp_kwargs.get("ddp_comm_state")) is PowerSGDState:
@@ -61,12 +52,12 @@ def make_comm_hook(
             "find_unused_parameters='auto' re-wraps DDP: use SoloDDP(comm_hook='powersgd') (the same "
             "algorithm, carried across re-wraps and checkpoints), or set find_unused_parameters=True/False"
         )
-    options = {k: v for k, v in options.items() if v is not None}  # the defaults live in CommHook alone
+    options = {k: v for k, v in options.items() if v is not None}
     return AutoCommHook(**options) if name == "auto" else CommHook(name, **options)
 
 
 class AutoCommHook(CommHook):
-    """A :class:`CommHook` whose hook is chosen by measurement during the first steps (see the module doc).
+    """A :class:`CommHook` whose hook is chosen by a :class:`~lightning_solo.ddp.trial.Trial` of the candidates.
 
     Args:
         candidates: the hooks tried, ``None`` being exact all-reduce.
@@ -99,13 +90,13 @@ class AutoCommHook(CommHook):
         self._waiting: tuple[Any, Any] | None = None  # a checkpoint's hook state, for the winner
         self._decision: Decision | None = None  # the hook kept, and why; None while measuring
 
-    def _new_trial(self) -> Trial:
-        steps = [None] * self.warmup_steps + [True] * self.trial_steps
-        return Trial([label(name) if timed else None for name in self.candidates for timed in steps])
+    def _new_trial(self, times: Sequence[float] = (), stepped: bool = False) -> Trial:
+        timed = [False] * self.warmup_steps + [True] * self.trial_steps
+        return Trial([label(name) if t else None for name in self.candidates for t in timed], times, stepped)
 
     @property
     def decided(self) -> bool:
-        """Whether the hook is chosen (measured, or taken from a checkpoint) rather than still on trial."""
+        """The hook is chosen (measured, or taken from a checkpoint)."""
         return self._decision is not None
 
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
@@ -149,37 +140,31 @@ class AutoCommHook(CommHook):
         self.state = self.hook = None  # a fresh hook on the next wrapper
 
     def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
-        """:meth:`CommHook.state_dict` of the hook running now (the one kept, or the candidate on trial), with
-        ``"auto"``: the choice and its measurement, or how far the trial got (this rank's times: a resume
-        gives every rank these, MAX-reduced at the trial's end all the same). Same arguments and collectives."""
+        """:meth:`CommHook.state_dict` of the hook running now, with ``"auto"``: the choice and its measurement, or
+        the trial so far (this rank's times)."""
         saved = super().state_dict(checkpoint_path, replica)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         record: dict[str, Any] = {"world_size": world, "candidates": [label(n) for n in self.candidates]}
         if self._decision is not None:
-            record.update(decided=True, name=self.name, reason=self._decision.reason)
-            record["measured_ms"] = dict(self.measured_ms)
+            record.update(decided=True, name=self.name, reason=self._decision.reason, measured_ms=self.measured_ms)
         else:
             record.update(decided=False, index=self._index, times=list(self.trial.times), stepped=self.trial.stepped)
         return {**saved, "auto": record}
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
-        """Take back :meth:`state_dict`'s result: the choice, kept without measuring again, or the trial, from
-        the candidate and step it had reached, each with its hook's state. The trial starts again for a
-        checkpoint of another number of ranks or other candidates, or of a fixed hook (no ``"auto"``), whose
-        state is then applied if the same hook wins."""
+        """Take back :meth:`state_dict`'s result: the choice, not measured again, or the trial where it was; a
+        trial starts again for other candidates or ranks, or a fixed hook's state (applied if that hook wins)."""
         saved = dict(saved or {})
         record = saved.pop("auto", None)
         if record is not None and self._resumable(record):
             self._waiting = None
             if record["decided"]:
-                reason = record["reason"]
-                if not reason.endswith(_NOT_MEASURED_AGAIN):
-                    reason += _NOT_MEASURED_AGAIN
+                reason = record["reason"].removesuffix(_NOT_MEASURED_AGAIN) + _NOT_MEASURED_AGAIN
                 self.measured_ms = dict(record["measured_ms"])
                 self._keep(Decision("comm_hook", record["name"], reason))
             else:
-                self._decision, self.measured_ms, self.trial = None, {}, self._new_trial()
-                self._index, self.trial.times, self.trial.stepped = record["index"], record["times"], record["stepped"]
+                self._decision, self.measured_ms, self._index = None, {}, record["index"]
+                self.trial = self._new_trial(record["times"], record["stepped"])
                 self._switch_to(self.candidates[self._index], _TRIAL_POWERSGD_START)
             if saved:
                 super().load_state_dict(saved, checkpoint_path)
@@ -189,7 +174,6 @@ class AutoCommHook(CommHook):
             self._waiting = (saved, checkpoint_path)  # applied if the same hook wins again
 
     def _resumable(self, record: dict[str, Any]) -> bool:
-        """Whether the checkpoint's choice or trial holds for this run: the same candidates and ranks."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         if record["candidates"] != [label(n) for n in self.candidates]:
             why = f"other candidates ({', '.join(record['candidates'])})"

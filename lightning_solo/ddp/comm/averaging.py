@@ -19,14 +19,9 @@ def node_groups(nodes: list[Any]) -> list[list[int]]:
 
 
 def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
-    """Average ``params`` over ``group`` (a collective), writing into each parameter's own storage.
-
-    torch's ``average_parameters`` makes every ``p.data`` a view of one flat buffer: ``channels_last`` weights
-    turn contiguous, convolutions re-layout on every call and DDP warns about mismatched strides. Here a
-    contiguous parameter of ``CHUNK_BYTES`` or more is all-reduced in place; the others go through flat
-    buffers below that size, which glibc's heap keeps for the next average (:mod:`lightning_solo.core.cpu_malloc`;
-    one buffer of all parameters would be mapped and faulted in afresh at every average on CPU).
-    """
+    """Average ``params`` over ``group`` (a collective) into each parameter's own storage (torch's makes them views
+    of one flat buffer: ``channels_last`` lost): a large contiguous one in place, the others through flat buffers
+    under ``CHUNK_BYTES``, which glibc's heap keeps for the next average. See docs/comm-hooks.md."""
     world = dist.get_world_size(group)
     for chunk in _chunks(params):
         in_place = len(chunk) == 1 and chunk[0].is_contiguous()
@@ -42,8 +37,7 @@ CHUNK_BYTES = cpu_malloc.MMAP_THRESHOLD // 2
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``params`` in order, grouped so that a group's bytes stay under ``CHUNK_BYTES`` (a larger parameter is a
-    group of its own)."""
+    """``params`` in order, in groups under ``CHUNK_BYTES`` each (a larger parameter alone)."""
     chunks: list[list[torch.Tensor]] = []
     size = 0
     for p in params:

@@ -1,17 +1,5 @@
 """DDP gradient communication hooks chosen by name (exact, fp16/bf16, PowerSGD, post-local-SGD), registered
-on every device, with state that goes into a checkpoint and comes back on resume.
-
-Example::
-
-    from lightning_solo import SoloDDP
-    trainer = L.Trainer(devices=4, strategy=SoloDDP(comm_hook="powersgd", powersgd_rank=2))
-
-    # on a raw DDP model (the process group is already initialised)
-    hook = CommHook("fp16")
-    print(hook.register(ddp_model))         # Decision: what was registered and why
-    extra = hook.state_dict(ckpt_path)      # every rank: writes its error-feedback shard beside ckpt_path
-
-See docs/comm-hooks.md."""
+on every device, with state that goes into a checkpoint and comes back on resume. See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import contextlib
@@ -30,21 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint import rank_shards
-from lightning_solo.core.checks import check_choice, check_int, check_number
+from lightning_solo.core.checks import check_choice, check_int
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.comm import powersgd_state
 from lightning_solo.ddp.comm.averaging import InPlaceAverager, average_in_place, node_groups
 from lightning_solo.ddp.comm.barrier import backend_for
 
-# batched_powerSGD_hook is deliberately absent: it fails an assertion in _orthogonalize in current torch.
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd", "post_local_sgd")
 CHECKPOINT_KEY = "lightning_solo.comm_hook"
-
-
-def check_bucket_cap_mb(bucket_cap_mb: Any) -> None:
-    """DDP accepts a negative or zero bucket size and then misbehaves; refuse it up front."""
-    what = "a positive number of megabytes (DDP's default is 25) or None for the default"
-    check_number("bucket_cap_mb", bucket_cap_mb, optional=True, what=what)
 
 
 def bf16_compress_any_build_hook(
@@ -55,10 +36,8 @@ def bf16_compress_any_build_hook(
     return torch_compat.compress_hook(torch.bfloat16, process_group, bucket)
 
 
-def _bf16_hook():
-    if torch.version.cuda is None and torch.version.hip is None:
-        return bf16_compress_any_build_hook
-    return default.bf16_compress_hook
+_CPU_ONLY = torch.version.cuda is None and torch.version.hip is None
+_BF16_HOOK = bf16_compress_any_build_hook if _CPU_ONLY else default.bf16_compress_hook
 
 
 class CommHook:
@@ -72,13 +51,6 @@ class CommHook:
         powersgd_start_iter: steps of exact all-reduce before PowerSGD starts compressing (>= 2).
         local_sgd_period: post-local-SGD: average parameters across all ranks every this many steps.
         local_sgd_warmup: post-local-SGD: fully synchronous steps before local steps start.
-
-    Example::
-
-        hook = CommHook("powersgd", powersgd_rank=2, powersgd_start_iter=100)
-        decision = hook.register(ddp_model)        # any backend: gloo, nccl
-        state = hook.state_dict(path)              # every rank: its own error-feedback shard beside path
-        hook.load_state_dict(state, path)          # every rank, before or after register()
     """
 
     def __init__(
@@ -108,18 +80,9 @@ class CommHook:
         self.own_replica = False  # each rank resumed its own model: the next DDP wrapper broadcasts nothing
 
     @property
-    def averaging_period(self) -> int | None:
-        """The model-averaging period Lightning's DDPStrategy needs for post-local-SGD, else None."""
-        return self.local_sgd_period if self.name == "post_local_sgd" else None
-
-    @property
     def local_step(self) -> bool:
-        """True once post-local-SGD's warm-up is over on one node: each rank keeps its own gradients.
-
-        torch's hook would then have DDP copy every gradient into buckets only to hand each bucket back
-        unchanged; SoloDDP runs such steps outside DDP's reducer instead (``require_backward_grad_sync=False``,
-        as ``no_sync`` does), which gives the same gradients without the bucketing and the per-step checks.
-        Across nodes the hook still all-reduces within each node, so it stays in the step."""
+        """True once post-local-SGD's warm-up is over on one node: each rank keeps its own gradients, and the
+        step runs outside DDP's reducer (docs/comm-hooks.md)."""
         state = self.state
         return (
             self.name == "post_local_sgd"
@@ -128,15 +91,9 @@ class CommHook:
             and state.iter >= state.start_localSGD_iter
         )
 
-    @property
-    def decided(self) -> bool:
-        """Whether the hook is chosen (a fixed hook always is; ``comm_hook="auto"`` once measured)."""
-        return True
-
     def register_on(self, strategy: Any) -> Decision:
-        """Register on ``strategy``'s DDP wrapper (every device: Lightning registers on CUDA only, a torch 1.8 limit
-        long gone), or Lightning's ``ddp_comm_hook=`` given instead; post-local-SGD gives DDPStrategy's setup the
-        state and period it starts its model averager from."""
+        """Register on ``strategy``'s DDP wrapper, on every device (or Lightning's ``ddp_comm_hook=``, given instead);
+        post-local-SGD hands DDPStrategy the state and period its model averager starts from."""
         if self.name is None and strategy._ddp_comm_hook is not None:
             lightning_compat.register_ddp_comm_hook(
                 strategy.model, strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
@@ -144,27 +101,21 @@ class CommHook:
             name = getattr(strategy._ddp_comm_hook, "__qualname__", repr(strategy._ddp_comm_hook))
             return Decision("comm_hook", name, "ddp_comm_hook given by the user")
         decision = self.register(strategy.model, node=strategy.node_rank)
-        if self.averaging_period is not None:
-            strategy._ddp_comm_state, strategy._model_averaging_period = self.state, self.averaging_period
+        if self.name == "post_local_sgd":
+            strategy._ddp_comm_state, strategy._model_averaging_period = self.state, self.local_sgd_period
         return decision
 
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
-        """Register the hook on ``ddp`` (every backend) and return the decision for the run summary.
-
-        ``node`` names this rank's node (default: its hostname); post-local-SGD all-reduces gradients within
-        the ranks of each node, whatever their rank numbers. Calling it again on a new DDP wrapper of the same
-        module keeps the hook's state.
-        """
+        """Register the hook on ``ddp`` (every backend), keeping its state across wrappers of one module. ``node``:
+        this rank's node (default: its hostname), for post-local-SGD's per-node gradient all-reduce."""
         if self.name is None:
             return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
         if self.name in ("fp16", "bf16"):
-            self.hook = default.fp16_compress_hook if self.name == "fp16" else _bf16_hook()
+            self.hook = default.fp16_compress_hook if self.name == "fp16" else _BF16_HOOK
             lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_hook=self.hook)
             error = "~1e-3" if self.name == "fp16" else "~1e-2"
             return Decision(
-                "comm_hook",
-                self.name,
-                f"gradients all-reduced in {self.name}: half the bytes, {error} relative error",
+                "comm_hook", self.name, f"gradients all-reduced in {self.name}: half the bytes, {error} relative error"
             )
         if self.name == "powersgd":
             return self._register_powersgd(ddp)
@@ -181,15 +132,12 @@ class CommHook:
         self.hook = powersgd_state.resumable_powerSGD_hook
         self._apply_saved()
         lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
-        serial = (
-            "; on gloo each bucket finishes before the next, to keep collectives in order" if self.state.serial else ""
-        )
-        return Decision(
-            "comm_hook",
-            "powersgd",
+        reason = (
             f"PowerSGD rank {self.powersgd_rank} with error feedback after {self.powersgd_start_iter} exact steps "
-            f"(torch's powerSGD_hook; its batched variant is broken in current torch){serial}",
+            "(torch's powerSGD_hook; its batched variant is broken in current torch)"
         )
+        serial = "; on gloo each bucket finishes before the next, to keep collectives in order"
+        return Decision("comm_hook", "powersgd", reason + (serial if self.state.serial else ""))
 
     def _register_post_local_sgd(self, ddp: DistributedDataParallel, node: Any) -> Decision:
         world = dist.get_world_size()
@@ -200,19 +148,16 @@ class CommHook:
             if 1 < len(groups) < world:
                 # Ranks of a node need not be contiguous (SLURM's cyclic distribution): group by the real node.
                 subgroup, _ = dist.new_subgroups_by_enumeration(groups)
-                sizes = sorted({len(g) for g in groups})
-                between = (
-                    f"gradients all-reduced within each of {len(groups)} nodes ({'/'.join(map(str, sizes))} ranks)"
-                )
+                sizes = "/".join(map(str, sorted({len(g) for g in groups})))
+                self._between = f"gradients all-reduced within each of {len(groups)} nodes ({sizes} ranks)"
             else:  # one node (or one process per node): nothing cheaper to all-reduce over than the world
-                subgroup, between = None, "no gradient communication"
+                subgroup, self._between = None, "no gradient communication"
             self.state = post_local.PostLocalSGDState(
                 process_group=None,
                 subgroup=subgroup,
                 start_localSGD_iter=self.local_sgd_warmup,
                 post_local_gradient_allreduce=subgroup is not None,
             )
-            self._between = between
         self.hook = post_local.post_localSGD_hook
         self._apply_saved()
         lightning_compat.register_ddp_comm_hook(ddp, ddp_comm_state=self.state, ddp_comm_hook=self.hook)
@@ -224,8 +169,7 @@ class CommHook:
         )
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): post-local-SGD's
-        local steps and averaging; none for a hook DDP runs by itself."""
+        """The step moments it takes part in (:mod:`lightning_solo.ddp.component`): post-local-SGD's only."""
         if self.name != "post_local_sgd":
             return {}
         return {"step": self._around_local_step, "after_step": self._after_local_step}
@@ -246,25 +190,16 @@ class CommHook:
             # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
             strategy.model.require_forward_param_sync = True
 
-    def at_boundary(self, device: torch.device) -> bool:
-        """At every batch start, on every rank: True to have SoloDDP re-wrap DDP and register again (a fixed
-        hook never asks; ``comm_hook="auto"`` does between its trials, see :mod:`lightning_solo.ddp.comm.auto`)."""
-        return False
-
-    def after_step(self, device: torch.device) -> None:
-        """At the end of every optimizer step (``comm_hook="auto"`` times its trials with it)."""
-
     def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
-        """Post-local-SGD: take Lightning's ``PeriodicModelAverager`` and return the one to use instead: same
-        schedule, but averaging in place (see :func:`average_in_place`)."""
+        """Post-local-SGD: Lightning's ``PeriodicModelAverager`` replaced by one on the same schedule averaging in
+        place (:func:`average_in_place`)."""
         self.averager = InPlaceAverager(averager.period, averager.warmup_steps, averager.process_group)
         self._apply_saved()
         return self.averager
 
     def average_after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Post-local-SGD, after every optimizer step, on every rank: the averager's schedule over every trainable
-        parameter ``optimizer`` holds, with a gradient this step or not, so that every rank averages the same
-        tensors (collective on averaging steps)."""
+        parameter ``optimizer`` holds, with a gradient or not, so that every rank averages the same tensors."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if self.local_step:
             self._trained_locally.update((id(p), p) for p in params)
@@ -276,16 +211,9 @@ class CommHook:
         average_in_place([p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally])
 
     def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The hook's state for a checkpoint. A collective for PowerSGD, and for post-local-SGD given a
-        ``replica``: call it on every rank.
-
-        State that differs per rank is never gathered: with ``checkpoint_path``, each rank writes its own
-        atomically beside it (:mod:`~lightning_solo.checkpoint.rank_shards`) and the result (for rank 0's checkpoint)
-        records every shard's sha256. PowerSGD: its error feedback, as large as the gradients (without
-        ``checkpoint_path``, this rank's own, for this rank's :meth:`load_state_dict`); Q memory and counters
-        are the same on all ranks. Post-local-SGD after its warm-up: ``replica``, this rank's model and
-        optimizer state (the checkpoint's ``state_dict`` and ``optimizer_states``), which differ between averages.
-        """
+        """The hook's state for a checkpoint; a collective for PowerSGD, and for post-local-SGD given a ``replica``
+        (this rank's model and optimizer state). What differs per rank goes into its own shard beside
+        ``checkpoint_path``, the result records their sha256 (docs/comm-hooks.md)."""
         if self.state is None:
             return {}
         if self.name == "post_local_sgd":
@@ -303,12 +231,6 @@ class CommHook:
             return saved
         return powersgd_state.state_dict(self.state, checkpoint_path)
 
-    def take_replica(self) -> dict[str, Any] | None:
-        """After :meth:`load_state_dict` of a post-local-SGD checkpoint saved between averages: this rank's own
-        model and optimizer state, to resume from instead of rank 0's (once; None otherwise)."""
-        replica, self._replica = self._replica, None
-        return replica
-
     def add_to_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, collective: bool) -> None:
         """The hook's state into a full ``checkpoint`` (each rank's shard written beside ``filepath``);
         ``collective=False`` (a save on an exception): what needs no other rank (not PowerSGD's gathered state)."""
@@ -320,18 +242,16 @@ class CommHook:
             checkpoint[CHECKPOINT_KEY] = hook_state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """The hook's state from ``checkpoint`` (applied when registered; each rank's shard read beside it), and a
-        post-local-SGD replica saved between averages put in its place: Lightning restores this rank's own
-        model and optimizer state, and the next DDP wrapper must not broadcast rank 0's over it (:attr:`own_replica`)."""
+        """The hook's state from ``checkpoint``, and a post-local-SGD replica saved between averages put in its
+        place: this rank's own model and optimizer state, which the next DDP wrapper keeps (:attr:`own_replica`)."""
         self.load_state_dict(checkpoint.get(CHECKPOINT_KEY), checkpoint_path)
-        if (replica := self.take_replica()) is not None:
-            checkpoint.update(replica)
-            self.own_replica = True
+        if self._replica is not None:
+            checkpoint.update(self._replica)
+            self._replica, self.own_replica = None, True
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
-        """Take back :meth:`state_dict`'s result, on every rank; applied now or at :meth:`register`.
-        ``checkpoint_path``: the checkpoint it came from, beside which this rank's shard is read."""
-        # Without comm_hook="auto"'s record of its choice: a fixed hook takes the hook state only.
+        """Take back :meth:`state_dict`'s result (this rank's shard read beside ``checkpoint_path``), on every rank;
+        applied now or at :meth:`register`. A fixed hook ignores ``comm_hook="auto"``'s record."""
         saved = {key: value for key, value in (saved or {}).items() if key != "auto"}
         if not saved:
             return
@@ -348,8 +268,7 @@ class CommHook:
             self._apply_saved()
 
     def _this_rank(self, saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
-        """``saved`` with this rank's error feedback, read from its shard (needs the process group). Outside one
-        (a notebook's parent between two fits) it waits for the next fit's ranks, at :meth:`register`."""
+        """``saved`` with this rank's error feedback or replica, read from its shard (needs the process group)."""
         if saved.pop("_resolved", False):
             return saved
         world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,9 +1,5 @@
-"""PowerSGD's state, carried across DDP's bucket rebuild and across checkpoint/resume.
-
-torch keys PowerSGD's error feedback and warm-start memory by bucket index; this module keeps them per
-parameter name while the layout may change, exports them for a checkpoint (error feedback as one shard file per
-rank beside it) and puts them back on resume, whatever DDP's bucket layout is then.
-"""
+"""PowerSGD's state, carried across DDP's bucket rebuild and across checkpoint/resume: kept per parameter name
+while the bucket layout may change (torch keys it by bucket index). See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import warnings
@@ -19,18 +15,11 @@ from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint import rank_shards
 from lightning_solo.core.rng import numpy_state, set_numpy_state
 
-# DDP rebuilds its buckets once, at the start of its second iteration (later with static_graph); follow the
-# layout for this many iterations after each registration, then stop checking.
-_WATCH_ITERATIONS = 3
+_WATCH_ITERATIONS = 3  # DDP rebuilds its buckets once, early (later with static_graph): follow the layout this long
 
 
 class _PowerSGDState(powersgd.PowerSGDState):
-    """torch's PowerSGD state, plus what is needed to move it between bucket layouts.
-
-    ``pending`` holds error feedback and warm-start Qs per parameter name, waiting for the bucket that holds
-    those parameters; ``layout`` records which parameters each bucket holds (followed while ``watch`` > 0,
-    after which DDP no longer re-buckets).
-    """
+    """torch's PowerSGD state, plus what moves it between bucket layouts."""
 
     __slots__ = ("layout", "names", "pending", "seen", "serial", "shapes", "watch")
     layout: dict[int, tuple[int, ...]]  # bucket index -> the ids of its parameters
@@ -43,22 +32,13 @@ class _PowerSGDState(powersgd.PowerSGDState):
 
 
 def resumable_powerSGD_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook``, carried across DDP's bucket rebuild and across checkpoint/resume.
-
-    torch keys error feedback and warm-start memory by bucket index, which is only valid for one bucket layout;
-    DDP rebuilds its buckets after its first iteration, so state restored from a checkpoint (or kept across a
-    re-wrap) would land in the wrong buckets. For the first few iterations this hook checks the layout and
-    re-assembles the state per parameter when it changes; afterwards it is ``powerSGD_hook`` itself.
-    """
+    """torch's ``powerSGD_hook``, which for its first iterations re-assembles the state per parameter when DDP's
+    bucket layout changes (a rebuild, a re-wrap, a resume); afterwards ``powerSGD_hook`` itself."""
     if state.watch:
         _follow_layout(state, bucket)
     fut = powersgd.powerSGD_hook(state, bucket)
     if state.serial:
-        # powerSGD_hook issues its 2nd and 3rd all-reduce from future callbacks. On gloo those run when the
-        # previous one completes, in a background thread, so with several buckets the ranks can issue them
-        # in different orders and gloo aborts ("Received data size doesn't match"). Finishing each bucket
-        # before DDP hands over the next keeps the order identical on all ranks.
-        fut.wait()
+        fut.wait()  # gloo: callbacks issue the later all-reduces; one bucket at a time keeps the ranks' order
     return fut
 
 
@@ -79,8 +59,7 @@ def follow(state: _PowerSGDState, module: torch.nn.Module) -> None:
 
 def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, Any]:
     """``CommHook.state_dict`` for PowerSGD (a collective): error feedback into this rank's shard beside
-    ``checkpoint_path`` (without one, a notebook parent's copy for the next fit: every rank's, gathered), Q
-    memory and counters in the result."""
+    ``checkpoint_path`` (without one: every rank's, gathered), Q memory and counters in the result."""
     live = _per_parameter(state, state.layout)
     errors = {**state.pending.get("error", {}), **live["error"]}
     qs = {**state.pending.get("q", {}), **live["q"]}
@@ -90,11 +69,7 @@ def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, 
         "world_size": dist.get_world_size(),
         "iter": state.iter,
         "rng": numpy_state(state.rng),
-        "stats": [
-            state.total_numel_before_compression,
-            state.total_numel_after_compression,
-            state.next_stats_report,
-        ],
+        "stats": [state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report],
         "q": {name: t.detach().cpu().clone() for name, t in qs.items()},
     }
     if checkpoint_path is None:  # for a notebook's next fit: every rank's, gathered
@@ -105,8 +80,7 @@ def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, 
 
 
 def apply_saved(state: _PowerSGDState, saved: dict[str, Any]) -> None:
-    """Put :func:`state_dict`'s result (this rank's error feedback already read) back into ``state``; it reaches
-    the buckets as DDP hands them over."""
+    """:func:`state_dict`'s result (this rank's error feedback) back into ``state``, for the buckets to come."""
     state.iter = saved["iter"]
     set_numpy_state(state.rng, saved["rng"])
     state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report = saved["stats"]
@@ -121,8 +95,7 @@ def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
     index, params = bucket.index(), bucket.parameters()
     ids = tuple(id(p) for p in params)
     if state.layout.get(index, ids) != ids:
-        # DDP re-bucketed at this iteration's forward. Buckets already reduced in this iteration kept their
-        # parameters (and may still be writing their state, on NCCL): leave them, move the rest.
+        # DDP re-bucketed at this iteration's forward: move all but the buckets reduced already.
         to_pending(state, keep=state.seen)
     if index not in state.layout:
         state.layout[index] = ids
@@ -137,20 +110,15 @@ def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
             left = sorted(set(state.pending.get("error", {})) | set(state.pending.get("q", {})))
             if left:
                 warnings.warn(f"PowerSGD state for {left} matched no DDP bucket and was dropped", stacklevel=2)
-            # The layout is final now (DDP rebuilds once); keep it for state_dict().
-            state.pending = {}
+            state.pending = {}  # the layout is final now: kept for state_dict()
 
 
 def _q_order(shapes: list[torch.Size], state: powersgd.PowerSGDState) -> list[tuple[int, int, int]]:
-    """(position in bucket, Q length, P length) of the tensors PowerSGD compresses, in its memory order.
-
-    Mirrors ``powerSGD_hook``: a tensor is viewed as (shape[0], rest), compressed when worth it, and the
-    compressed ones are grouped by matrix shape in order of first appearance.
-    """
+    """(position in bucket, Q length, P length) of the tensors PowerSGD compresses, in ``powerSGD_hook``'s memory
+    order: grouped by (shape[0], rest) matrix shape in order of first appearance."""
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for pos, shape in enumerate(shapes):
-        n = shape[0]
-        m = prod(shape) // n
+        n, m = shape[0], prod(shape) // shape[0]
         rank = min(n, m, state.matrix_approximation_rank)
         if torch_compat.should_compress(n, m, rank, state.min_compression_rate):
             groups.setdefault((n, m), []).append((pos, m * rank, n * rank))
@@ -192,20 +160,14 @@ def _assemble(state: _PowerSGDState, index: int, ids: tuple[int, ...], device, d
     shapes = [state.shapes[i] for i in ids]
     errors = state.pending.get("error", {})
     if any(name in errors for name in names):
-        state.error_dict[index] = torch.cat(
-            [
-                errors.pop(name).reshape(-1).to(device, dtype)
-                if name in errors
-                else torch.zeros(prod(s), device=device, dtype=dtype)
-                for name, s in zip(names, shapes)
-            ]
-        )
+        parts = [errors.pop(name) if name in errors else torch.zeros(s) for name, s in zip(names, shapes)]
+        state.error_dict[index] = torch.cat([part.reshape(-1).to(device, dtype) for part in parts])
     qs = state.pending.get("q", {})
     order = _q_order(shapes, state)
     found = [qs.pop(names[pos], None) for pos, _, _ in order]
     fitting = [q for q, (_, length, _) in zip(found, order) if q is not None and q.numel() == length]
     if order and len(fitting) == len(order):
         state.q_memory_dict[index] = torch.cat([q.reshape(-1) for q in fitting]).to(device, dtype)
-        # P is overwritten before it is read; it only has to exist so that torch warm-starts from Q.
+        # P only has to exist (it is overwritten before it is read) for torch to warm-start from Q.
         p_length = sum(p for _, _, p in order)
         state.p_memory_dict[index] = torch.empty(p_length, device=device, dtype=dtype)
