@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lightning_solo import SoloDDP
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo.callbacks import SoloCheckpoint
 from lightning_solo.ddp.compile import CompiledSteps, decide_compile
@@ -277,6 +278,15 @@ def test_decide_compile_pays_back_within_the_planned_run():
     assert decide_compile(10.0, 20.0, 1.0, math.inf, 3).value is True
     assert decide_compile(20.0, 10.0, 0.0, math.inf, 3).value is False  # compiled is slower
     assert "pays back after 100 steps" in decide_compile(10.0, 20.0, 1.0, 100, 3).reason
+
+
+def test_the_eager_log_is_the_modules_own_again_after_teardown():
+    module = _model()
+    steps = CompiledSteps(CHEAP)
+    assert steps.setup(module).value is True and "log" in module.__dict__ and "log_dict" in module.__dict__
+    steps.teardown()
+    assert "log" not in module.__dict__ and "log_dict" not in module.__dict__
+    assert module.log.__func__ is L.LightningModule.log and not lightning_compat.compiled_by_user(module)
 
 
 def test_compile_setting_is_checked():
