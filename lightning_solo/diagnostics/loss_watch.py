@@ -1,13 +1,5 @@
 """LossWatch: a non-finite loss or gradient on any rank stops every rank, before any checkpoint holds it; spikes,
-a climbing trend and a loss that differs between ranks become advice.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[LossWatch()])
-    trainer.fit(model, dm)        # NonFiniteLossError on every rank at the first non-finite step
-    trainer.callbacks[0].advice   # spikes, climbs, see-saw, rank spread, each with the fix
-
-See docs/diagnostics.md."""
+a climbing trend and a loss that differs between ranks become advice. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -38,9 +30,7 @@ def decide_grad_check(requested: bool, has_scaler: bool) -> Decision:
         return Decision("loss_watch.grad_norm", False, "set by the user")
     if has_scaler:
         return Decision(
-            "loss_watch.grad_norm",
-            False,
-            "fp16 GradScaler: it skips steps with inf gradients and lowers its scale",
+            "loss_watch.grad_norm", False, "fp16 GradScaler: it skips steps with inf gradients and lowers its scale"
         )
     return Decision("loss_watch.grad_norm", True, "a non-finite gradient norm stops the run like a non-finite loss")
 
@@ -49,9 +39,7 @@ def decide_stop(stop_before_step: bool) -> Decision:
     """When the per-step check is read: at once, before the optimizer step, or one step later."""
     if stop_before_step:
         return Decision(
-            "loss_watch.stop",
-            "before the step",
-            "set by the user: a host sync per step, the bad update never applied",
+            "loss_watch.stop", "before the step", "set by the user: a host sync per step, the bad update never applied"
         )
     return Decision(
         "loss_watch.stop",

@@ -1,11 +1,4 @@
 """Preflight: before a fit spends hours, every rank checks its launch, its peers and its training setup.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[Preflight(strict=False)])
-    trainer.fit(model, dm)
-    trainer.callbacks[0].findings      # what was found (warnings; errors raise PreflightError)
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""ProfilerWindow: torch's profiler over a window of training batches, one Chrome/Kineto trace per GLOBAL rank.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ProfilerWindow(dirpath="run/profile", wait=5, active=3)])
-    # the runner: python -m lightning_solo.run profile=window
-
+"""ProfilerWindow: torch's profiler over a window of training batches, one trace per GLOBAL rank.
 See docs/diagnostics.md."""
 
 from __future__ import annotations

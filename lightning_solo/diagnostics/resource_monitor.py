@@ -1,13 +1,5 @@
-"""ResourceMonitor: CPU, resident memory and (via NVML) GPU utilisation and memory on every rank, logged to the
-run's loggers as the min and max across ranks, like Composer's SystemMetricsMonitor.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ResourceMonitor(interval_s=30)])
-    # logs system/cpu/process_percent_min, ..._max, system/gpu/util_percent_min, ... every ~30 s
-    trainer.callbacks[0].peaks      # the highest value of each key on any rank
-
-See docs/diagnostics.md."""
+"""ResourceMonitor: CPU, resident memory and (NVML) GPU use on every rank, logged as the min and max across
+ranks. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

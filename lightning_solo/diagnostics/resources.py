@@ -1,13 +1,5 @@
-"""What one process uses right now: CPU (machine and process), resident memory, and on GPU the device's
-utilisation and memory through NVML (``nvidia-ml-py``, optional: ``pip install "lightning_solo[gpu]"``).
-
-Example::
-
-    decision = decide_sources(torch.device("cuda", 0))   # psutil, plus NVML when it answers
-    sampler = ResourceSampler(torch.device("cuda", 0), nvml=decision.value == ["psutil", "nvml"])
-    dict(zip(sampler.keys, sampler.sample()))            # {"cpu/system_percent": 31.0, ...}
-
-See docs/diagnostics.md."""
+"""What one process uses now: CPU, resident memory and, on GPU, the device's utilisation and memory through
+NVML (``nvidia-ml-py``, the ``gpu`` extra)."""
 
 from __future__ import annotations
 
@@ -50,20 +42,13 @@ class ResourceSampler:
         self._process.cpu_percent(None)
 
     def sample(self) -> list[float]:
-        values = [
-            psutil.cpu_percent(None),
-            self._process.cpu_percent(None),
-            self._process.memory_info().rss / _GIB,
-        ]
+        values = [psutil.cpu_percent(None), self._process.cpu_percent(None), self._process.memory_info().rss / _GIB]
         if self.device.type == "cuda":
             values += self._gpu() if self.nvml else [math.nan, math.nan]
         return values
 
     def _gpu(self) -> list[float]:
         try:
-            return [
-                float(torch.cuda.utilization(self.device)),
-                torch.cuda.device_memory_used(self.device) / _GIB,
-            ]
+            return [float(torch.cuda.utilization(self.device)), torch.cuda.device_memory_used(self.device) / _GIB]
         except Exception:  # noqa: BLE001 - a driver hiccup must not stop training: report unknown
             return [math.nan, math.nan]

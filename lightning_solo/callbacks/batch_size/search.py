@@ -90,12 +90,7 @@ def search_batch_size(
 
 
 def decide_batch_size(
-    search: Search,
-    low: float,
-    high: float,
-    per_rank: list[float],
-    budget: str,
-    reserved: list[float] | None = None,
+    search: Search, low: float, high: float, per_rank: list[float], budget: str, reserved: list[float] | None = None
 ) -> Decision:
     """The Decision for ``search``: the batch, what every rank measured for it (allocated, and the allocator's
     reserved peak where known), the band and the probes."""

@@ -30,11 +30,7 @@ from typing_extensions import override
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.callbacks.lr.groups import ScaledParamGroups, lr_names
 from lightning_solo.callbacks.lr.plot import plot_schedule
-from lightning_solo.callbacks.lr.schedule import (
-    LRSchedule,
-    ScheduleOptions,
-    total_optimizer_steps,
-)
+from lightning_solo.callbacks.lr.schedule import LRSchedule, ScheduleOptions, total_optimizer_steps
 from lightning_solo.core.batch_size import global_batch
 from lightning_solo.core.checks import check_int
 from lightning_solo.core.decision import Decision, DecisionLog
@@ -76,11 +72,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        warmup = {
-            "warmup_epochs": warmup_epochs,
-            "warmup_steps": warmup_steps,
-            "warmup_fraction": warmup_fraction,
-        }
+        warmup = {"warmup_epochs": warmup_epochs, "warmup_steps": warmup_steps, "warmup_fraction": warmup_fraction}
         # Validated here so that a bad value fails at construction, not at the first step.
         self.options = ScheduleOptions(
             rule=rule,
@@ -155,9 +147,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         batches = trainer.num_training_batches
         self.steps_per_epoch = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
         self.schedule, decisions = self.build_schedule(
-            batch.value,
-            total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
-            self.steps_per_epoch,
+            batch.value, total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok), self.steps_per_epoch
         )
         for decision in decisions:
             self._decide(decision)
@@ -267,10 +257,7 @@ class WarmupScaledLR(DecisionLog, Callback):
             self._restored = dict(state_dict)
             if "schedule" in state_dict:  # the fit's schedule until on_train_start builds the next one
                 self.schedule = LRSchedule(**state_dict["schedule"])
-                self.global_batch, self.steps_per_epoch = (
-                    state_dict["global_batch"],
-                    state_dict["steps_per_epoch"],
-                )
+                self.global_batch, self.steps_per_epoch = (state_dict["global_batch"], state_dict["steps_per_epoch"])
                 self._base_lrs = state_dict["base_lrs"]
 
     # ---------------------------------------------------------------- plotting

@@ -1,11 +1,5 @@
-"""The doctor's chart (``doctor.png``): the time split per step stacked, global throughput, and the loss of
-every rank, against the optimizer step. Needs matplotlib (``pip install lightning_solo[plot]``); without it
-:func:`plot_doctor` returns ``None`` and the report says so.
-
-Example::
-
-    path = plot_doctor(series(gathered, timer.bin_ends), "run/doctor.png")
-"""
+"""The doctor's chart (``doctor.png``): the time split per step, global throughput and every rank's loss against the
+optimizer step. Needs matplotlib (the ``plot`` extra); without it :func:`plot_doctor` returns ``None``."""
 
 from __future__ import annotations
 
@@ -27,13 +21,12 @@ def plot_doctor(series: dict[str, Any], path: str | Path, title: str = "Training
         return None
     fig = Figure(figsize=(8, 9))
     split, speed, loss = fig.subplots(3, 1, sharex=True)
-    # Each bin holds from its first step to its last: draw it over that span.
+    # Each bin is drawn over its steps; the split is the mean rank's (ranks wait for each other).
     edges = [steps[0] - ranks[0]["steps"][0], *steps]
 
     def held(values: list[Any]) -> list[Any]:
         return [*values, values[-1]]
 
-    # The split of the mean rank: they wait for each other, so their steps take the same time.
     stacked = [held([sum(r[key][i] for r in ranks) / len(ranks) for i in range(len(steps))]) for key, _ in PARTS]
     split.stackplot(edges, stacked, labels=[label for _, label in PARTS], step="post")
     split.set_ylabel("ms per step (mean rank)")

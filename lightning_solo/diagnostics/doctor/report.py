@@ -1,13 +1,5 @@
 """The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
-the straggler and the verdict, printed as a table and kept as a dict (``doctor.json``).
-
-Example::
-
-    ranks = gather_ranks(timer.take_window(), timer.total, timer.bins, {"peak_memory_mib": 812.0}, device)
-    report = summarize(ranks, "window", setup, reference=None)      # every rank computes the same
-    print(format_table(report))
-
-See docs/diagnostics.md."""
+the straggler and the verdict; printed as a table, kept as a dict (``doctor.json``). See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -18,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lightning_solo.core import ranks as ranks_
 from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.diagnostics.checks.collectives import gather_rows
 from lightning_solo.diagnostics.doctor.timing import (
     COMM,
     DATA,
@@ -63,21 +54,15 @@ def gather_ranks(
     bins are the same length everywhere: they close at the same optimizer steps)."""
     row = [*window.values(), *total.values(), *(float(extra.get(k, 0.0)) for k in EXTRA)]
     row += [value for bin_ in bins for value in bin_.values()]
-    mine = torch.tensor(row, dtype=torch.float64, device=device)
-    parts = [mine]
-    if ranks_.world_size() > 1:
-        parts = [torch.empty_like(mine) for _ in range(ranks_.world_size())]
-        dist.all_gather(parts, mine)
-    n = len(FIELDS)
+    n, head = len(FIELDS), 2 * len(FIELDS) + len(EXTRA)
     out = []
-    for part in parts:
-        values = part.tolist()
-        head, rest = values[: 2 * n + len(EXTRA)], values[2 * n + len(EXTRA) :]
+    for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist():
+        rest = values[head:]
         out.append(
             {
-                "window": head[:n],
-                "total": head[n : 2 * n],
-                **dict(zip(EXTRA, head[2 * n :])),
+                "window": values[:n],
+                "total": values[n : 2 * n],
+                **dict(zip(EXTRA, values[2 * n : head])),
                 "bins": [rest[i : i + n] for i in range(0, len(rest), n)],
             }
         )
@@ -115,10 +100,7 @@ def throughput(per_rank: list[list[float]], reference: float | None = None) -> d
 
 
 def summarize(
-    gathered: list[dict[str, Any]],
-    which: str,
-    setup: Setup,
-    reference: float | None = None,
+    gathered: list[dict[str, Any]], which: str, setup: Setup, reference: float | None = None
 ) -> dict[str, Any]:
     """The report over ``which`` ("window": since the last report, "total": since the warm-up)."""
     per_rank = [g[which] for g in gathered]
@@ -130,27 +112,21 @@ def summarize(
         setup,
         idle_cores=int(min(g["idle_cores"] for g in gathered)),
         memory_fraction=max(
-            (g["peak_memory_mib"] / g["memory_total_mib"] for g in gathered if g["memory_total_mib"]),
-            default=None,
+            (g["peak_memory_mib"] / g["memory_total_mib"] for g in gathered if g["memory_total_mib"]), default=None
         ),
     )
     verdict = diagnose(times, setup)
-    rows = []
-    for rank, (sums, t, g) in enumerate(zip(per_rank, times, gathered)):
-        seconds = _seconds(sums)
-        rows.append(
-            {
-                "rank": rank,
-                "step_ms": t.step_ms,
-                "data_ms": t.data_ms,
-                "compute_ms": t.compute_ms,
-                "comm_ms": t.comm_ms,
-                "optimizer_ms": t.optimizer_ms,
-                "samples_per_s": sums[SAMPLES] / seconds if seconds > 0 else 0.0,
-                "peak_memory_mib": g["peak_memory_mib"],
-                "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
-            }
-        )
+    rows = [
+        {
+            "rank": rank,
+            "step_ms": t.step_ms,
+            **dataclasses.asdict(t),
+            "samples_per_s": sums[SAMPLES] / _seconds(sums) if _seconds(sums) > 0 else 0.0,
+            "peak_memory_mib": g["peak_memory_mib"],
+            "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
+        }
+        for rank, (sums, t, g) in enumerate(zip(per_rank, times, gathered))
+    ]
     step_ms = sum(t.step_ms for t in times) / len(times)
     straggler: dict[str, Any] = {
         "rank": verdict.straggler,
@@ -185,18 +161,14 @@ def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any
     ranks: list[dict[str, Any]] = []
     for g in gathered:
         bins = g["bins"][:n]
-        steps = [max(b[STEPS], 1.0) for b in bins]
-        times = [rank_times(b) for b in bins]
+        times = [dataclasses.asdict(rank_times(b)) for b in bins]
         ranks.append(
             {
-                "data_ms": [t.data_ms for t in times],
-                "compute_ms": [t.compute_ms for t in times],
-                "comm_ms": [t.comm_ms for t in times],
-                "optimizer_ms": [t.optimizer_ms for t in times],
+                **{part: [t[part] for t in times] for part in ("data_ms", "compute_ms", "comm_ms", "optimizer_ms")},
                 "loss": [b[LOSS] / b[LOSS_N] if b[LOSS_N] else None for b in bins],
                 "samples": [b[SAMPLES] for b in bins],
                 "seconds": [_seconds(b) for b in bins],
-                "steps": steps,
+                "steps": [max(b[STEPS], 1.0) for b in bins],
             }
         )
     global_: list[float] = []
@@ -211,11 +183,7 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
     if not report.get("steps"):
         return f"{title}: no optimizer step measured after the warm-up"
     head = f"{'rank':>4}  {'step ms':>8}  {'data':>7}  {'compute':>7}  {'comm':>7}  {'optim':>7}  {'samples/s':>9}  {'peak MiB':>8}  {'loss':>8}"
-    lines = [
-        "",
-        f"{title}: {report['steps']} steps, {report['world_size']} rank(s), {report['device']}",
-        head,
-    ]
+    lines = ["", f"{title}: {report['steps']} steps, {report['world_size']} rank(s), {report['device']}", head]
     for r in report["ranks"]:
         loss = f"{r['loss']:8.4g}" if r["loss"] is not None else f"{'-':>8}"
         lines.append(

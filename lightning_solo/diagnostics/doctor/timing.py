@@ -1,16 +1,5 @@
-"""Where one rank's training time goes: data wait, forward+backward, optimizer step and the communication DDP
-could not hide, summed per optimizer step into a few hundred bins (the chart) and running totals (the verdict).
-
-Example::
-
-    timer = StepTimer(torch.device("cpu"), comm=ExposedComm())
-    timer.recording = True
-    for batch in loader:                      # in a Lightning callback: the batch and optimizer hooks
-        timer.comm.watch(trainer.strategy.model)
-        timer.batch_start(); ...; timer.before_optimizer(); ...; timer.batch_end(len(batch), loss)
-    window = timer.take_window()              # Sums since the last call; timer.bins for the chart
-
-See docs/diagnostics.md."""
+"""One rank's time split (data wait, forward+backward, optimizer, the communication DDP could not hide), summed
+per optimizer step into chart bins and running totals. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -50,7 +39,7 @@ class Sums:
 
 
 class ExposedComm:
-    """Exposed communication per synchronised iteration, from DDP's reducer timings (see the module doc)."""
+    """Exposed communication per synchronised iteration, from DDP's reducer timings."""
 
     def __init__(self, sample_rate: int = 1) -> None:
         self.sample_rate = sample_rate
@@ -58,13 +47,7 @@ class ExposedComm:
         self._base = (0, 0.0)  # (iterations recorded, their exposed nanoseconds) at the last read
         self._carry = (0, 0.0)  # what replaced wrappers recorded since the last read
         self._mean_s = 0.0
-        self._measured = False
         self.iterations = 0  # DDP iterations read so far, over every wrapper followed
-
-    @property
-    def measured(self) -> bool:
-        """Whether a DDP wrapper has been followed (its timings are the exposed communication)."""
-        return self._measured
 
     def watch(self, model: Any) -> None:
         """Follow ``model`` (cheap: an identity check per batch). A new DDP wrapper (SoloDDP re-wraps when the
@@ -75,7 +58,7 @@ class ExposedComm:
             return
         if self._ddp is not None:
             self.read_out(self._ddp)
-        self._ddp, self._base, self._measured = model, (0, 0.0), True
+        self._ddp, self._base = model, (0, 0.0)
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
 
     def read_out(self, ddp: DistributedDataParallel) -> None:
@@ -99,8 +82,6 @@ class ExposedComm:
     def mean_since_last_read(self) -> float:
         """Seconds of exposed communication per synchronised iteration since the last call (the previous
         value when DDP recorded none since)."""
-        if not self._measured:
-            return 0.0
         n, ns = self._recorded(self._ddp) if self._ddp is not None else self._base  # between wrappers: (0, 0)
         count, total = n - self._base[0] + self._carry[0], ns - self._base[1] + self._carry[1]
         self._base, self._carry = (n, ns), (0, 0.0)
@@ -145,14 +126,8 @@ def recorded_iterations(iteration: int, rate: int) -> int:
 
 
 class StepTimer:
-    """One rank's time split, from the batch and optimizer hooks (see the module doc).
-
-    Args:
-        device: the rank's device; CUDA times with events, anything else with the host clock.
-        comm: where exposed communication comes from (``None``: not measured, counted as 0).
-        bin_steps: optimizer steps per chart bin at first (DDP's data is read once per bin); bins double in
-            width past ``max_bins``.
-    """
+    """One rank's time split from the batch and optimizer hooks: CUDA events on CUDA, else the host clock. Bins
+    of ``bin_steps`` optimizer steps (DDP's data is read once per bin) double in width past ``max_bins``."""
 
     def __init__(
         self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 16, max_bins: int = 256

@@ -1,20 +1,11 @@
-"""The doctor's verdict: from a small record of measured times to what bounds the run and what to change.
-
-Example::
-
-    ranks = [RankTimes(data_ms=40, compute_ms=8, comm_ms=1, optimizer_ms=1)] * 2
-    verdict = diagnose(ranks, Setup(device="cpu", world_size=2, num_workers=0, idle_cores=3))
-    verdict.bound                    # "data"
-    verdict.remedies[0].setting      # "DataLoader.num_workers"
-    str(verdict.remedies[0])         # "DataLoader(num_workers=3): load batches in worker processes, ..."
-
+"""The doctor's verdict (pure): measured times per rank → what bounds the run and the remedies, best first.
 See docs/diagnostics.md."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 BOUNDS = ("data", "communication", "compute", "straggler")
@@ -64,9 +55,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class Remedy:
-    """A change to make: the library ``setting`` (``"Owner.argument"``: ``"DataLoader.num_workers"``,
-    ``"SoloDDP.comm_hook"``) set to ``value``; ``setting`` None: no setting does it (a change to the code or the
-    machine). Where a setting lives in an application's config is the application's to say."""
+    """The library ``setting`` (``"DataLoader.num_workers"``) set to ``value``; ``None``: no setting does it."""
 
     setting: str | None
     value: Any
@@ -92,9 +81,6 @@ class Verdict:
     straggler: int | None  # the slowest rank
     behind_ms: float  # how far its own work is behind the others'
     remedies: tuple[Remedy, ...] = field(default_factory=tuple)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def __str__(self) -> str:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.shares.items(), key=lambda kv: -kv[1]))
@@ -139,12 +125,7 @@ def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
         workers = max(1, min(setup.idle_cores, 4))
         gain = (0.9 if setup.idle_cores else 0.5) * share
         out.append(
-            Remedy(
-                "DataLoader.num_workers",
-                workers,
-                "load batches in worker processes, while the step runs",
-                gain,
-            )
+            Remedy("DataLoader.num_workers", workers, "load batches in worker processes, while the step runs", gain)
         )
     elif setup.idle_cores > 0:
         workers = min(2 * setup.num_workers, setup.num_workers + setup.idle_cores)
