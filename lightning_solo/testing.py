@@ -1,17 +1,6 @@
-"""Run a function on N real ranks of a gloo group on this machine: for tests, benchmarks and notebooks.
-
-Example::
-
-    from lightning_solo.testing import run_ranks
-
-    def work(rank, world_size, scale):
-        t = torch.ones(1) * rank * scale
-        torch.distributed.all_reduce(t)
-        return t.item()
-
-    run_ranks(work, 2, 10.0)   # [10.0, 10.0]
-
-See docs/testing.md."""
+"""For tests, benchmarks and notebooks: :func:`run_ranks` (a function on N real ranks of a gloo group on this
+machine) and :class:`HostSyncRecorder` (what would stall the host on a GPU, counted on any device). See
+docs/testing.md."""
 
 from __future__ import annotations
 
@@ -66,6 +55,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; their results, index = rank."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -88,25 +78,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 
 class HostSyncRecorder:
-    """Records, on any device, what would stall the host on a GPU: every read of a device tensor's value
-    (``.item()``, ``float``/``bool``/``int``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, a copy into
-    a host tensor unless ``non_blocking`` (into pinned memory on a GPU), ``nonzero``/``masked_select``, whose output
-    size needs the data), and every copy of host data onto
-    the device (``torch.tensor(data, device=...)``, ``host.to(device)``, a copy from a host tensor). On the CPU the
-    device is the CPU, so which tensors would live on the GPU is tracked: :meth:`watch` marks the device's tensors
-    (a module's parameters and buffers), and whatever an op computes from one is one too, as are tensors made with
-    ``device=`` this device. Without :meth:`watch`, every tensor counts as the device's. A target given as the
-    string ``"cpu"`` means the host; a ``torch.device`` means the device. All-reduces are recorded too.
-
-    ``rec.syncs``: the op of each event; ``rec.events``: each as :class:`HostSync` (kind, op, call site, and ``step``
-    at the time: an int, or a function called per event); ``rec.allreduces``: each all-reduce's ``(dtype, numel)``.
-
-    Example::
-
-        rec = HostSyncRecorder().watch(model)
-        with rec:
-            model(x).sum().item()          # one event: kind "read", op "item", site "train.py:12"
-    """
+    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, copies of host
+    data onto the device, and all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). :meth:`watch` marks
+    the device's tensors on the CPU. See docs/testing.md."""
 
     _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})

@@ -1,11 +1,4 @@
 """OrderedPredictions: what each validate/test/predict step predicts, per sample, in one file in dataset order.
-
-Example::
-
-    trainer = L.Trainer(devices=3, strategy=SoloDDP(), callbacks=[OrderedPredictions()])
-    trainer.test(model, datamodule)      # <default_root_dir>/predictions_test.csv: index,prediction
-    trainer.callbacks[0].written         # {"test": Path(...)} on rank 0, with .counts {"test": N}
-
 See docs/evaluation.md."""
 
 from __future__ import annotations
@@ -30,16 +23,7 @@ def _stage(trainer: L.Trainer) -> str:
 
 
 class OrderedPredictions(Callback):
-    """Gather per-sample predictions to rank 0 in dataset order and write them (see the module docstring).
-
-    Args:
-        dirpath: the directory of the files; ``None``: the trainer's ``default_root_dir``.
-        filename: ``{stage}`` becomes ``val``, ``test`` or ``predict`` (``_<n>`` is added for the n-th loader
-            after the first); ``.csv`` writes ``index,prediction``, another suffix a ``torch.save`` file.
-        key: the entry of a step's dict output that holds the predictions.
-        stages: which of ``"val"``, ``"test"``, ``"predict"`` to write (validation inside ``fit`` included,
-            rewritten after each validation; the sanity check never).
-    """
+    """Gather per-sample predictions to rank 0 in dataset order and write them (arguments: docs/evaluation.md)."""
 
     def __init__(
         self,

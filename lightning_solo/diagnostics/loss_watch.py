@@ -76,9 +76,8 @@ class _Check:
 
 
 class LossWatch(DecisionLog, L.Callback):
-    """``window``: span of the running trend, in steps; ``spread_every_n_steps``: steps between rank-spread
-    checks (0: never); ``spread_threshold``: the spread, as a fraction of the mean loss, worth flagging;
-    ``stop_before_step``: read each step's check at once (a host sync per step) instead of one step later."""
+    """Stops every rank on a non-finite loss or gradient norm; advises on the loss's trend (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,

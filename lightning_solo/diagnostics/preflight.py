@@ -23,9 +23,7 @@ from lightning_solo.diagnostics.checks.setup_checks import check_setup, read_set
 
 
 class Preflight(DecisionLog, L.Callback):
-    """``strict``: warnings stop the run too. ``ignore``: facts allowed to differ between ranks (``"device"``,
-    ``"env.OMP_NUM_THREADS"``, ...). ``min_gpu_batch``: the per-device batch below which a GPU is called
-    underused."""
+    """Checks the launch, the ranks' agreement and the training setup (arguments: docs/diagnostics.md)."""
 
     def __init__(self, strict: bool = False, ignore: Sequence[str] = (), min_gpu_batch: int = 16) -> None:
         self.strict = check_bool("strict", strict)

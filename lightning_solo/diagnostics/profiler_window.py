@@ -13,8 +13,7 @@ from lightning_solo.core.checks import check_bool, check_int
 
 
 class ProfilerWindow(L.Callback):
-    """``dirpath``: where the traces go (default: ``<default_root_dir>/profile``). ``record_shapes``,
-    ``profile_memory`` and ``with_stack`` are torch's profiler options (each makes the trace larger)."""
+    """torch's profiler over ``wait``/``warmup``/``active`` batches (arguments: docs/diagnostics.md)."""
 
     def __init__(
         self,

@@ -1,12 +1,4 @@
 """AutoBatchSize: the per-device batch whose measured peak memory is a target fraction of the device, under DDP.
-
-Example::
-
-    trainer = L.Trainer(devices=4, strategy=SoloDDP(),
-                        callbacks=[AutoBatchSize(fraction=0.7), WarmupScaledLR(reference_batch_size=256)])
-    trainer.fit(model, datamodule)   # datamodule.batch_size set before the loaders, SyncBN and the lr read it
-    trainer.callbacks[0].decisions["per_device_batch_size"]
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -28,16 +20,8 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class AutoBatchSize(DecisionLog, Callback):
-    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget.
-
-    Args:
-        fraction: the target share of the budget, 0.7 by default (the band is ``fraction ± tolerance``).
-        tolerance: half the width of the band.
-        cap_mb: the budget in MiB: on CPU what a training step may add to the process (default: the memory
-            available at the start, split between this machine's processes), on GPU instead of the device's memory.
-        max_batch_size: the largest batch to try (default: one rank's share of the training set).
-        max_probes: the most probes (each two training steps) before settling on the best batch seen.
-    """
+    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,

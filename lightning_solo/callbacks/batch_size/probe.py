@@ -1,11 +1,4 @@
-"""Peak memory of one training step at a given per-device batch, as a fraction of a budget (``auto_batch_size``).
-
-Example::
-
-    probe = MemoryProbe(trainer.strategy.root_device, cap_bytes=None, local_processes=trainer.num_devices)
-    with probe.session(pl_module, trainer):
-        probe.measure(pl_module, trainer.precision_plugin, batch)     # e.g. 0.42
-
+"""Peak memory of one training step at a given per-device batch, as a fraction of a budget.
 See docs/diagnostics.md."""
 
 from __future__ import annotations

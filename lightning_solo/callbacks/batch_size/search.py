@@ -1,10 +1,4 @@
-"""The search for the per-device batch whose peak memory lands in a target band, as pure functions.
-
-Example::
-
-    search = search_batch_size(lambda b: 0.1 + 0.01 * b, start=8, low=0.6, high=0.8, max_batch=1024)
-    search.batch, search.fraction, search.in_band        # (60, 0.7, True) after 3 probes
-
+"""The search for the per-device batch whose peak memory lands in a target band (pure).
 See docs/diagnostics.md."""
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The lr schedule of :class:`~lightning_solo.callbacks.WarmupScaledLR` as a PNG: the only module that needs
-matplotlib, an optional extra (``pip install "lightning_solo[plot]"``).
-
-Example::
-
-    from lightning_solo.callbacks.lr.plot import plot_schedule
-    from lightning_solo.callbacks.lr.schedule import LRSchedule
-    plot_schedule("lr.png", LRSchedule(scale=8.0, warmup_steps=500, total_steps=10_000, decay="cosine"), base_lr=0.1)
-"""
+"""The lr schedule of :class:`~lightning_solo.callbacks.WarmupScaledLR` as a PNG; needs matplotlib (the
+``plot`` extra)."""
 
 from __future__ import annotations
 
@@ -23,10 +16,8 @@ def plot_schedule(
     steps_per_epoch: int | None = None,
 ) -> Path:
     """Write the lr curve ``base_lr × schedule.factor(s)`` over the whole run to a PNG; returns the path."""
-    # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps its inline one).
-    # matplotlib is an optional extra: imported here, where it is used, and only here.
     try:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # not pyplot: leaves the user's backend (a notebook's) alone
     except ImportError as err:
         raise ImportError(
             "plot_schedule needs matplotlib, an optional dependency: pip install 'lightning_solo[plot]'"

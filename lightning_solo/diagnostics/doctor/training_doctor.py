@@ -49,17 +49,8 @@ def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
 
 
 class TrainingDoctor(DecisionLog, L.Callback):
-    """Measures the time split on every rank and says what bounds the run and what to change.
-
-    Args:
-        every_n_steps: also report every this many optimizer steps; ``None``: at the end of training only.
-        warmup_steps: optimizer steps left out first; at most a quarter of the run.
-        reference_throughput: samples/s of the same training on one process, for the scaling efficiency.
-        ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, every 10th on CUDA.
-        filename, chart: the report and chart file names in ``trainer.default_root_dir``.
-        loss_watch: ``True``: a default :class:`~lightning_solo.callbacks.LossWatch`, or your own, or ``False``;
-            left to a ``LossWatch`` among the trainer's callbacks when there is one.
-    """
+    """Measures the time split on every rank and says what bounds the run and what to change (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,
