@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_solo._compat.torch import DispatchMode
 
@@ -37,9 +40,6 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -86,9 +86,6 @@ class HostSyncRecorder:
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
 
     def __init__(self, device: Any = "cpu", step: int | Callable[[], int] | None = None) -> None:
-        import torch
-        from torch.utils.weak import WeakIdKeyDictionary
-
         self.device = torch.device(device)
         self.allreduces: list[tuple[str, int]] = []
         self.events: list[HostSync] = []
@@ -104,8 +101,6 @@ class HostSyncRecorder:
 
     def watch(self, *owners: Any) -> HostSyncRecorder:
         """Mark tensors (or every parameter and buffer of modules) as the device's; returns ``self``."""
-        import torch
-
         self._tracking = True
         for owner in owners:
             tensors = [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
@@ -114,8 +109,6 @@ class HostSyncRecorder:
         return self
 
     def on_device(self, value: Any) -> bool:
-        import torch
-
         return isinstance(value, torch.Tensor) and (not self._tracking or value in self._device_tensors)
 
     def __enter__(self) -> HostSyncRecorder:
@@ -132,15 +125,11 @@ class HostSyncRecorder:
         self.events.append(HostSync(kind, op, _call_site(), step))
 
     def _mark(self, value: Any) -> None:
-        import torch
-
         for item in _tensors(value):
             if isinstance(item, torch.Tensor):
                 self._device_tensors[item] = True
 
     def _is_device(self, target: Any) -> bool:
-        import torch
-
         return isinstance(target, torch.device) and target.type == self.device.type
 
 
@@ -243,8 +232,6 @@ def _tensors(value: Any) -> list[Any]:
 
 def _call_site() -> str:
     """The innermost frame outside torch and this module, as ``path:line``."""
-    import torch
-
     skip = (os.path.dirname(torch.__file__), __file__)
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(skip):

@@ -156,15 +156,9 @@ class ScheduleOptions:
             gamma=self.decay_gamma,
             milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
         )
-        origin = "set by the user" if bool(self.warmup) else "default: 5% of the run"
-        decisions.append(
-            Decision(
-                "lr_warmup_steps",
-                warmup,
-                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
-                f"{scale:g}× the configured lr",
-            )
-        )
+        origin = "set by the user" if self.warmup else "default: 5% of the run"
+        reason = f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to {scale:g}× the configured lr"
+        decisions.append(Decision("lr_warmup_steps", warmup, reason))
         if self.decay != "none":
             detail = (
                 f"to {self.min_lr_factor:g}× at step {total_steps}"

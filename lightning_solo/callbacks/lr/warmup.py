@@ -16,7 +16,6 @@ from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.callbacks.lr.groups import ScaledParamGroups, lr_names
-from lightning_solo.callbacks.lr.plot import plot_schedule
 from lightning_solo.callbacks.lr.schedule import LRSchedule, ScheduleOptions, total_optimizer_steps
 from lightning_solo.core.batch_size import global_batch
 from lightning_solo.core.checks import check_int
@@ -230,11 +229,30 @@ class WarmupScaledLR(DecisionLog, Callback):
             schedule, _ = self.options.build(global_batch, total_steps, steps_per_epoch)
         if base_lr is None:
             base_lr = self._base_lrs[0][0] if self._base_lrs else 1.0
-        return plot_schedule(
-            path,
-            schedule,
-            base_lr=base_lr,
-            steps_per_epoch=steps_per_epoch,
-            title=f"{self.options.rule} scaling ×{schedule.scale:g} for global batch "
-            f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
+        try:
+            from matplotlib.figure import Figure  # not pyplot: leaves the user's backend (a notebook's) alone
+        except ImportError as err:
+            raise ImportError(
+                "plot_schedule needs matplotlib, an optional dependency: pip install 'lightning_solo[plot]'"
+            ) from err
+        steps = list(range(schedule.total_steps))
+        xs = [s / steps_per_epoch for s in steps] if steps_per_epoch else steps
+        fig = Figure(figsize=(6, 3.2), dpi=120)
+        ax = fig.subplots()
+        ax.plot(xs, [base_lr * schedule.factor(s) for s in steps], lw=1.6)
+        ax.axhline(base_lr, color="grey", lw=0.8, ls=":", label=f"base lr {base_lr:g}")
+        if schedule.warmup_steps:
+            end = schedule.warmup_steps / steps_per_epoch if steps_per_epoch else schedule.warmup_steps
+            ax.axvline(end, color="tab:orange", lw=0.8, ls="--", label="end of warmup")
+        ax.set_xlabel("epoch" if steps_per_epoch else "optimizer step")
+        ax.set_ylabel("learning rate")
+        batch = global_batch or self.global_batch
+        ax.set_title(
+            f"{self.options.rule} scaling ×{schedule.scale:g} for global batch {batch}, warmup {schedule.warmup_steps} steps"
         )
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        return path

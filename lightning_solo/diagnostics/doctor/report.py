@@ -1,5 +1,6 @@
 """The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
-the straggler and the verdict; printed as a table, kept as a dict (``doctor.json``). See docs/diagnostics.md."""
+the straggler and the verdict; printed as a table, kept as a dict (``doctor.json``), drawn as a chart
+(``doctor.png``, with matplotlib: the ``plot`` extra). See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -85,9 +86,13 @@ def _seconds(sums: list[float]) -> float:
     return sums[DATA] + sums[FWD_BWD] + sums[OPTIMIZER]  # communication is inside forward+backward
 
 
+def _rate(sums: list[float]) -> float:
+    return sums[SAMPLES] / _seconds(sums) if _seconds(sums) > 0 else 0.0
+
+
 def throughput(per_rank: list[list[float]], reference: float | None = None) -> dict[str, float | None]:
     """Samples/s per device (mean of the ranks' own) and global (all samples over the slowest rank's time)."""
-    own = [s[SAMPLES] / _seconds(s) if _seconds(s) > 0 else 0.0 for s in per_rank]
+    own = [_rate(s) for s in per_rank]
     slowest = max(_seconds(s) for s in per_rank)
     global_ = sum(s[SAMPLES] for s in per_rank) / slowest if slowest > 0 else 0.0
     efficiency = global_ / (len(per_rank) * reference) if reference else None
@@ -121,7 +126,7 @@ def summarize(
             "rank": rank,
             "step_ms": t.step_ms,
             **dataclasses.asdict(t),
-            "samples_per_s": sums[SAMPLES] / _seconds(sums) if _seconds(sums) > 0 else 0.0,
+            "samples_per_s": _rate(sums),
             "peak_memory_mib": g["peak_memory_mib"],
             "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
         }
@@ -171,10 +176,7 @@ def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any
                 "steps": [max(b[STEPS], 1.0) for b in bins],
             }
         )
-    global_: list[float] = []
-    for i in range(n):
-        slowest = max(r["seconds"][i] for r in ranks)
-        global_.append(sum(r["samples"][i] for r in ranks) / slowest if slowest > 0 else 0.0)
+    global_ = [throughput([g["bins"][i] for g in gathered])["global_samples_per_s"] for i in range(n)]
     return {"step": list(bin_ends), "global_samples_per_s": global_, "ranks": ranks}
 
 
@@ -213,4 +215,48 @@ def write_json(content: dict[str, Any], path: str | Path) -> Path:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(content, indent=1, default=str))
     tmp.replace(path)  # a reader never sees half a report
+    return path
+
+
+PARTS = (("data_ms", "data wait"), ("compute_ms", "forward+backward"), ("comm_ms", "exposed comm"),
+         ("optimizer_ms", "optimizer"))  # fmt: skip
+
+
+def plot_doctor(series: dict[str, Any], path: str | Path, title: str = "TrainingDoctor") -> Path | None:
+    """Write the chart to ``path``; ``None`` when matplotlib is missing or there is nothing to plot."""
+    try:
+        from matplotlib.figure import Figure  # not pyplot: leaves the user's backend (a notebook's) alone
+    except ImportError:
+        return None
+    steps, ranks = series["step"], series["ranks"]
+    if not steps or not ranks:
+        return None
+    fig = Figure(figsize=(8, 9))
+    split, speed, loss = fig.subplots(3, 1, sharex=True)
+    # Each bin is drawn over its steps; the split is the mean rank's (ranks wait for each other).
+    edges = [steps[0] - ranks[0]["steps"][0], *steps]
+
+    def held(values: list[Any]) -> list[Any]:
+        return [*values, values[-1]]
+
+    stacked = [held([sum(r[key][i] for r in ranks) / len(ranks) for i in range(len(steps))]) for key, _ in PARTS]
+    split.stackplot(edges, stacked, labels=[label for _, label in PARTS], step="post")
+    split.set_ylabel("ms per step (mean rank)")
+    split.legend(loc="upper right", fontsize="small")
+    speed.plot(edges, held(series["global_samples_per_s"]), drawstyle="steps-post")
+    speed.set_ylabel("samples/s (all ranks)")
+    speed.set_ylim(bottom=0)
+    for rank, r in enumerate(ranks):
+        points = [(s, v) for s, v in zip(edges, held(r["loss"])) if v is not None]
+        if points:
+            loss.plot(*zip(*points), drawstyle="steps-post", label=f"rank {rank}")
+    loss.set_ylabel("loss")
+    loss.set_xlabel("optimizer step")
+    if len(ranks) <= 16:
+        loss.legend(loc="upper right", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
     return path

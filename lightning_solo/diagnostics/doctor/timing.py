@@ -27,11 +27,13 @@ class Sums:
         self.losses: list[torch.Tensor] = []  # the open bin's, summed when it closes (no tensor op per step)
         self.pending: list[tuple[Any, Any, int]] = []  # CUDA intervals not read back yet: (start, end, field)
 
-    def add(self, other: Sums) -> None:
+    def add(self, other: Sums, pending: bool = True) -> None:
+        """Add ``other``'s sums, and its CUDA intervals unless ``pending`` is False (read back into both later)."""
         for i, value in enumerate(other.v):
             self.v[i] += value
         self.loss = self.loss + other.loss
-        self.pending += other.pending
+        if pending:
+            self.pending += other.pending
 
     def values(self) -> list[float]:
         """The sums as floats (reads the loss back: call at a report, not per step)."""
@@ -221,10 +223,8 @@ class StepTimer:
         self._resolve(self.bins[-1] if self.bins else None)  # the previous bin's events are long done
         self.bins.append(bin_)
         self.bin_ends.append(self._steps)
-        for sums in (self.window, self.total):  # its CUDA intervals join them when read back
-            for i, value in enumerate(bin_.v):
-                sums.v[i] += value
-            sums.loss = sums.loss + bin_.loss
+        self.window.add(bin_, pending=False)  # its CUDA intervals join them when read back
+        self.total.add(bin_, pending=False)
         if len(self.bins) >= self.max_bins:  # halve the resolution: merge neighbours (same on every rank)
             for first, second in zip(self.bins[::2], self.bins[1::2]):
                 first.add(second)

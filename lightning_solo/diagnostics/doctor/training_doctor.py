@@ -20,11 +20,11 @@ from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.strategy import SoloDDP
 from lightning_solo.diagnostics.checks.setup_checks import cores_per_process
-from lightning_solo.diagnostics.doctor.chart import plot_doctor
 from lightning_solo.diagnostics.doctor.report import (
     OWN_PHASES,
     format_table,
     gather_ranks,
+    plot_doctor,
     series,
     summarize,
     write_json,
