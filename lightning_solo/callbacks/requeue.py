@@ -61,9 +61,8 @@ class SlurmRequeue(DecisionLog, L.Callback):
             return  # not a SLURM job: nothing to watch
         signum = requeue_signal(environment, self.signal)
         if lightning_compat.lightning_owns_requeue_signal(trainer, signum):
-            self._decide(
-                Decision("requeue", "lightning", f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol")
-            )
+            why = f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol"
+            self._decide(Decision("requeue", "lightning", why))
             return
         previous = signals.getsignal(signum)
         self._signum, self._previous, self._received = signum, previous, False

@@ -55,14 +55,10 @@ class AutoBatchSize(DecisionLog, Callback):
         loader = source.train_dataloader()
         dataset, collate = loader.dataset, loader.collate_fn
         max_batch = self.max_batch_size or max(1, len(dataset) // trainer.world_size)
-        probe = MemoryProbe(
-            trainer.strategy.root_device,
-            None if self.cap_mb is None else int(self.cap_mb * 2**20),
-            local_processes=trainer.num_devices,
-        )
+        cap = None if self.cap_mb is None else int(self.cap_mb * 2**20)
+        probe = MemoryProbe(trainer.strategy.root_device, cap, local_processes=trainer.num_devices)
         pl_module.to(trainer.strategy.root_device)
-        history: dict[int, list[float]] = {}
-        reserved: dict[int, list[float]] = {}
+        rows_at: dict[int, list[list[float]]] = {}  # per batch, every rank's (allocated, reserved, failed)
 
         def measure(batch_size: int) -> float:  # the same batch on every rank; the worst rank decides
             batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
@@ -78,20 +74,17 @@ class AutoBatchSize(DecisionLog, Callback):
             if failed:  # every rank raises here, at the same probe: no rank waits for another's next collective
                 message = f"AutoBatchSize: the probe at batch {batch_size} failed on rank(s) {failed}"
                 raise RuntimeError(message + ("" if failure is None else f": {failure!r}")) from failure
-            history[batch_size] = [row[0] for row in rows]
-            reserved[batch_size] = [row[1] for row in rows]
-            return max(history[batch_size])
+            rows_at[batch_size] = rows
+            return max(row[0] for row in rows)
 
         start = per_device_batch_size(trainer) or 1
         with probe.session(pl_module, trainer):
             search = search_batch_size(measure, start, self.low, self.high, max_batch, self.max_probes)
-        self.measured = history.get(search.batch, [])
-        self.measured_reserved = reserved.get(search.batch, [])
+        self.measured = [row[0] for row in rows_at.get(search.batch, [])]
+        self.measured_reserved = [row[1] for row in rows_at.get(search.batch, [])]
         budget = f"{probe.cap_bytes / 2**20:.0f} MiB of {probe.kind}"
-        decision = self._decide(
-            decide_batch_size(search, self.low, self.high, self.measured, budget, self.measured_reserved)
-        )
-        self._apply(trainer, decision.value)
+        decision = decide_batch_size(search, self.low, self.high, self.measured, budget, self.measured_reserved)
+        self._apply(trainer, self._decide(decision).value)
 
     def _apply(self, trainer: L.Trainer, batch_size: int) -> None:
         set_per_device_batch_size(trainer, batch_size)

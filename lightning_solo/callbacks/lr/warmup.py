@@ -141,13 +141,8 @@ class WarmupScaledLR(DecisionLog, Callback):
                 else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
                 f"{self.options.rule}/{self.options.reference_batch_size}"
             )
-            self._decide(
-                Decision(
-                    "lr_rescaled_on_resume",
-                    {"global_batch": [old, new], "scale": [old_scale, new_scale]},
-                    f"{why}: lr scale {old_scale:g} → {new_scale:g}",
-                )
-            )
+            value = {"global_batch": [old, new], "scale": [old_scale, new_scale]}
+            self._decide(Decision("lr_rescaled_on_resume", value, f"{why}: lr scale {old_scale:g} → {new_scale:g}"))
         return [list(lrs) for lrs in saved["user_lrs"]]
 
     @override

@@ -120,9 +120,8 @@ def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
     if setup.num_workers == 0:
         # Even without an idle core, one worker overlaps loading (often I/O) with the step.
         workers, gain = max(1, min(setup.idle_cores, 4)), (0.9 if setup.idle_cores else 0.5) * share
-        out.append(
-            Remedy("DataLoader.num_workers", workers, "load batches in worker processes, while the step runs", gain)
-        )
+        action = "load batches in worker processes, while the step runs"
+        out.append(Remedy("DataLoader.num_workers", workers, action, gain))
     elif setup.idle_cores > 0:
         workers = min(2 * setup.num_workers, setup.num_workers + setup.idle_cores)
         action = f"more loader workers ({setup.idle_cores} cores per process are idle)"
