@@ -41,13 +41,11 @@ def decide_stop(stop_before_step: bool) -> Decision:
         return Decision(
             "loss_watch.stop", "before the step", "set by the user: a host sync per step, the bad update never applied"
         )
-    return Decision(
-        "loss_watch.stop",
-        "next step",
-        "read one step later, so the host never waits for the device: a non-finite step stops every rank before the "
-        "next optimizer step and before any checkpoint is written (LossWatch(stop_before_step=True): before its "
-        "own update, a host sync per step)",
+    why = (
+        "read one step later (no host sync): every rank stops before the next optimizer step and any checkpoint "
+        "(LossWatch(stop_before_step=True): before its own update, a host sync per step)"
     )
+    return Decision("loss_watch.stop", "next step", why)
 
 
 @dataclass
@@ -169,9 +167,7 @@ class LossWatch(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # As of the last optimizer step (the trend moves only there): the check in flight is read first, on every
-        # rank alike (a checkpoint is saved on every rank), so a non-finite step stops the run before it is saved.
-        # A save inside an accumulation cycle holds no half-summed step loss, and the resume replays its batches.
+        # The check in flight is read first, on every rank alike: a non-finite step stops the run before a save.
         if self._pending is not None and self._trainer_ref is not None:
             self._settle_pending(self._trainer_ref)
         return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}

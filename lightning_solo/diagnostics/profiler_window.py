@@ -34,7 +34,6 @@ class ProfilerWindow(L.Callback):
         self.with_stack = check_bool("with_stack", with_stack)
         self.trace_path: Path | None = None
         self._profiler: profile | None = None
-        self._batches = 0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -54,7 +53,6 @@ class ProfilerWindow(L.Callback):
             with_stack=self.with_stack,
         )
         self._profiler.start()
-        self._batches = 0
 
     @override
     def on_train_batch_end(
@@ -63,8 +61,7 @@ class ProfilerWindow(L.Callback):
         if self._profiler is None:
             return
         self._profiler.step()
-        self._batches += 1
-        if self._batches >= self.wait + self.warmup + self.active:  # the trace is written: stop paying for it
+        if self._profiler.step_num >= self.wait + self.warmup + self.active:  # the trace is written: stop paying for it
             self._stop()
 
     @override

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import lightning
 import torch
 import torch.distributed as dist
 
@@ -35,8 +36,6 @@ class RankFacts:
 
 def shared_facts(device: torch.device) -> dict[str, str | None]:
     """Versions, device model and driver, and the environment flags that every rank must agree on."""
-    import lightning
-
     import lightning_solo
 
     env, on_gpu = os.environ, device.type == "cuda"

@@ -113,13 +113,6 @@ class ExposedComm:
         }
 
 
-def _total(losses: list[torch.Tensor]) -> torch.Tensor:
-    try:
-        return torch.stack(losses).double().sum()  # one op, where every step's loss has the same shape
-    except RuntimeError:
-        return torch.cat([t.reshape(1) for t in losses]).double().sum()
-
-
 def recorded_iterations(iteration: int, rate: int) -> int:
     """How many of DDP's iterations 1..``iteration`` its reducer timed: 1-10, then every ``rate``-th."""
     if iteration <= 10:
@@ -218,7 +211,7 @@ class StepTimer:
             return
         bin_.v[COMM] += self.comm.mean_since_last_read() * bin_.v[STEPS]  # SyncBN's waits are in already
         if bin_.losses:
-            bin_.loss = _total(bin_.losses) * self.loss_scale
+            bin_.loss = torch.cat([t.reshape(1) for t in bin_.losses]).double().sum() * self.loss_scale
             bin_.losses = []
         self._resolve(self.bins[-1] if self.bins else None)  # the previous bin's events are long done
         self.bins.append(bin_)
