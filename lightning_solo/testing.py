@@ -103,9 +103,7 @@ class HostSyncRecorder:
         """Mark tensors (or every parameter and buffer of modules) as the device's; returns ``self``."""
         self._tracking = True
         for owner in owners:
-            tensors = [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
-            for tensor in tensors:
-                self._device_tensors[tensor] = True
+            self._mark([*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else owner)
         return self
 
     def on_device(self, value: Any) -> bool:
