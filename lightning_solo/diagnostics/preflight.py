@@ -38,9 +38,8 @@ class Preflight(DecisionLog, L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.findings, self.advice = [], []
-        strategy = trainer.strategy
-        device = strategy.root_device
-        backend = getattr(strategy, "process_group_backend", None) if trainer.world_size > 1 else None
+        device = trainer.strategy.root_device
+        backend = getattr(trainer.strategy, "process_group_backend", None) if trainer.world_size > 1 else None
         mismatch = check_backend(backend, device.type)
         if mismatch is not None and mismatch.error:  # before the gather: it would fail on this backend
             raise PreflightError(f"preflight: {mismatch}")

@@ -57,16 +57,12 @@ def shared_devices(ranks: Sequence[RankFacts]) -> list[Finding]:
                 owners[(f.host, key(f))].append(f.rank)
         for (host, value), sharing in owners.items():
             if len(sharing) > 1:
-                found.append(
-                    Finding(
-                        f"placement.{what.lower()}",
-                        f"{ranks_text(sharing)} on host {host} share {what} {value}: each rank needs its own device. "
-                        "Start one process per device (torchrun --nproc-per-node=<GPUs>, srun --ntasks-per-node), "
-                        "and let the launcher set LOCAL_RANK.",
-                        error=True,
-                        ranks=tuple(sharing),
-                    )
+                message = (
+                    f"{ranks_text(sharing)} on host {host} share {what} {value}: each rank needs its own device. "
+                    "Start one process per device (torchrun --nproc-per-node=<GPUs>, srun --ntasks-per-node), "
+                    "and let the launcher set LOCAL_RANK."
                 )
+                found.append(Finding(f"placement.{what.lower()}", message, error=True, ranks=tuple(sharing)))
     return found
 
 

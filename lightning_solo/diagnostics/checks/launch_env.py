@@ -73,13 +73,11 @@ def check_launch_env(
         if name in values and values[name] != actual:
             bad(name, f"{name}={values[name]} in the environment, but this process is {name.lower()} {actual}")
     if gpus_visible is not None and local is not None and local >= max(gpus_visible, 1):
-        found.append(
-            Finding(
-                "env.LOCAL_RANK",
-                f"LOCAL_RANK={local} but {gpus_visible} GPU(s) are visible on this node: ranks would share or "
-                "miss GPUs. Start at most one process per visible GPU, or widen CUDA_VISIBLE_DEVICES.",
-            )
+        message = (
+            f"LOCAL_RANK={local} but {gpus_visible} GPU(s) are visible on this node: ranks would share or miss GPUs. "
+            "Start at most one process per visible GPU, or widen CUDA_VISIBLE_DEVICES."
         )
+        found.append(Finding("env.LOCAL_RANK", message))
     return found
 
 
