@@ -72,14 +72,9 @@ def gather_ranks(
 
 def rank_times(sums: list[float]) -> RankTimes:
     """Mean milliseconds per optimizer step; exposed communication is taken out of forward+backward."""
-    steps = max(sums[STEPS], 1.0)
-    comm = sums[COMM] / steps * 1e3
-    return RankTimes(
-        data_ms=sums[DATA] / steps * 1e3,
-        compute_ms=max(0.0, sums[FWD_BWD] / steps * 1e3 - comm),
-        comm_ms=comm,
-        optimizer_ms=sums[OPTIMIZER] / steps * 1e3,
-    )
+    ms = 1e3 / max(sums[STEPS], 1.0)
+    comm = sums[COMM] * ms
+    return RankTimes(sums[DATA] * ms, max(0.0, sums[FWD_BWD] * ms - comm), comm, sums[OPTIMIZER] * ms)
 
 
 def _seconds(sums: list[float]) -> float:
