@@ -1,17 +1,6 @@
-"""Run a function on N real ranks of a gloo group on this machine: for tests, benchmarks and notebooks.
-
-Example::
-
-    from lightning_solo.testing import run_ranks
-
-    def work(rank, world_size, scale):
-        t = torch.ones(1) * rank * scale
-        torch.distributed.all_reduce(t)
-        return t.item()
-
-    run_ranks(work, 2, 10.0)   # [10.0, 10.0]
-
-See docs/testing.md."""
+"""For tests, benchmarks and notebooks: :func:`run_ranks` (a function on N real ranks of a gloo group on this
+machine) and :class:`HostSyncRecorder` (what would stall the host on a GPU, counted on any device). See
+docs/testing.md."""
 
 from __future__ import annotations
 
@@ -26,7 +15,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_solo._compat.torch import DispatchMode
 
@@ -48,9 +40,6 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -66,6 +55,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; their results, index = rank."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -88,33 +78,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 
 class HostSyncRecorder:
-    """Records, on any device, what would stall the host on a GPU: every read of a device tensor's value
-    (``.item()``, ``float``/``bool``/``int``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, a copy into
-    a host tensor unless ``non_blocking`` (into pinned memory on a GPU), ``nonzero``/``masked_select``, whose output
-    size needs the data), and every copy of host data onto
-    the device (``torch.tensor(data, device=...)``, ``host.to(device)``, a copy from a host tensor). On the CPU the
-    device is the CPU, so which tensors would live on the GPU is tracked: :meth:`watch` marks the device's tensors
-    (a module's parameters and buffers), and whatever an op computes from one is one too, as are tensors made with
-    ``device=`` this device. Without :meth:`watch`, every tensor counts as the device's. A target given as the
-    string ``"cpu"`` means the host; a ``torch.device`` means the device. All-reduces are recorded too.
-
-    ``rec.syncs``: the op of each event; ``rec.events``: each as :class:`HostSync` (kind, op, call site, and ``step``
-    at the time: an int, or a function called per event); ``rec.allreduces``: each all-reduce's ``(dtype, numel)``.
-
-    Example::
-
-        rec = HostSyncRecorder().watch(model)
-        with rec:
-            model(x).sum().item()          # one event: kind "read", op "item", site "train.py:12"
-    """
+    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, copies of host
+    data onto the device, and all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). :meth:`watch` marks
+    the device's tensors on the CPU. See docs/testing.md."""
 
     _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
 
     def __init__(self, device: Any = "cpu", step: int | Callable[[], int] | None = None) -> None:
-        import torch
-        from torch.utils.weak import WeakIdKeyDictionary
-
         self.device = torch.device(device)
         self.allreduces: list[tuple[str, int]] = []
         self.events: list[HostSync] = []
@@ -130,18 +101,12 @@ class HostSyncRecorder:
 
     def watch(self, *owners: Any) -> HostSyncRecorder:
         """Mark tensors (or every parameter and buffer of modules) as the device's; returns ``self``."""
-        import torch
-
         self._tracking = True
         for owner in owners:
-            tensors = [*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else [owner]
-            for tensor in tensors:
-                self._device_tensors[tensor] = True
+            self._mark([*owner.parameters(), *owner.buffers()] if isinstance(owner, torch.nn.Module) else owner)
         return self
 
     def on_device(self, value: Any) -> bool:
-        import torch
-
         return isinstance(value, torch.Tensor) and (not self._tracking or value in self._device_tensors)
 
     def __enter__(self) -> HostSyncRecorder:
@@ -158,15 +123,11 @@ class HostSyncRecorder:
         self.events.append(HostSync(kind, op, _call_site(), step))
 
     def _mark(self, value: Any) -> None:
-        import torch
-
         for item in _tensors(value):
             if isinstance(item, torch.Tensor):
                 self._device_tensors[item] = True
 
     def _is_device(self, target: Any) -> bool:
-        import torch
-
         return isinstance(target, torch.device) and target.type == self.device.type
 
 
@@ -269,8 +230,6 @@ def _tensors(value: Any) -> list[Any]:
 
 def _call_site() -> str:
     """The innermost frame outside torch and this module, as ``path:line``."""
-    import torch
-
     skip = (os.path.dirname(torch.__file__), __file__)
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(skip):

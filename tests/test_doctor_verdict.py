@@ -200,7 +200,7 @@ def test_step_timer_splits_host_time_and_keeps_few_bins():
 
 
 def test_the_chart_needs_matplotlib_only_when_it_is_drawn(tmp_path, monkeypatch):
-    from lightning_solo.diagnostics.doctor.chart import plot_doctor
+    from lightning_solo.diagnostics.doctor.report import plot_doctor
 
     rank = {"data_ms": [1.0, 2.0], "compute_ms": [5.0, 5.0], "comm_ms": [1.0, 0.5], "optimizer_ms": [0.5, 0.5],
             "loss": [2.3, None], "steps": [4.0, 4.0]}  # fmt: skip

@@ -14,8 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import ProfilerWindow, ResourceMonitor
-from lightning_solo.diagnostics.resource_monitor import decide_every_n_steps
-from lightning_solo.diagnostics.resources import CPU_KEYS, ResourceSampler, decide_sources
+from lightning_solo.diagnostics.resource_monitor import CPU_KEYS, ResourceSampler, decide_every_n_steps, decide_sources
 from tests.helpers.modules import TinyModule
 from tests.helpers.records import read_rank_records, write_rank_record
 

@@ -1,10 +1,4 @@
-"""ConfigFingerprint: every rank must train the configuration rank 0 trains.
-
-Example::
-
-    Trainer(strategy=SoloDDP(), callbacks=[ConfigFingerprint(OmegaConf.to_yaml(cfg, resolve=True))])
-
-See docs/diagnostics.md."""
+"""ConfigFingerprint: every rank must train the configuration rank 0 trains. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -20,6 +14,8 @@ class ConfigMismatchError(RuntimeError):
 
 
 class ConfigFingerprint(L.Callback):
+    """Compares a hash of ``resolved_config`` across ranks at setup; a difference raises on every rank."""
+
     def __init__(self, resolved_config: str) -> None:
         digest = hashlib.sha256(resolved_config.encode()).digest()
         self.fingerprint = int.from_bytes(digest[:8], "little", signed=True)

@@ -1,18 +1,10 @@
 """OrderedPredictions: what each validate/test/predict step predicts, per sample, in one file in dataset order.
-
-Example::
-
-    trainer = L.Trainer(devices=3, strategy=SoloDDP(), callbacks=[OrderedPredictions()])
-    trainer.test(model, datamodule)      # <default_root_dir>/predictions_test.csv: index,prediction
-    trainer.callbacks[0].written         # {"test": Path(...)} on rank 0, with .counts {"test": N}
-
 See docs/evaluation.md."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -30,16 +22,7 @@ def _stage(trainer: L.Trainer) -> str:
 
 
 class OrderedPredictions(Callback):
-    """Gather per-sample predictions to rank 0 in dataset order and write them (see the module docstring).
-
-    Args:
-        dirpath: the directory of the files; ``None``: the trainer's ``default_root_dir``.
-        filename: ``{stage}`` becomes ``val``, ``test`` or ``predict`` (``_<n>`` is added for the n-th loader
-            after the first); ``.csv`` writes ``index,prediction``, another suffix a ``torch.save`` file.
-        key: the entry of a step's dict output that holds the predictions.
-        stages: which of ``"val"``, ``"test"``, ``"predict"`` to write (validation inside ``fit`` included,
-            rewritten after each validation; the sanity check never).
-    """
+    """Gather per-sample predictions to rank 0 in dataset order and write them (arguments: docs/evaluation.md)."""
 
     def __init__(
         self,
@@ -59,16 +42,13 @@ class OrderedPredictions(Callback):
         self.counts: dict[str, int] = {}
         self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def _predictions(self, outputs: Any) -> torch.Tensor | None:
-        if isinstance(outputs, Mapping):
-            outputs = outputs.get(self.key)
-        return outputs if isinstance(outputs, torch.Tensor) else None
-
-    def _collect(self, trainer: L.Trainer, outputs: Any, batch_idx: int, dataloader_idx: int) -> None:
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        """Also the test and predict batches' hook: this batch's rows, kept for the epoch's end."""
         if trainer.sanity_checking or _stage(trainer) not in self.stages:
             return
-        predictions = self._predictions(outputs)
-        if predictions is None:
+        predictions = outputs.get(self.key) if isinstance(outputs, Mapping) else outputs
+        if not isinstance(predictions, torch.Tensor):
             return
         rows = eval_rows(trainer, batch_idx, dataloader_idx)
         if rows is None or len(rows.indices) != len(predictions):
@@ -79,10 +59,15 @@ class OrderedPredictions(Callback):
         keep = rows.valid
         self._rows.setdefault(dataloader_idx, []).append((rows.indices[keep], predictions.detach().cpu()[keep]))
 
-    def _write(self, trainer: L.Trainer, stage: str, loaders: int) -> None:
-        rows, self._rows = self._rows, {}
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Also the test and predict epochs' hook: every rank gathers its rows to rank 0, which writes them."""
+        rows, self._rows, stage = self._rows, {}, _stage(trainer)
         if trainer.sanity_checking or stage not in self.stages:
             return
+        loaders = len(getattr(trainer, f"num_{stage}_batches"))
         for dataloader_idx in range(loaders):  # every rank gathers for every loader, in the same order
             parts = rows.get(dataloader_idx, [])
             indices = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, dtype=torch.long)
@@ -96,26 +81,4 @@ class OrderedPredictions(Callback):
             self.counts[name] = len(gathered[0])
             rank_zero_info(f"[OrderedPredictions] {self.counts[name]} {name} predictions → {self.written[name]}")
 
-    @override
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, outputs, batch_idx, dataloader_idx)
-
-    @override
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, outputs, batch_idx, dataloader_idx)
-
-    @override
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._collect(trainer, outputs, batch_idx, dataloader_idx)
-
-    @override
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, "val", len(trainer.num_val_batches))
-
-    @override
-    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, "test", len(trainer.num_test_batches))
-
-    @override
-    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, "predict", len(trainer.num_predict_batches))
+    on_test_epoch_end = on_predict_epoch_end = on_validation_epoch_end

@@ -1,12 +1,5 @@
 """SlurmRequeue: on SLURM's time-limit signal, save a verified checkpoint and requeue the job, whichever handler
-owns the signal.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[SlurmRequeue()])   # sbatch --signal=SIGUSR1@90 ...
-    trainer.fit(model, dm)   # a requeued job resumes: fit(ckpt_path=None) on SLURM, or the runner's resume=auto
-
-See docs/sigterm.md."""
+owns the signal. See docs/sigterm.md."""
 
 from __future__ import annotations
 
@@ -47,15 +40,7 @@ def requeue_signal(environment: Any, given: str | int | None = None) -> signals.
 
 
 class SlurmRequeue(DecisionLog, L.Callback):
-    """Save a verified checkpoint and requeue on SLURM's signal; a no-op off SLURM.
-
-    Args:
-        signal: the signal SLURM sends before the time limit (``sbatch --signal=SIGUSR1@90``); ``None``: see
-            :func:`requeue_signal`.
-        check_every_n_steps: how often the ranks agree whether any got the signal: an asynchronous one-element
-            all-reduce on SoloDDP's gloo side group (or the world when it runs gloo), read at the next check; a
-            synchronous one on the device where no gloo group is at hand (another strategy on NCCL).
-    """
+    """Save a verified checkpoint and requeue on SLURM's signal; a no-op off SLURM (arguments: docs/sigterm.md)."""
 
     def __init__(self, signal: str | int | None = None, check_every_n_steps: int = 1) -> None:
         self.signal = signal
@@ -76,9 +61,8 @@ class SlurmRequeue(DecisionLog, L.Callback):
             return  # not a SLURM job: nothing to watch
         signum = requeue_signal(environment, self.signal)
         if lightning_compat.lightning_owns_requeue_signal(trainer, signum):
-            self._decide(
-                Decision("requeue", "lightning", f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol")
-            )
+            why = f"Lightning's handler owns {signum.name}: hpc_ckpt + scontrol"
+            self._decide(Decision("requeue", "lightning", why))
             return
         previous = signals.getsignal(signum)
         self._signum, self._previous, self._received = signum, previous, False

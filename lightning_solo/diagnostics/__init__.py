@@ -1,4 +1,2 @@
-"""Diagnostics: pure checks and measurements (``checks/``, ``doctor/``, ``loss_trend``, ``resources``) and the
-callbacks that feed them (Preflight, LossWatch, ResourceMonitor, ProfilerWindow, TrainingDoctor). They name
-library settings (``DataLoader(num_workers=...)``); the runner maps those to its config keys
-(:mod:`lightning_solo.app.remedies`). The map of the package is docs/design.md."""
+"""Diagnostics: pure checks and measurements and the callbacks that feed them; they name library settings
+(``DataLoader(num_workers=...)``), which the runner maps to its config keys. Map: docs/design.md."""

@@ -1,14 +1,5 @@
-"""The loss watched against its own running trend, and across ranks: pure arithmetic on numbers the
-:class:`~lightning_solo.callbacks.LossWatch` callback collects.
-
-Example::
-
-    trend = LossTrend(window=50)
-    for step, loss in enumerate(losses):
-        trend.update(step, loss)       # spikes above the trend, a trend that climbs back, step-to-step see-saw
-    trend.advice()                     # {kind: the line with the fix}
-    rank_spread([0.47, 1.68], [0.01, 0.2], [50, 50], first_step=0, last_step=49)   # a Finding: check the sampler
-"""
+"""The loss against its own running trend, and across ranks: pure arithmetic on the numbers
+:class:`~lightning_solo.callbacks.LossWatch` collects."""
 
 from __future__ import annotations
 
@@ -27,16 +18,8 @@ _REMEDIES = (
 
 @dataclass
 class LossTrend:
-    """An exponential moving average (span ``window``) of the loss and of its squared deviation.
-
-    - spike: a loss above ``spike_factor`` × the trend and ``spike_sigmas`` deviations above it;
-    - climb: the trend back up by ``rise`` (a fraction) above the lowest it reached;
-    - see-saw: consecutive deviations from the trend anti-correlated below ``seesaw`` and 4 standard errors
-      (~1/sqrt(window) each) below zero (the step overshoots).
-
-    Nothing is judged in the first ``window`` steps, while the averages settle; spikes and climbs only for a
-    positive trend (a loss that can go negative has no meaningful ratio).
-    """
+    """Exponential moving averages (span ``window``) of the loss and its squared deviation, and the spikes,
+    climbs and see-saw they show (defined in docs/diagnostics.md)."""
 
     window: int = 50
     spike_factor: float = 2.0
@@ -52,7 +35,6 @@ class LossTrend:
     _last_dev: float = 0.0
     _climbing: bool = False
 
-    # The running state, as opposed to the settings above (a resumed run may change those).
     STATE = ("mean", "var", "lag_cov", "count", "lowest", "events", "_last_dev", "_climbing")
 
     def state_dict(self) -> dict:
@@ -78,14 +60,8 @@ class LossTrend:
         alpha = 2.0 / (self.window + 1)
         dev = loss - self.mean
         settled = self.count >= self.window
-        event = None
-        if (
-            settled
-            and self.mean > 0
-            and loss > self.spike_factor * self.mean
-            and dev > self.spike_sigmas * math.sqrt(self.var)
-        ):
-            event = "spike"
+        spike = self.mean > 0 and loss > self.spike_factor * self.mean and dev > self.spike_sigmas * math.sqrt(self.var)
+        event = "spike" if settled and spike else None
         self.mean += alpha * dev
         self.var = (1 - alpha) * (self.var + alpha * dev * dev)
         self.lag_cov = (1 - alpha) * self.lag_cov + alpha * dev * self._last_dev
@@ -95,7 +71,7 @@ class LossTrend:
                 self.lowest, self._climbing = (self.mean, step), False
             elif 0 < self.lowest[0] * (1 + self.rise) < self.mean and not self._climbing:
                 self._climbing, event = True, event or "climb"
-            # The estimate's standard error is ~1/sqrt(window): demand 4 of them, so a short window never cries wolf.
+            # 4 standard errors (~1/sqrt(window) each) below zero too, so a short window never cries wolf.
             seesaw = self.var > 0 and self.lag_cov / self.var < min(self.seesaw, -4 / math.sqrt(self.window))
             if seesaw and self.mean > 0 and "seesaw" not in self.events:
                 event = event or "seesaw"

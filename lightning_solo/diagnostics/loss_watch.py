@@ -1,13 +1,5 @@
 """LossWatch: a non-finite loss or gradient on any rank stops every rank, before any checkpoint holds it; spikes,
-a climbing trend and a loss that differs between ranks become advice.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[LossWatch()])
-    trainer.fit(model, dm)        # NonFiniteLossError on every rank at the first non-finite step
-    trainer.callbacks[0].advice   # spikes, climbs, see-saw, rank spread, each with the fix
-
-See docs/diagnostics.md."""
+a climbing trend and a loss that differs between ranks become advice. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -38,9 +30,7 @@ def decide_grad_check(requested: bool, has_scaler: bool) -> Decision:
         return Decision("loss_watch.grad_norm", False, "set by the user")
     if has_scaler:
         return Decision(
-            "loss_watch.grad_norm",
-            False,
-            "fp16 GradScaler: it skips steps with inf gradients and lowers its scale",
+            "loss_watch.grad_norm", False, "fp16 GradScaler: it skips steps with inf gradients and lowers its scale"
         )
     return Decision("loss_watch.grad_norm", True, "a non-finite gradient norm stops the run like a non-finite loss")
 
@@ -49,17 +39,13 @@ def decide_stop(stop_before_step: bool) -> Decision:
     """When the per-step check is read: at once, before the optimizer step, or one step later."""
     if stop_before_step:
         return Decision(
-            "loss_watch.stop",
-            "before the step",
-            "set by the user: a host sync per step, the bad update never applied",
+            "loss_watch.stop", "before the step", "set by the user: a host sync per step, the bad update never applied"
         )
-    return Decision(
-        "loss_watch.stop",
-        "next step",
-        "read one step later, so the host never waits for the device: a non-finite step stops every rank before the "
-        "next optimizer step and before any checkpoint is written (LossWatch(stop_before_step=True): before its "
-        "own update, a host sync per step)",
+    why = (
+        "read one step later (no host sync): every rank stops before the next optimizer step and any checkpoint "
+        "(LossWatch(stop_before_step=True): before its own update, a host sync per step)"
     )
+    return Decision("loss_watch.stop", "next step", why)
 
 
 @dataclass
@@ -88,9 +74,8 @@ class _Check:
 
 
 class LossWatch(DecisionLog, L.Callback):
-    """``window``: span of the running trend, in steps; ``spread_every_n_steps``: steps between rank-spread
-    checks (0: never); ``spread_threshold``: the spread, as a fraction of the mean loss, worth flagging;
-    ``stop_before_step``: read each step's check at once (a host sync per step) instead of one step later."""
+    """Stops every rank on a non-finite loss or gradient norm; advises on the loss's trend (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -182,9 +167,7 @@ class LossWatch(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # As of the last optimizer step (the trend moves only there): the check in flight is read first, on every
-        # rank alike (a checkpoint is saved on every rank), so a non-finite step stops the run before it is saved.
-        # A save inside an accumulation cycle holds no half-summed step loss, and the resume replays its batches.
+        # The check in flight is read first, on every rank alike: a non-finite step stops the run before a save.
         if self._pending is not None and self._trainer_ref is not None:
             self._settle_pending(self._trainer_ref)
         return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}

@@ -1,11 +1,4 @@
 """Preflight: before a fit spends hours, every rank checks its launch, its peers and its training setup.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[Preflight(strict=False)])
-    trainer.fit(model, dm)
-    trainer.callbacks[0].findings      # what was found (warnings; errors raise PreflightError)
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ from lightning_solo.diagnostics.checks.setup_checks import check_setup, read_set
 
 
 class Preflight(DecisionLog, L.Callback):
-    """``strict``: warnings stop the run too. ``ignore``: facts allowed to differ between ranks (``"device"``,
-    ``"env.OMP_NUM_THREADS"``, ...). ``min_gpu_batch``: the per-device batch below which a GPU is called
-    underused."""
+    """Checks the launch, the ranks' agreement and the training setup (arguments: docs/diagnostics.md)."""
 
     def __init__(self, strict: bool = False, ignore: Sequence[str] = (), min_gpu_batch: int = 16) -> None:
         self.strict = check_bool("strict", strict)
@@ -47,9 +38,8 @@ class Preflight(DecisionLog, L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.findings, self.advice = [], []
-        strategy = trainer.strategy
-        device = strategy.root_device
-        backend = getattr(strategy, "process_group_backend", None) if trainer.world_size > 1 else None
+        device = trainer.strategy.root_device
+        backend = getattr(trainer.strategy, "process_group_backend", None) if trainer.world_size > 1 else None
         mismatch = check_backend(backend, device.type)
         if mismatch is not None and mismatch.error:  # before the gather: it would fail on this backend
             raise PreflightError(f"preflight: {mismatch}")

@@ -1,10 +1,4 @@
-"""ProfilerWindow: torch's profiler over a window of training batches, one Chrome/Kineto trace per GLOBAL rank.
-
-Example::
-
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ProfilerWindow(dirpath="run/profile", wait=5, active=3)])
-    # the runner: python -m lightning_solo.run profile=window
-
+"""ProfilerWindow: torch's profiler over a window of training batches, one trace per GLOBAL rank.
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -19,8 +13,7 @@ from lightning_solo.core.checks import check_bool, check_int
 
 
 class ProfilerWindow(L.Callback):
-    """``dirpath``: where the traces go (default: ``<default_root_dir>/profile``). ``record_shapes``,
-    ``profile_memory`` and ``with_stack`` are torch's profiler options (each makes the trace larger)."""
+    """torch's profiler over ``wait``/``warmup``/``active`` batches (arguments: docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -41,7 +34,6 @@ class ProfilerWindow(L.Callback):
         self.with_stack = check_bool("with_stack", with_stack)
         self.trace_path: Path | None = None
         self._profiler: profile | None = None
-        self._batches = 0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -61,7 +53,6 @@ class ProfilerWindow(L.Callback):
             with_stack=self.with_stack,
         )
         self._profiler.start()
-        self._batches = 0
 
     @override
     def on_train_batch_end(
@@ -70,8 +61,7 @@ class ProfilerWindow(L.Callback):
         if self._profiler is None:
             return
         self._profiler.step()
-        self._batches += 1
-        if self._batches >= self.wait + self.warmup + self.active:  # the trace is written: stop paying for it
+        if self._profiler.step_num >= self.wait + self.warmup + self.active:  # the trace is written: stop paying for it
             self._stop()
 
     @override

@@ -1,12 +1,4 @@
 """AutoBatchSize: the per-device batch whose measured peak memory is a target fraction of the device, under DDP.
-
-Example::
-
-    trainer = L.Trainer(devices=4, strategy=SoloDDP(),
-                        callbacks=[AutoBatchSize(fraction=0.7), WarmupScaledLR(reference_batch_size=256)])
-    trainer.fit(model, datamodule)   # datamodule.batch_size set before the loaders, SyncBN and the lr read it
-    trainer.callbacks[0].decisions["per_device_batch_size"]
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -28,16 +20,8 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class AutoBatchSize(DecisionLog, Callback):
-    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget.
-
-    Args:
-        fraction: the target share of the budget, 0.7 by default (the band is ``fraction ± tolerance``).
-        tolerance: half the width of the band.
-        cap_mb: the budget in MiB: on CPU what a training step may add to the process (default: the memory
-            available at the start, split between this machine's processes), on GPU instead of the device's memory.
-        max_batch_size: the largest batch to try (default: one rank's share of the training set).
-        max_probes: the most probes (each two training steps) before settling on the best batch seen.
-    """
+    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -71,14 +55,10 @@ class AutoBatchSize(DecisionLog, Callback):
         loader = source.train_dataloader()
         dataset, collate = loader.dataset, loader.collate_fn
         max_batch = self.max_batch_size or max(1, len(dataset) // trainer.world_size)
-        probe = MemoryProbe(
-            trainer.strategy.root_device,
-            None if self.cap_mb is None else int(self.cap_mb * 2**20),
-            local_processes=trainer.num_devices,
-        )
+        cap = None if self.cap_mb is None else int(self.cap_mb * 2**20)
+        probe = MemoryProbe(trainer.strategy.root_device, cap, local_processes=trainer.num_devices)
         pl_module.to(trainer.strategy.root_device)
-        history: dict[int, list[float]] = {}
-        reserved: dict[int, list[float]] = {}
+        rows_at: dict[int, list[list[float]]] = {}  # per batch, every rank's (allocated, reserved, failed)
 
         def measure(batch_size: int) -> float:  # the same batch on every rank; the worst rank decides
             batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
@@ -94,20 +74,17 @@ class AutoBatchSize(DecisionLog, Callback):
             if failed:  # every rank raises here, at the same probe: no rank waits for another's next collective
                 message = f"AutoBatchSize: the probe at batch {batch_size} failed on rank(s) {failed}"
                 raise RuntimeError(message + ("" if failure is None else f": {failure!r}")) from failure
-            history[batch_size] = [row[0] for row in rows]
-            reserved[batch_size] = [row[1] for row in rows]
-            return max(history[batch_size])
+            rows_at[batch_size] = rows
+            return max(row[0] for row in rows)
 
         start = per_device_batch_size(trainer) or 1
         with probe.session(pl_module, trainer):
             search = search_batch_size(measure, start, self.low, self.high, max_batch, self.max_probes)
-        self.measured = history.get(search.batch, [])
-        self.measured_reserved = reserved.get(search.batch, [])
+        self.measured = [row[0] for row in rows_at.get(search.batch, [])]
+        self.measured_reserved = [row[1] for row in rows_at.get(search.batch, [])]
         budget = f"{probe.cap_bytes / 2**20:.0f} MiB of {probe.kind}"
-        decision = self._decide(
-            decide_batch_size(search, self.low, self.high, self.measured, budget, self.measured_reserved)
-        )
-        self._apply(trainer, decision.value)
+        decision = decide_batch_size(search, self.low, self.high, self.measured, budget, self.measured_reserved)
+        self._apply(trainer, self._decide(decision).value)
 
     def _apply(self, trainer: L.Trainer, batch_size: int) -> None:
         set_per_device_batch_size(trainer, batch_size)

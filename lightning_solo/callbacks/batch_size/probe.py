@@ -1,11 +1,4 @@
-"""Peak memory of one training step at a given per-device batch, as a fraction of a budget (``auto_batch_size``).
-
-Example::
-
-    probe = MemoryProbe(trainer.strategy.root_device, cap_bytes=None, local_processes=trainer.num_devices)
-    with probe.session(pl_module, trainer):
-        probe.measure(pl_module, trainer.precision_plugin, batch)     # e.g. 0.42
-
+"""Peak memory of one training step at a given per-device batch, as a fraction of a budget.
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -107,7 +100,7 @@ def _training_steps(pl_module: Any, precision_plugin: Any, batch: Any) -> Any:
 
 
 class MemoryProbe:
-    """Measures a training step's peak memory on ``device`` as a fraction of the budget (see the module)."""
+    """Measures a training step's peak memory on ``device`` as a fraction of the budget."""
 
     def __init__(self, device: torch.device, cap_bytes: int | None, local_processes: int = 1) -> None:
         self.device = device
@@ -133,8 +126,7 @@ class MemoryProbe:
         }
         training = pl_module.training
         devices = [self.device] if self.cuda else []
-        # Only the pack's own setting is tuned, and put back: a threshold glibc chose, or the user set, would be
-        # lost for good (see the module docstring).
+        # Only the pack's own setting is tuned, and put back: one glibc chose or the user set could not be restored.
         tuned = self._libc if self._libc is not None and cpu_malloc.in_force() else None
         if tuned is not None:
             tuned.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.START_MMAP_THRESHOLD)

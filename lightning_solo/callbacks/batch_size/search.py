@@ -1,10 +1,4 @@
-"""The search for the per-device batch whose peak memory lands in a target band, as pure functions.
-
-Example::
-
-    search = search_batch_size(lambda b: 0.1 + 0.01 * b, start=8, low=0.6, high=0.8, max_batch=1024)
-    search.batch, search.fraction, search.in_band        # (60, 0.7, True) after 3 probes
-
+"""The search for the per-device batch whose peak memory lands in a target band (pure).
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -90,12 +84,7 @@ def search_batch_size(
 
 
 def decide_batch_size(
-    search: Search,
-    low: float,
-    high: float,
-    per_rank: list[float],
-    budget: str,
-    reserved: list[float] | None = None,
+    search: Search, low: float, high: float, per_rank: list[float], budget: str, reserved: list[float] | None = None
 ) -> Decision:
     """The Decision for ``search``: the batch, what every rank measured for it (allocated, and the allocator's
     reserved peak where known), the band and the probes."""

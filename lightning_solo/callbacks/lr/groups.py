@@ -1,13 +1,5 @@
 """The optimizers' param groups as :class:`~lightning_solo.callbacks.WarmupScaledLR` drives them: the user's lr
 × the schedule's factor from the start of each batch through the optimizer's update, the user's lr otherwise.
-
-Example::
-
-    groups = ScaledParamGroups(trainer.optimizers, user_lrs, factor=lambda: schedule.factor(trainer.global_step))
-    groups.apply_all()          # at a batch start
-    ...                         # optimizer.step(): applied before the update, the user's lr back after it
-    groups.remove()             # at the end of fit
-
 See docs/lr-scaling.md."""
 
 from __future__ import annotations
@@ -17,13 +9,8 @@ from typing import Any
 
 
 class ScaledParamGroups:
-    """The factor applied to, and taken off, every param group of ``optimizers`` (see the module docstring).
-
-    Args:
-        optimizers: the trainer's optimizers.
-        user_lrs: per optimizer, per param group, the lr as the user configured it or their scheduler moved it.
-        factor: the schedule's factor now (read at each application).
-    """
+    """The ``factor()`` applied to, and taken off, every param group of ``optimizers``; ``user_lrs``: per
+    optimizer, per param group, the lr as the user configured it or their scheduler moved it."""
 
     def __init__(self, optimizers: Sequence[Any], user_lrs: list[list[float]], factor: Callable[[], float]) -> None:
         self.optimizers, self.user_lrs, self.factor = list(optimizers), user_lrs, factor

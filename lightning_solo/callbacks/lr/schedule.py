@@ -1,14 +1,5 @@
-"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR`, as pure math, and the
-options it is built from (checked once, in :class:`ScheduleOptions`).
-
-Example::
-
-    from lightning_solo.callbacks.lr.schedule import LRSchedule, scale_factor
-    k = scale_factor("linear", global_batch=2048, reference_batch=256)        # 8.0
-    sched = LRSchedule(scale=k, warmup_steps=500, total_steps=10_000, decay="cosine")
-    lrs = [0.1 * sched.factor(s) for s in range(10_000)]
-
-See docs/lr-scaling.md."""
+"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR` as pure math, and the
+options it is built from. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -26,55 +17,14 @@ DECAYS = ("none", "cosine", "step")
 DEFAULT_WARMUP_FRACTION = 0.05
 
 
-def check_rule(rule: str) -> str:
-    if rule not in RULES:
-        raise ValueError(f"unknown lr scaling rule {rule!r}; accepted: {', '.join(RULES)}")
-    return rule
-
-
-def check_decay(decay: str) -> str:
-    if decay not in DECAYS:
-        raise ValueError(f"unknown decay {decay!r}; accepted: {', '.join(DECAYS)}")
-    return decay
-
-
-def check_options(
-    rule: str,
-    reference_batch_size: int,
-    warmup: dict[str, float],
-    decay: str,
-    decay_milestones: Sequence[float],
-    **factors: float,
-) -> None:
-    """Everything :class:`~lightning_solo.callbacks.lr.warmup.WarmupScaledLR` is given that this module defines: the
-    rule, the reference batch, the warmup (``warmup``: the one of epochs/steps/fraction given, if any), the
-    decay with its milestones (fractions of the run) and ``factors`` (``start_factor``, ``min_factor``,
-    ``gamma``, checked as :class:`LRSchedule` checks them)."""
-    check_rule(rule)
-    check_int("reference_batch_size", reference_batch_size)
-    check_decay(decay)
-    if len(warmup) > 1:
-        raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {warmup}")
-    if any(v < 0 for v in warmup.values()):
-        raise ValueError(f"warmup length must be >= 0, got {warmup}")
-    if warmup.get("warmup_fraction", 0) > 1:
-        raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}")
-    steps = warmup.get("warmup_steps")
-    if steps is not None and int(steps) != steps:
-        raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {steps!r}")
-    milestones = list(decay_milestones)
-    if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
-        raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
-    if decay == "step" and not milestones:
-        raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
-    # Ignored for mypy: `factors` are LRSchedule's float fields (start_factor, min_factor, gamma); any other
-    # name is LRSchedule's own TypeError.
-    LRSchedule(scale=1.0, warmup_steps=0, total_steps=1, decay=decay, **factors)  # type: ignore[arg-type]
+def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(accepted)}")
 
 
 def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
     """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
-    check_rule(rule)
+    _check_choice("lr scaling rule", rule, RULES)
     check_int("reference_batch_size", reference_batch)
     check_number("global batch size", global_batch)
     ratio = global_batch / reference_batch
@@ -83,11 +33,8 @@ def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The multiplier applied to the base lr at each optimizer step (see the module docstring).
-
-    ``milestones`` are optimizer steps (``"step"`` decay); ``start_factor`` is relative to the unscaled
-    base lr and is capped at ``scale`` so that warmup never lowers the lr.
-    """
+    """The multiplier applied to the base lr at each optimizer step. ``milestones`` are optimizer steps;
+    ``start_factor`` is relative to the unscaled lr, capped at ``scale`` so that warmup never lowers the lr."""
 
     scale: float
     warmup_steps: int
@@ -99,7 +46,7 @@ class LRSchedule:
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        check_decay(self.decay)
+        _check_choice("decay", self.decay, DECAYS)
         if self.scale <= 0:
             raise ValueError(f"scale must be positive, got {self.scale!r}")
         if self.total_steps <= 0:
@@ -143,9 +90,8 @@ class LRSchedule:
 
 @dataclass(frozen=True)
 class ScheduleOptions:
-    """What :class:`~lightning_solo.callbacks.lr.warmup.WarmupScaledLR` is told about the schedule, checked when made
-    (see its arguments). ``warmup``: the one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given,
-    if any; none means 5% of the run."""
+    """WarmupScaledLR's schedule arguments, checked when made (a bad value fails at construction). ``warmup``: the
+    one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given, if any; none means 5% of the run."""
 
     rule: str = "linear"
     reference_batch_size: int = 256
@@ -157,16 +103,25 @@ class ScheduleOptions:
     min_lr_factor: float = 0.0
 
     def __post_init__(self) -> None:
-        check_options(
-            self.rule,
-            self.reference_batch_size,
-            self.warmup,
-            self.decay,
-            self.decay_milestones,
-            start_factor=self.start_factor,
-            min_factor=self.min_lr_factor,
-            gamma=self.decay_gamma,
-        )
+        _check_choice("lr scaling rule", self.rule, RULES)
+        _check_choice("decay", self.decay, DECAYS)
+        check_int("reference_batch_size", self.reference_batch_size)
+        warmup, milestones = self.warmup, list(self.decay_milestones)
+        if len(warmup) > 1:
+            raise ValueError(f"give at most one of warmup_epochs, warmup_steps, warmup_fraction; got {warmup}")
+        if any(v < 0 for v in warmup.values()):
+            raise ValueError(f"warmup length must be >= 0, got {warmup}")
+        if warmup.get("warmup_fraction", 0) > 1:
+            raise ValueError(f"warmup_fraction is a fraction of the run in [0, 1], got {warmup['warmup_fraction']!r}")
+        steps = warmup.get("warmup_steps")
+        if steps is not None and int(steps) != steps:
+            raise ValueError(f"warmup_steps must be a whole number of optimizer steps, got {steps!r}")
+        if milestones and (sorted(milestones) != milestones or not all(0 < m < 1 for m in milestones)):
+            raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
+        if self.decay == "step" and not milestones:
+            raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
+        # The decay and the factors, checked as LRSchedule checks them.
+        LRSchedule(1.0, 0, 1, self.start_factor, self.decay, self.min_lr_factor, gamma=self.decay_gamma)
 
     @property
     def warmup_kind(self) -> tuple[str, float]:
@@ -201,15 +156,9 @@ class ScheduleOptions:
             gamma=self.decay_gamma,
             milestones=tuple(round(m * total_steps) for m in self.decay_milestones),
         )
-        origin = "set by the user" if bool(self.warmup) else "default: 5% of the run"
-        decisions.append(
-            Decision(
-                "lr_warmup_steps",
-                warmup,
-                f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to "
-                f"{scale:g}× the configured lr",
-            )
-        )
+        origin = "set by the user" if self.warmup else "default: 5% of the run"
+        reason = f"{kind}={amount} ({origin}) of {total_steps} optimizer steps; from {schedule.start:g}× to {scale:g}× the configured lr"
+        decisions.append(Decision("lr_warmup_steps", warmup, reason))
         if self.decay != "none":
             detail = (
                 f"to {self.min_lr_factor:g}× at step {total_steps}"

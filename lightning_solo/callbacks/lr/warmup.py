@@ -1,17 +1,4 @@
-"""WarmupScaledLR: scale the learning rate to the global batch, with gradual warmup (Goyal et al. 2017).
-
-Example::
-
-    import lightning as L
-    from lightning_solo import SoloDDP
-    from lightning_solo.callbacks import WarmupScaledLR
-
-    lr = WarmupScaledLR(rule="linear", reference_batch_size=256, warmup_epochs=5)
-    trainer = L.Trainer(devices=8, strategy=SoloDDP(), callbacks=[lr], max_epochs=90)
-    trainer.fit(model, datamodule)        # batch 64 per device × 8 devices → lr × 2 after 5 epochs
-    print(lr.decisions)                    # global batch, scale, warmup, composition, re-scaling on resume
-    lr.plot_schedule("lr.png")
-
+"""WarmupScaledLR: the learning rate scaled to the global batch, with gradual warmup (Goyal et al. 2017).
 See docs/lr-scaling.md."""
 
 from __future__ import annotations
@@ -29,37 +16,15 @@ from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.callbacks.lr.groups import ScaledParamGroups, lr_names
-from lightning_solo.callbacks.lr.plot import plot_schedule
-from lightning_solo.callbacks.lr.schedule import (
-    LRSchedule,
-    ScheduleOptions,
-    total_optimizer_steps,
-)
+from lightning_solo.callbacks.lr.schedule import LRSchedule, ScheduleOptions, total_optimizer_steps
 from lightning_solo.core.batch_size import global_batch
 from lightning_solo.core.checks import check_int
 from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class WarmupScaledLR(DecisionLog, Callback):
-    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe.
-
-    Args:
-        rule: ``"linear"`` (SGD; lr × G/G_ref), ``"sqrt"`` (adaptive optimizers; lr × √(G/G_ref)) or
-            ``"none"`` (keep the lr, only warm up / decay).
-        reference_batch_size: the global batch ``G_ref`` at which the configured lr is right.
-        warmup_epochs, warmup_steps, warmup_fraction: at most one; the warmup length in epochs, optimizer
-            steps, or as a fraction of the run. None of them: 5% of the run. ``0`` disables warmup.
-        start_factor: warmup starts at ``start_factor × configured lr`` (1.0: from the unscaled lr, as in
-            Goyal et al.), never above the scaled target.
-        decay: after warmup, ``"none"`` (keep the scaled lr; your own scheduler still applies),
-            ``"cosine"`` (to ``min_lr_factor`` × the scaled lr at the end of the run) or ``"step"``
-            (× ``decay_gamma`` at each of ``decay_milestones``, given as fractions of the run).
-        per_device_batch_size: only for loaders that do not expose a batch size (pre-batched iterables,
-            several train loaders); otherwise the train dataloader's batch size is used.
-        log_lr: log the applied lr as ``lr-<Optimizer>`` on the steps the loggers write, as
-            ``LearningRateMonitor`` does (skipped when one is present: it logs the same values, under the same
-            names).
-    """
+    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe
+    (arguments: docs/lr-scaling.md)."""
 
     def __init__(
         self,
@@ -76,12 +41,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         per_device_batch_size: int | None = None,
         log_lr: bool = True,
     ) -> None:
-        warmup = {
-            "warmup_epochs": warmup_epochs,
-            "warmup_steps": warmup_steps,
-            "warmup_fraction": warmup_fraction,
-        }
-        # Validated here so that a bad value fails at construction, not at the first step.
+        warmup = {"warmup_epochs": warmup_epochs, "warmup_steps": warmup_steps, "warmup_fraction": warmup_fraction}
         self.options = ScheduleOptions(
             rule=rule,
             reference_batch_size=reference_batch_size,
@@ -100,8 +60,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         self.schedule: LRSchedule | None = None
         self.global_batch: int | None = None
         self.steps_per_epoch: int | None = None
-        # Per optimizer, per param group: the lr as the user configured it.
-        self._base_lrs: list[list[float]] | None = None
+        self._base_lrs: list[list[float]] | None = None  # per optimizer, per param group: the lr as configured
         self._groups: ScaledParamGroups | None = None  # the factor applied around each step, during a fit
         self._restored: dict[str, Any] | None = None
         self._names: list[list[str]] = []
@@ -111,28 +70,6 @@ class WarmupScaledLR(DecisionLog, Callback):
     def _decide(self, decision: Decision) -> Decision:
         rank_zero_info(f"[WarmupScaledLR] {decision}")
         return super()._decide(decision)
-
-    # ---------------------------------------------------------------- resolving the schedule
-
-    def global_batch_size(self, trainer: L.Trainer) -> Decision:
-        """Per-device batch (from the train dataloader) × devices × nodes × accumulation steps."""
-        batch = global_batch(trainer, self.per_device_batch_size)
-        if batch is None:
-            raise ValueError(
-                f"cannot read a batch size from the train dataloader ({type(trainer.train_dataloader).__name__}); "
-                "pass WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
-            )
-        self._batch_parts = {"per_device_batch": batch.per_device, "world_size": batch.world_size,
-                             "accumulate": batch.accumulate}  # fmt: skip
-        return batch.decision("lr_global_batch")
-
-    def build_schedule(
-        self, global_batch: int, total_steps: int, steps_per_epoch: int | None
-    ) -> tuple[LRSchedule, list[Decision]]:
-        """The schedule for a run of ``total_steps`` optimizer steps at ``global_batch``, and why."""
-        return self.options.build(global_batch, total_steps, steps_per_epoch)
-
-    # ---------------------------------------------------------------- Lightning hooks
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -149,13 +86,20 @@ class WarmupScaledLR(DecisionLog, Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Runs after restore_training_state, so nothing restored later can overwrite what is set here.
         self.decisions = {}
-        batch = self.global_batch_size(trainer)
-        self.global_batch = batch.value
-        self._decide(batch)
+        batch = global_batch(trainer, self.per_device_batch_size)  # per device × devices × nodes × accumulation
+        if batch is None:
+            raise ValueError(
+                f"cannot read a batch size from the train dataloader ({type(trainer.train_dataloader).__name__}); "
+                "pass WarmupScaledLR(per_device_batch_size=...) for pre-batched or combined loaders"
+            )
+        self._batch_parts = dict(
+            per_device_batch=batch.per_device, world_size=batch.world_size, accumulate=batch.accumulate
+        )
+        self.global_batch = size = self._decide(batch.decision("lr_global_batch")).value
         batches = trainer.num_training_batches
         self.steps_per_epoch = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
-        self.schedule, decisions = self.build_schedule(
-            batch.value,
+        self.schedule, decisions = self.options.build(
+            size,
             total_optimizer_steps(trainer, open_ended_ok=self.options.open_ended_ok),
             self.steps_per_epoch,
         )
@@ -197,13 +141,8 @@ class WarmupScaledLR(DecisionLog, Callback):
                 else f"rule/reference batch changed from {saved['rule']}/{saved['reference_batch_size']} to "
                 f"{self.options.rule}/{self.options.reference_batch_size}"
             )
-            self._decide(
-                Decision(
-                    "lr_rescaled_on_resume",
-                    {"global_batch": [old, new], "scale": [old_scale, new_scale]},
-                    f"{why}: lr scale {old_scale:g} → {new_scale:g}",
-                )
-            )
+            value = {"global_batch": [old, new], "scale": [old_scale, new_scale]}
+            self._decide(Decision("lr_rescaled_on_resume", value, f"{why}: lr scale {old_scale:g} → {new_scale:g}"))
         return [list(lrs) for lrs in saved["user_lrs"]]
 
     @override
@@ -226,11 +165,8 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # Usually this runs inside optimizer.step (Lightning passes the closure to it), between our pre-hook
-        # and the update: leave the lr alone. Outside a step it is AMP's GradScaler path (closure first,
-        # then scaler.step, which skips optimizer.step on inf grads): hand the groups back to the user's
-        # lr so that a scheduler stepping after a skipped step never sees the factor; the pre-hook
-        # applies it again if the step does happen.
+        # Outside optimizer.step (AMP's GradScaler path, which may skip the step): the user's lr back, so that a
+        # scheduler stepping after a skipped step never sees the factor; the step's pre-hook applies it again.
         if self._groups is not None:
             self._groups.unapply_outside_step(optimizer)
 
@@ -267,13 +203,8 @@ class WarmupScaledLR(DecisionLog, Callback):
             self._restored = dict(state_dict)
             if "schedule" in state_dict:  # the fit's schedule until on_train_start builds the next one
                 self.schedule = LRSchedule(**state_dict["schedule"])
-                self.global_batch, self.steps_per_epoch = (
-                    state_dict["global_batch"],
-                    state_dict["steps_per_epoch"],
-                )
+                self.global_batch, self.steps_per_epoch = state_dict["global_batch"], state_dict["steps_per_epoch"]
                 self._base_lrs = state_dict["base_lrs"]
-
-    # ---------------------------------------------------------------- plotting
 
     def plot_schedule(
         self,
@@ -290,14 +221,33 @@ class WarmupScaledLR(DecisionLog, Callback):
         elif global_batch is None or total_steps is None:
             raise ValueError("before fit, plot_schedule needs global_batch and total_steps")
         else:
-            schedule, _ = self.build_schedule(global_batch, total_steps, steps_per_epoch)
+            schedule, _ = self.options.build(global_batch, total_steps, steps_per_epoch)
         if base_lr is None:
             base_lr = self._base_lrs[0][0] if self._base_lrs else 1.0
-        return plot_schedule(
-            path,
-            schedule,
-            base_lr=base_lr,
-            steps_per_epoch=steps_per_epoch,
-            title=f"{self.options.rule} scaling ×{schedule.scale:g} for global batch "
-            f"{global_batch or self.global_batch}, warmup {schedule.warmup_steps} steps",
+        try:
+            from matplotlib.figure import Figure  # not pyplot: leaves the user's backend (a notebook's) alone
+        except ImportError as err:
+            raise ImportError(
+                "plot_schedule needs matplotlib, an optional dependency: pip install 'lightning_solo[plot]'"
+            ) from err
+        steps = list(range(schedule.total_steps))
+        xs = [s / steps_per_epoch for s in steps] if steps_per_epoch else steps
+        fig = Figure(figsize=(6, 3.2), dpi=120)
+        ax = fig.subplots()
+        ax.plot(xs, [base_lr * schedule.factor(s) for s in steps], lw=1.6)
+        ax.axhline(base_lr, color="grey", lw=0.8, ls=":", label=f"base lr {base_lr:g}")
+        if schedule.warmup_steps:
+            end = schedule.warmup_steps / steps_per_epoch if steps_per_epoch else schedule.warmup_steps
+            ax.axvline(end, color="tab:orange", lw=0.8, ls="--", label="end of warmup")
+        ax.set_xlabel("epoch" if steps_per_epoch else "optimizer step")
+        ax.set_ylabel("learning rate")
+        batch = global_batch or self.global_batch
+        ax.set_title(
+            f"{self.options.rule} scaling ×{schedule.scale:g} for global batch {batch}, warmup {schedule.warmup_steps} steps"
         )
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        return path

@@ -1,12 +1,5 @@
-"""The ranks' facts compared: what must agree and does not, and ranks that share one device.
-
-Pure functions over what :func:`lightning_solo.diagnostics.checks.facts.gather` returned, so every rank reaches the
-same verdict from the same list. Example::
-
-    disagreements([{"torch": "2.14.1"}, {"torch": "2.14.0"}])
-    # [Finding("agree.torch", "torch differs across ranks: '2.14.0' on rank 1; '2.14.1' on rank 0. Install ...",
-    #          error=True, ranks=(1,))]
-"""
+"""The ranks' gathered facts compared (pure, so every rank reaches the same verdict): what must agree and does
+not, and ranks that share one device."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 
 from lightning_solo.diagnostics.checks.facts import RankFacts
-from lightning_solo.diagnostics.checks.finding import Finding, merge
+from lightning_solo.diagnostics.checks.finding import Finding, merge, ranks_text
 
 _FIXES = {
     "device": "Mixed device models run at the pace of the slowest; use one model per job",
@@ -43,7 +36,7 @@ def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[
             continue
         # the reference (most ranks, then rank 0's) last; the odd values before it, rarest first
         groups = sorted(by_value.items(), key=lambda item: (len(item[1]), -item[1][0]))
-        values = "; ".join(f"{value!r} on {_ranks(ranks)}" for value, ranks in groups)
+        values = "; ".join(f"{value!r} on {ranks_text(ranks)}" for value, ranks in groups)
         odd = sorted(r for _, ranks in groups[:-1] for r in ranks)
         fix = _FIXES.get(key, _ENV_FIX if key.startswith("env.") else _VERSION_FIX)
         found.append(
@@ -64,16 +57,12 @@ def shared_devices(ranks: Sequence[RankFacts]) -> list[Finding]:
                 owners[(f.host, key(f))].append(f.rank)
         for (host, value), sharing in owners.items():
             if len(sharing) > 1:
-                found.append(
-                    Finding(
-                        f"placement.{what.lower()}",
-                        f"{_ranks(sharing)} on host {host} share {what} {value}: each rank needs its own device. "
-                        "Start one process per device (torchrun --nproc-per-node=<GPUs>, srun --ntasks-per-node), "
-                        "and let the launcher set LOCAL_RANK.",
-                        error=True,
-                        ranks=tuple(sharing),
-                    )
+                message = (
+                    f"{ranks_text(sharing)} on host {host} share {what} {value}: each rank needs its own device. "
+                    "Start one process per device (torchrun --nproc-per-node=<GPUs>, srun --ntasks-per-node), "
+                    "and let the launcher set LOCAL_RANK."
                 )
+                found.append(Finding(f"placement.{what.lower()}", message, error=True, ranks=tuple(sharing)))
     return found
 
 
@@ -84,7 +73,3 @@ def check(ranks: Sequence[RankFacts], ignore: Collection[str] = ()) -> list[Find
         *shared_devices(ranks),
         *merge((f.rank, f.findings) for f in ranks),
     ]
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -1,11 +1,5 @@
-"""The diagnostics' collectives on the default group: every rank's object, every rank's row of numbers.
-Call them on every rank alike; without a process group (one process) they return this rank's value alone.
-
-Example::
-
-    every = gather_objects({"torch": torch.__version__})         # [rank 0's dict, rank 1's dict, ...]
-    rows = gather_rows(torch.tensor([loss, grad_norm]))          # shape (world size, 2)
-"""
+"""The diagnostics' collectives on the default group, called on every rank alike: every rank's object, every
+rank's row of numbers; without a process group, this rank's value alone."""
 
 from __future__ import annotations
 

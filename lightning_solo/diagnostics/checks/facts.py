@@ -1,21 +1,14 @@
-"""What each rank reports about itself for the cross-rank preflight.
-
-Example::
-
-    mine = local_facts(torch.device("cuda", 0))      # versions, device model, driver, env flags; host, rank
-    every = gather_objects(mine)                      # diagnostics.collectives: a list, index = rank
-    findings = agreement.compare(every)               # pure: lightning_solo.diagnostics.checks.agreement
-
-See docs/diagnostics.md."""
+"""What each rank reports about itself for the cross-rank preflight. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
 import os
 import platform
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import lightning
 import torch
 import torch.distributed as dist
 
@@ -41,14 +34,11 @@ class RankFacts:
     findings: tuple[Finding, ...] = field(default=())
 
 
-def shared_facts(device: torch.device, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+def shared_facts(device: torch.device) -> dict[str, str | None]:
     """Versions, device model and driver, and the environment flags that every rank must agree on."""
-    import lightning
-
     import lightning_solo
 
-    env = os.environ if env is None else env
-    on_gpu = device.type == "cuda"
+    env, on_gpu = os.environ, device.type == "cuda"
     facts: dict[str, str | None] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -69,21 +59,19 @@ def shared_facts(device: torch.device, env: Mapping[str, str] | None = None) -> 
     return facts
 
 
-def local_facts(
-    device: torch.device, findings: Sequence[Finding] = (), env: Mapping[str, str] | None = None
-) -> RankFacts:
-    env = os.environ if env is None else env
+def local_facts(device: torch.device, findings: Sequence[Finding] = ()) -> RankFacts:
+    """This rank's place (host, local rank, device) and shared facts, and the ``findings`` of its own checks."""
     device_id = None
     if device.type == "cuda":
         device_id = str(getattr(torch.cuda.get_device_properties(device), "uuid", None) or device)
-    local = env.get("LOCAL_RANK")
+    local = os.environ.get("LOCAL_RANK")
     return RankFacts(
         rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
         host=socket.gethostname(),
         local_rank=int(local) if local and local.isdigit() else None,
         device=str(device),
         device_id=device_id,
-        shared=shared_facts(device, env),
+        shared=shared_facts(device),
         findings=tuple(findings),
     )
 

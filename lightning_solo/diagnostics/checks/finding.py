@@ -1,16 +1,9 @@
-"""Finding: one problem a check found, said with its fix, and the ranks it was found on.
-
-Example::
-
-    Finding("loader.pin_memory", "pin_memory is off on GPU: set DataLoader(pin_memory=True)", error=False)
-
-Errors stop a run; warnings are printed (``Preflight(strict=True)`` makes them errors). Findings from several
-ranks that say the same thing are merged into one that lists the ranks (:func:`merge`).
-"""
+"""Finding: one problem a check found, said with its fix, and the ranks it was found on. Errors stop a run;
+warnings are printed (``Preflight(strict=True)`` makes them errors)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -24,10 +17,13 @@ class Finding:
     ranks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        where = ""
-        if self.ranks:
-            where = f" (rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))})"
+        where = f" ({ranks_text(self.ranks)})" if self.ranks else ""
         return f"{'error' if self.error else 'warning'} [{self.check}]{where}: {self.message}"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``"rank 1"``, ``"ranks 1, 2"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def merge(per_rank: Iterable[tuple[int, Iterable[Finding]]]) -> list[Finding]:

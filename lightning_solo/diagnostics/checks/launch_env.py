@@ -1,11 +1,5 @@
-"""The launcher's variables (torchrun, SLURM, Lightning's own) and the process-group backend, checked.
-
-Pure functions of a mapping (``os.environ`` in use, a dict in tests). Example::
-
-    check_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
-    # [Finding("env.RANK", "RANK=2 is not below WORLD_SIZE=2 ...", error=True)]
-    check_backend("nccl", "cpu")   # Finding: nccl cannot carry CPU tensors; use gloo
-"""
+"""The launcher's variables (torchrun, SLURM, Lightning's own) and the process-group backend, checked: pure
+functions of a mapping (``os.environ`` in use, a dict in tests)."""
 
 from __future__ import annotations
 
@@ -22,27 +16,25 @@ _SLURM_PAIRS = (("SLURM_PROCID", "RANK"), ("SLURM_NTASKS", "WORLD_SIZE"), ("SLUR
 
 
 def check_launch_env(
-    env: Mapping[str, str],
-    *,
-    placement: Mapping[str, int] | None = None,
-    gpus_visible: int | None = None,
+    env: Mapping[str, str], *, placement: Mapping[str, int] | None = None, gpus_visible: int | None = None
 ) -> list[Finding]:
     """Problems with the distributed variables in ``env``: not integers, out of range, missing partners,
     disagreeing with SLURM's, or with ``placement`` (what the running process group says: ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``NODE_RANK`` -> int). ``gpus_visible``: this node's GPU count, when on GPU."""
     found: list[Finding] = []
     values: dict[str, int] = {}
+
+    def bad(name: str, message: str) -> None:
+        found.append(Finding(f"env.{name}", message, error=True))
+
     for name in _COUNTS:
         raw = env.get(name)
         if raw is None:
             continue
         if not raw.strip().isdigit():
-            found.append(_error(name, f"{name}={raw!r} is not a non-negative integer"))
+            bad(name, f"{name}={raw!r} is not a non-negative integer")
         else:
             values[name] = int(raw)
-
-    def bad(name: str, message: str) -> None:
-        found.append(_error(name, message))
 
     rank, world, local = values.get("RANK"), values.get("WORLD_SIZE"), values.get("LOCAL_RANK")
     local_world = values.get("LOCAL_WORLD_SIZE")
@@ -55,10 +47,7 @@ def check_launch_env(
     if local is not None and local_world is not None and local >= local_world:
         bad("LOCAL_RANK", f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}")
     if local is not None and rank is not None and local > rank:
-        bad(
-            "LOCAL_RANK",
-            f"LOCAL_RANK={local} exceeds RANK={rank}: a rank's local index cannot exceed its global one",
-        )
+        bad("LOCAL_RANK", f"LOCAL_RANK={local} exceeds RANK={rank}: a rank's local index cannot exceed its global one")
     if world and local_world and world % local_world:
         bad(
             "LOCAL_WORLD_SIZE",
@@ -84,13 +73,11 @@ def check_launch_env(
         if name in values and values[name] != actual:
             bad(name, f"{name}={values[name]} in the environment, but this process is {name.lower()} {actual}")
     if gpus_visible is not None and local is not None and local >= max(gpus_visible, 1):
-        found.append(
-            Finding(
-                "env.LOCAL_RANK",
-                f"LOCAL_RANK={local} but {gpus_visible} GPU(s) are visible on this node: ranks would share or "
-                "miss GPUs. Start at most one process per visible GPU, or widen CUDA_VISIBLE_DEVICES.",
-            )
+        message = (
+            f"LOCAL_RANK={local} but {gpus_visible} GPU(s) are visible on this node: ranks would share or miss GPUs. "
+            "Start at most one process per visible GPU, or widen CUDA_VISIBLE_DEVICES."
         )
+        found.append(Finding("env.LOCAL_RANK", message))
     return found
 
 
@@ -103,9 +90,7 @@ def check_backend(backend: str | None, device_type: str) -> Finding | None:
     chosen = per_device.get(device_type) if per_device is not None else backend
     if chosen is None:
         return Finding(
-            "backend",
-            f"backend {backend!r} names no backend for {device_type} tensors; add '{device_type}:...'",
-            True,
+            "backend", f"backend {backend!r} names no backend for {device_type} tensors; add '{device_type}:...'", True
         )
     if chosen == "nccl" and device_type != "cuda":
         return Finding(
@@ -121,7 +106,3 @@ def check_backend(backend: str | None, device_type: str) -> Finding | None:
             "(SoloDDP picks nccl on CUDA)",
         )
     return None
-
-
-def _error(name: str, message: str) -> Finding:
-    return Finding(f"env.{name}", message, error=True)

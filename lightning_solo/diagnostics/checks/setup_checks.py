@@ -36,60 +36,52 @@ class TrainingSetup:
 
 
 def check_setup(s: TrainingSetup) -> list[Finding]:
-    found = []
+    """The warnings, each with its fix, that ``s`` calls for."""
+    found: list[Finding] = []
+
+    def warn(check: str, message: str) -> None:
+        found.append(Finding(check, message))
+
     if s.data_parallel:
-        found.append(
-            Finding(
-                "model.data_parallel",
-                f"nn.DataParallel inside the model ({', '.join(s.data_parallel)}): under DDP every process would "
-                "split each batch again over all the GPUs it sees, from one Python thread. Remove the wrapper; "
-                "SoloDDP already runs one process per device.",
-            )
+        warn(
+            "model.data_parallel",
+            f"nn.DataParallel inside the model ({', '.join(s.data_parallel)}): under DDP every process would "
+            "split each batch again over all the GPUs it sees, from one Python thread. Remove the wrapper; "
+            "SoloDDP already runs one process per device.",
         )
     if s.num_workers == 0 and s.cores_per_process >= 2:
         workers = min(8, s.cores_per_process - 1 if s.device_type == "cuda" else s.cores_per_process // 2)
-        found.append(
-            Finding(
-                "loader.num_workers",
-                f"num_workers=0 loads every batch in the training process while {s.cores_per_process} cores per "
-                f"process are there: set DataLoader(num_workers={workers}).",
-            )
+        warn(
+            "loader.num_workers",
+            f"num_workers=0 loads every batch in the training process while {s.cores_per_process} cores per "
+            f"process are there: set DataLoader(num_workers={workers}).",
         )
     if s.world_size > 1 and s.map_style and s.sharded is False:
-        found.append(
-            Finding(
-                "loader.sampler",
-                f"the training loader's sampler does not split the dataset between the {s.world_size} ranks: each "
-                "rank trains on the whole dataset, so an epoch is world-size times the work. Leave "
-                "Trainer(use_distributed_sampler=True), or give the loader a DistributedSampler.",
-            )
+        warn(
+            "loader.sampler",
+            f"the training loader's sampler does not split the dataset between the {s.world_size} ranks: each "
+            "rank trains on the whole dataset, so an epoch is world-size times the work. Leave "
+            "Trainer(use_distributed_sampler=True), or give the loader a DistributedSampler.",
         )
     small = s.per_device_batch is not None and s.per_device_batch < s.sync_batchnorm_threshold
     if s.world_size > 1 and s.unsynced_batchnorm and small:
-        found.append(
-            Finding(
-                "model.batchnorm",
-                f"{s.unsynced_batchnorm} BatchNorm layer(s) normalise over a per-device batch of "
-                f"{s.per_device_batch} (< {s.sync_batchnorm_threshold}) without synchronisation: noisy statistics. "
-                "Set SoloDDP(sync_batchnorm='auto') or SoloDDP(sync_batchnorm=True).",
-            )
+        warn(
+            "model.batchnorm",
+            f"{s.unsynced_batchnorm} BatchNorm layer(s) normalise over a per-device batch of "
+            f"{s.per_device_batch} (< {s.sync_batchnorm_threshold}) without synchronisation: noisy statistics. "
+            "Set SoloDDP(sync_batchnorm='auto') or SoloDDP(sync_batchnorm=True).",
         )
     if s.device_type == "cuda" and s.pin_memory is False:
-        found.append(
-            Finding(
-                "loader.pin_memory",
-                "pin_memory is off on GPU: host-to-device copies cannot overlap compute. Set "
-                "DataLoader(pin_memory=True).",
-            )
+        warn(
+            "loader.pin_memory",
+            "pin_memory is off on GPU: host-to-device copies cannot overlap compute. Set DataLoader(pin_memory=True).",
         )
     if s.device_type == "cuda" and s.per_device_batch is not None and s.per_device_batch < s.min_gpu_batch:
-        found.append(
-            Finding(
-                "loader.batch_size",
-                f"a per-device batch of {s.per_device_batch} is too small to keep a GPU busy: launch and "
-                f"all-reduce overheads dominate each step. Raise DataLoader(batch_size={s.min_gpu_batch}) and "
-                "lower Trainer(accumulate_grad_batches=...) to keep the global batch.",
-            )
+        warn(
+            "loader.batch_size",
+            f"a per-device batch of {s.per_device_batch} is too small to keep a GPU busy: launch and "
+            f"all-reduce overheads dominate each step. Raise DataLoader(batch_size={s.min_gpu_batch}) and "
+            "lower Trainer(accumulate_grad_batches=...) to keep the global batch.",
         )
     return found
 
@@ -99,12 +91,10 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
     model = trainer.lightning_module
     loader = trainer.train_dataloader
     loader = loader if isinstance(loader, DataLoader) else None
-    local_world = max(1, trainer.num_devices)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return TrainingSetup(
         device_type=trainer.strategy.root_device.type,
         world_size=trainer.world_size,
-        cores_per_process=max(1, cores // local_world),
+        cores_per_process=cores_per_process(trainer.num_devices),
         per_device_batch=per_device_batch_size(trainer),
         num_workers=loader.num_workers if loader is not None else None,
         pin_memory=loader.pin_memory if loader is not None else None,
@@ -120,6 +110,12 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
         else TrainingSetup.sync_batchnorm_threshold,
         min_gpu_batch=min_gpu_batch,
     )
+
+
+def cores_per_process(local_processes: int) -> int:
+    """This node's cores (the process's affinity) per local process, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_processes))
 
 
 def _sharded(sampler) -> bool:

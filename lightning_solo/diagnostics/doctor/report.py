@@ -1,13 +1,6 @@
 """The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
-the straggler and the verdict, printed as a table and kept as a dict (``doctor.json``).
-
-Example::
-
-    ranks = gather_ranks(timer.take_window(), timer.total, timer.bins, {"peak_memory_mib": 812.0}, device)
-    report = summarize(ranks, "window", setup, reference=None)      # every rank computes the same
-    print(format_table(report))
-
-See docs/diagnostics.md."""
+the straggler and the verdict; printed as a table, kept as a dict (``doctor.json``), drawn as a chart
+(``doctor.png``, with matplotlib: the ``plot`` extra). See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -18,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lightning_solo.core import ranks as ranks_
 from lightning_solo.ddp.watchdog import heartbeat as hb
+from lightning_solo.diagnostics.checks.collectives import gather_rows
 from lightning_solo.diagnostics.doctor.timing import (
     COMM,
     DATA,
@@ -63,21 +55,15 @@ def gather_ranks(
     bins are the same length everywhere: they close at the same optimizer steps)."""
     row = [*window.values(), *total.values(), *(float(extra.get(k, 0.0)) for k in EXTRA)]
     row += [value for bin_ in bins for value in bin_.values()]
-    mine = torch.tensor(row, dtype=torch.float64, device=device)
-    parts = [mine]
-    if ranks_.world_size() > 1:
-        parts = [torch.empty_like(mine) for _ in range(ranks_.world_size())]
-        dist.all_gather(parts, mine)
-    n = len(FIELDS)
+    n, head = len(FIELDS), 2 * len(FIELDS) + len(EXTRA)
     out = []
-    for part in parts:
-        values = part.tolist()
-        head, rest = values[: 2 * n + len(EXTRA)], values[2 * n + len(EXTRA) :]
+    for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist():
+        rest = values[head:]
         out.append(
             {
-                "window": head[:n],
-                "total": head[n : 2 * n],
-                **dict(zip(EXTRA, head[2 * n :])),
+                "window": values[:n],
+                "total": values[n : 2 * n],
+                **dict(zip(EXTRA, values[2 * n : head])),
                 "bins": [rest[i : i + n] for i in range(0, len(rest), n)],
             }
         )
@@ -86,23 +72,22 @@ def gather_ranks(
 
 def rank_times(sums: list[float]) -> RankTimes:
     """Mean milliseconds per optimizer step; exposed communication is taken out of forward+backward."""
-    steps = max(sums[STEPS], 1.0)
-    comm = sums[COMM] / steps * 1e3
-    return RankTimes(
-        data_ms=sums[DATA] / steps * 1e3,
-        compute_ms=max(0.0, sums[FWD_BWD] / steps * 1e3 - comm),
-        comm_ms=comm,
-        optimizer_ms=sums[OPTIMIZER] / steps * 1e3,
-    )
+    ms = 1e3 / max(sums[STEPS], 1.0)
+    comm = sums[COMM] * ms
+    return RankTimes(sums[DATA] * ms, max(0.0, sums[FWD_BWD] * ms - comm), comm, sums[OPTIMIZER] * ms)
 
 
 def _seconds(sums: list[float]) -> float:
     return sums[DATA] + sums[FWD_BWD] + sums[OPTIMIZER]  # communication is inside forward+backward
 
 
+def _rate(sums: list[float]) -> float:
+    return sums[SAMPLES] / _seconds(sums) if _seconds(sums) > 0 else 0.0
+
+
 def throughput(per_rank: list[list[float]], reference: float | None = None) -> dict[str, float | None]:
     """Samples/s per device (mean of the ranks' own) and global (all samples over the slowest rank's time)."""
-    own = [s[SAMPLES] / _seconds(s) if _seconds(s) > 0 else 0.0 for s in per_rank]
+    own = [_rate(s) for s in per_rank]
     slowest = max(_seconds(s) for s in per_rank)
     global_ = sum(s[SAMPLES] for s in per_rank) / slowest if slowest > 0 else 0.0
     efficiency = global_ / (len(per_rank) * reference) if reference else None
@@ -115,10 +100,7 @@ def throughput(per_rank: list[list[float]], reference: float | None = None) -> d
 
 
 def summarize(
-    gathered: list[dict[str, Any]],
-    which: str,
-    setup: Setup,
-    reference: float | None = None,
+    gathered: list[dict[str, Any]], which: str, setup: Setup, reference: float | None = None
 ) -> dict[str, Any]:
     """The report over ``which`` ("window": since the last report, "total": since the warm-up)."""
     per_rank = [g[which] for g in gathered]
@@ -130,27 +112,21 @@ def summarize(
         setup,
         idle_cores=int(min(g["idle_cores"] for g in gathered)),
         memory_fraction=max(
-            (g["peak_memory_mib"] / g["memory_total_mib"] for g in gathered if g["memory_total_mib"]),
-            default=None,
+            (g["peak_memory_mib"] / g["memory_total_mib"] for g in gathered if g["memory_total_mib"]), default=None
         ),
     )
     verdict = diagnose(times, setup)
-    rows = []
-    for rank, (sums, t, g) in enumerate(zip(per_rank, times, gathered)):
-        seconds = _seconds(sums)
-        rows.append(
-            {
-                "rank": rank,
-                "step_ms": t.step_ms,
-                "data_ms": t.data_ms,
-                "compute_ms": t.compute_ms,
-                "comm_ms": t.comm_ms,
-                "optimizer_ms": t.optimizer_ms,
-                "samples_per_s": sums[SAMPLES] / seconds if seconds > 0 else 0.0,
-                "peak_memory_mib": g["peak_memory_mib"],
-                "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
-            }
-        )
+    rows = [
+        {
+            "rank": rank,
+            "step_ms": t.step_ms,
+            **dataclasses.asdict(t),
+            "samples_per_s": _rate(sums),
+            "peak_memory_mib": g["peak_memory_mib"],
+            "loss": sums[LOSS] / sums[LOSS_N] if sums[LOSS_N] else None,
+        }
+        for rank, (sums, t, g) in enumerate(zip(per_rank, times, gathered))
+    ]
     step_ms = sum(t.step_ms for t in times) / len(times)
     straggler: dict[str, Any] = {
         "rank": verdict.straggler,
@@ -185,24 +161,17 @@ def series(gathered: list[dict[str, Any]], bin_ends: list[int]) -> dict[str, Any
     ranks: list[dict[str, Any]] = []
     for g in gathered:
         bins = g["bins"][:n]
-        steps = [max(b[STEPS], 1.0) for b in bins]
-        times = [rank_times(b) for b in bins]
+        times = [dataclasses.asdict(rank_times(b)) for b in bins]
         ranks.append(
             {
-                "data_ms": [t.data_ms for t in times],
-                "compute_ms": [t.compute_ms for t in times],
-                "comm_ms": [t.comm_ms for t in times],
-                "optimizer_ms": [t.optimizer_ms for t in times],
+                **{part: [t[part] for t in times] for part in ("data_ms", "compute_ms", "comm_ms", "optimizer_ms")},
                 "loss": [b[LOSS] / b[LOSS_N] if b[LOSS_N] else None for b in bins],
                 "samples": [b[SAMPLES] for b in bins],
                 "seconds": [_seconds(b) for b in bins],
-                "steps": steps,
+                "steps": [max(b[STEPS], 1.0) for b in bins],
             }
         )
-    global_: list[float] = []
-    for i in range(n):
-        slowest = max(r["seconds"][i] for r in ranks)
-        global_.append(sum(r["samples"][i] for r in ranks) / slowest if slowest > 0 else 0.0)
+    global_ = [throughput([g["bins"][i] for g in gathered])["global_samples_per_s"] for i in range(n)]
     return {"step": list(bin_ends), "global_samples_per_s": global_, "ranks": ranks}
 
 
@@ -211,11 +180,7 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
     if not report.get("steps"):
         return f"{title}: no optimizer step measured after the warm-up"
     head = f"{'rank':>4}  {'step ms':>8}  {'data':>7}  {'compute':>7}  {'comm':>7}  {'optim':>7}  {'samples/s':>9}  {'peak MiB':>8}  {'loss':>8}"
-    lines = [
-        "",
-        f"{title}: {report['steps']} steps, {report['world_size']} rank(s), {report['device']}",
-        head,
-    ]
+    lines = ["", f"{title}: {report['steps']} steps, {report['world_size']} rank(s), {report['device']}", head]
     for r in report["ranks"]:
         loss = f"{r['loss']:8.4g}" if r["loss"] is not None else f"{'-':>8}"
         lines.append(
@@ -245,4 +210,48 @@ def write_json(content: dict[str, Any], path: str | Path) -> Path:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(content, indent=1, default=str))
     tmp.replace(path)  # a reader never sees half a report
+    return path
+
+
+PARTS = (("data_ms", "data wait"), ("compute_ms", "forward+backward"), ("comm_ms", "exposed comm"),
+         ("optimizer_ms", "optimizer"))  # fmt: skip
+
+
+def plot_doctor(series: dict[str, Any], path: str | Path, title: str = "TrainingDoctor") -> Path | None:
+    """Write the chart to ``path``; ``None`` when matplotlib is missing or there is nothing to plot."""
+    try:
+        from matplotlib.figure import Figure  # not pyplot: leaves the user's backend (a notebook's) alone
+    except ImportError:
+        return None
+    steps, ranks = series["step"], series["ranks"]
+    if not steps or not ranks:
+        return None
+    fig = Figure(figsize=(8, 9))
+    split, speed, loss = fig.subplots(3, 1, sharex=True)
+    # Each bin is drawn over its steps; the split is the mean rank's (ranks wait for each other).
+    edges = [steps[0] - ranks[0]["steps"][0], *steps]
+
+    def held(values: list[Any]) -> list[Any]:
+        return [*values, values[-1]]
+
+    stacked = [held([sum(r[key][i] for r in ranks) / len(ranks) for i in range(len(steps))]) for key, _ in PARTS]
+    split.stackplot(edges, stacked, labels=[label for _, label in PARTS], step="post")
+    split.set_ylabel("ms per step (mean rank)")
+    split.legend(loc="upper right", fontsize="small")
+    speed.plot(edges, held(series["global_samples_per_s"]), drawstyle="steps-post")
+    speed.set_ylabel("samples/s (all ranks)")
+    speed.set_ylim(bottom=0)
+    for rank, r in enumerate(ranks):
+        points = [(s, v) for s, v in zip(edges, held(r["loss"])) if v is not None]
+        if points:
+            loss.plot(*zip(*points), drawstyle="steps-post", label=f"rank {rank}")
+    loss.set_ylabel("loss")
+    loss.set_xlabel("optimizer step")
+    if len(ranks) <= 16:
+        loss.legend(loc="upper right", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
     return path

@@ -1,16 +1,5 @@
-"""Where one rank's training time goes: data wait, forward+backward, optimizer step and the communication DDP
-could not hide, summed per optimizer step into a few hundred bins (the chart) and running totals (the verdict).
-
-Example::
-
-    timer = StepTimer(torch.device("cpu"), comm=ExposedComm())
-    timer.recording = True
-    for batch in loader:                      # in a Lightning callback: the batch and optimizer hooks
-        timer.comm.watch(trainer.strategy.model)
-        timer.batch_start(); ...; timer.before_optimizer(); ...; timer.batch_end(len(batch), loss)
-    window = timer.take_window()              # Sums since the last call; timer.bins for the chart
-
-See docs/diagnostics.md."""
+"""One rank's time split (data wait, forward+backward, optimizer, the communication DDP could not hide), summed
+per optimizer step into chart bins and running totals. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -38,11 +27,13 @@ class Sums:
         self.losses: list[torch.Tensor] = []  # the open bin's, summed when it closes (no tensor op per step)
         self.pending: list[tuple[Any, Any, int]] = []  # CUDA intervals not read back yet: (start, end, field)
 
-    def add(self, other: Sums) -> None:
+    def add(self, other: Sums, pending: bool = True) -> None:
+        """Add ``other``'s sums, and its CUDA intervals unless ``pending`` is False (read back into both later)."""
         for i, value in enumerate(other.v):
             self.v[i] += value
         self.loss = self.loss + other.loss
-        self.pending += other.pending
+        if pending:
+            self.pending += other.pending
 
     def values(self) -> list[float]:
         """The sums as floats (reads the loss back: call at a report, not per step)."""
@@ -50,7 +41,7 @@ class Sums:
 
 
 class ExposedComm:
-    """Exposed communication per synchronised iteration, from DDP's reducer timings (see the module doc)."""
+    """Exposed communication per synchronised iteration, from DDP's reducer timings."""
 
     def __init__(self, sample_rate: int = 1) -> None:
         self.sample_rate = sample_rate
@@ -58,13 +49,7 @@ class ExposedComm:
         self._base = (0, 0.0)  # (iterations recorded, their exposed nanoseconds) at the last read
         self._carry = (0, 0.0)  # what replaced wrappers recorded since the last read
         self._mean_s = 0.0
-        self._measured = False
         self.iterations = 0  # DDP iterations read so far, over every wrapper followed
-
-    @property
-    def measured(self) -> bool:
-        """Whether a DDP wrapper has been followed (its timings are the exposed communication)."""
-        return self._measured
 
     def watch(self, model: Any) -> None:
         """Follow ``model`` (cheap: an identity check per batch). A new DDP wrapper (SoloDDP re-wraps when the
@@ -75,7 +60,7 @@ class ExposedComm:
             return
         if self._ddp is not None:
             self.read_out(self._ddp)
-        self._ddp, self._base, self._measured = model, (0, 0.0), True
+        self._ddp, self._base = model, (0, 0.0)
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
 
     def read_out(self, ddp: DistributedDataParallel) -> None:
@@ -99,8 +84,6 @@ class ExposedComm:
     def mean_since_last_read(self) -> float:
         """Seconds of exposed communication per synchronised iteration since the last call (the previous
         value when DDP recorded none since)."""
-        if not self._measured:
-            return 0.0
         n, ns = self._recorded(self._ddp) if self._ddp is not None else self._base  # between wrappers: (0, 0)
         count, total = n - self._base[0] + self._carry[0], ns - self._base[1] + self._carry[1]
         self._base, self._carry = (n, ns), (0, 0.0)
@@ -130,13 +113,6 @@ class ExposedComm:
         }
 
 
-def _total(losses: list[torch.Tensor]) -> torch.Tensor:
-    try:
-        return torch.stack(losses).double().sum()  # one op, where every step's loss has the same shape
-    except RuntimeError:
-        return torch.cat([t.reshape(1) for t in losses]).double().sum()
-
-
 def recorded_iterations(iteration: int, rate: int) -> int:
     """How many of DDP's iterations 1..``iteration`` its reducer timed: 1-10, then every ``rate``-th."""
     if iteration <= 10:
@@ -145,14 +121,8 @@ def recorded_iterations(iteration: int, rate: int) -> int:
 
 
 class StepTimer:
-    """One rank's time split, from the batch and optimizer hooks (see the module doc).
-
-    Args:
-        device: the rank's device; CUDA times with events, anything else with the host clock.
-        comm: where exposed communication comes from (``None``: not measured, counted as 0).
-        bin_steps: optimizer steps per chart bin at first (DDP's data is read once per bin); bins double in
-            width past ``max_bins``.
-    """
+    """One rank's time split from the batch and optimizer hooks: CUDA events on CUDA, else the host clock. Bins
+    of ``bin_steps`` optimizer steps (DDP's data is read once per bin) double in width past ``max_bins``."""
 
     def __init__(
         self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 16, max_bins: int = 256
@@ -241,15 +211,13 @@ class StepTimer:
             return
         bin_.v[COMM] += self.comm.mean_since_last_read() * bin_.v[STEPS]  # SyncBN's waits are in already
         if bin_.losses:
-            bin_.loss = _total(bin_.losses) * self.loss_scale
+            bin_.loss = torch.cat([t.reshape(1) for t in bin_.losses]).double().sum() * self.loss_scale
             bin_.losses = []
         self._resolve(self.bins[-1] if self.bins else None)  # the previous bin's events are long done
         self.bins.append(bin_)
         self.bin_ends.append(self._steps)
-        for sums in (self.window, self.total):  # its CUDA intervals join them when read back
-            for i, value in enumerate(bin_.v):
-                sums.v[i] += value
-            sums.loss = sums.loss + bin_.loss
+        self.window.add(bin_, pending=False)  # its CUDA intervals join them when read back
+        self.total.add(bin_, pending=False)
         if len(self.bins) >= self.max_bins:  # halve the resolution: merge neighbours (same on every rank)
             for first, second in zip(self.bins[::2], self.bins[1::2]):
                 first.add(second)

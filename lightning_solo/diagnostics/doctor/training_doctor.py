@@ -1,19 +1,8 @@
-"""TrainingDoctor: where the time of every rank goes, and what bounds the run, measured live on every rank.
-
-Example::
-
-    doctor = TrainingDoctor(every_n_steps=500, reference_throughput=1450.0)  # samples/s on one process
-    trainer = L.Trainer(strategy=SoloDDP(), devices=4, callbacks=[doctor])
-    trainer.fit(model, dm)
-    doctor.report["verdict"]["bound"]         # "data" | "communication" | "compute" | "straggler"
-    doctor.files                              # {"json": ".../doctor.json", "chart": ".../doctor.png"}
-
-See docs/diagnostics.md."""
+"""TrainingDoctor: where every rank's time goes and what bounds the run, measured live. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,11 +19,12 @@ from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.strategy import SoloDDP
-from lightning_solo.diagnostics.doctor.chart import plot_doctor
+from lightning_solo.diagnostics.checks.setup_checks import cores_per_process
 from lightning_solo.diagnostics.doctor.report import (
     OWN_PHASES,
     format_table,
     gather_ranks,
+    plot_doctor,
     series,
     summarize,
     write_json,
@@ -59,20 +49,8 @@ def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
 
 
 class TrainingDoctor(DecisionLog, L.Callback):
-    """Measures the time split on every rank and says what bounds the run and what to change.
-
-    Args:
-        every_n_steps: also report every this many optimizer steps (the window since the last report);
-            ``None``: at the end of training only.
-        warmup_steps: optimizer steps left out first (DDP's bucket rebuild, loader start-up, allocator
-            warm-up); at most a quarter of the run.
-        reference_throughput: samples/s of the same training on one process, for the scaling efficiency.
-        ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, every 10th on CUDA.
-        filename, chart: the report and chart file names in ``trainer.default_root_dir`` (the run directory).
-        loss_watch: the loss watch (NaN/Inf stop on every rank, spike and rank-spread advice): ``True`` (default)
-            a :class:`~lightning_solo.callbacks.LossWatch` with its defaults, or your own, or ``False``. Left to a
-            ``LossWatch`` among the trainer's callbacks when there is one (the runner has one), so it runs once.
-    """
+    """Measures the time split on every rank and says what bounds the run and what to change (arguments:
+    docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -168,9 +146,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The loss watch this doctor drives keeps its trend over a resume, as a LossWatch callback does. The
-        # reports, once the fit has ended (a forked fit's come back to the notebook through here; a resume
-        # starts its own at on_train_start).
+        # The driven loss watch's trend (kept over a resume); the reports once the fit ended (a forked fit's).
         state: dict[str, Any] = {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
         if self.report is not None:
             state["results"] = {"report": self.report, "reports": self.reports, "files": self.files}
@@ -228,8 +204,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         write_json(content, root / self.filename)
 
     def _phases(self, trainer: L.Trainer, which: str) -> dict[str, float]:
-        """This rank's own heartbeat (SoloDDP's watchdog, fresh on its own rank): seconds in each phase since the
-        last report ("window") or in all (the final "total"), gathered with the rest to name a straggler's phase."""
+        """This rank's seconds in each phase by SoloDDP's heartbeat, since the last report ("window") or in all."""
         strategy = trainer.strategy
         beat = strategy.heartbeats().get(trainer.global_rank) if isinstance(strategy, SoloDDP) else None
         if beat is None:
@@ -246,23 +221,15 @@ class TrainingDoctor(DecisionLog, L.Callback):
         """This rank's peak and total memory, and its idle cores (the fullest, the scarcest rank counts)."""
         device = pl_module.device
         if device.type == "cuda":
-            peak, total = (
-                torch.cuda.max_memory_allocated(device),
-                torch.cuda.get_device_properties(device).total_memory,
-            )
+            peak = torch.cuda.max_memory_allocated(device)
+            total = torch.cuda.get_device_properties(device).total_memory
         else:
             peak, total = self._rss, psutil.virtual_memory().total
-        loader = trainer.train_dataloader
-        workers = loader.num_workers if isinstance(loader, DataLoader) else 0
-        return {
-            "peak_memory_mib": peak / _MIB,
-            "memory_total_mib": total / _MIB,
-            "idle_cores": _idle_cores(trainer, workers),
-        }
+        idle = cores_per_process(trainer.num_devices) - 1 - _workers(trainer)
+        return {"peak_memory_mib": peak / _MIB, "memory_total_mib": total / _MIB, "idle_cores": max(0, idle)}
 
     def _setup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Setup:
-        loader = trainer.train_dataloader
-        workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+        loader, workers = trainer.train_dataloader, _workers(trainer)
         hook = trainer.strategy.comm_hook if isinstance(trainer.strategy, SoloDDP) else None
         return Setup(
             device=pl_module.device.type,
@@ -290,7 +257,6 @@ def _samples(batch: Any) -> int:
         return 1
 
 
-def _idle_cores(trainer: L.Trainer, workers: int) -> int:
-    """Cores per process on this node that neither the process nor its loader workers use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, cores // max(1, trainer.num_devices) - 1 - workers)
+def _workers(trainer: L.Trainer) -> int:
+    loader = trainer.train_dataloader
+    return loader.num_workers if isinstance(loader, DataLoader) else 0

@@ -1,20 +1,11 @@
-"""The doctor's verdict: from a small record of measured times to what bounds the run and what to change.
-
-Example::
-
-    ranks = [RankTimes(data_ms=40, compute_ms=8, comm_ms=1, optimizer_ms=1)] * 2
-    verdict = diagnose(ranks, Setup(device="cpu", world_size=2, num_workers=0, idle_cores=3))
-    verdict.bound                    # "data"
-    verdict.remedies[0].setting      # "DataLoader.num_workers"
-    str(verdict.remedies[0])         # "DataLoader(num_workers=3): load batches in worker processes, ..."
-
+"""The doctor's verdict (pure): measured times per rank → what bounds the run and the remedies, best first.
 See docs/diagnostics.md."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 BOUNDS = ("data", "communication", "compute", "straggler")
@@ -64,9 +55,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class Remedy:
-    """A change to make: the library ``setting`` (``"Owner.argument"``: ``"DataLoader.num_workers"``,
-    ``"SoloDDP.comm_hook"``) set to ``value``; ``setting`` None: no setting does it (a change to the code or the
-    machine). Where a setting lives in an application's config is the application's to say."""
+    """The library ``setting`` (``"DataLoader.num_workers"``) set to ``value``; ``None``: no setting does it."""
 
     setting: str | None
     value: Any
@@ -93,9 +82,6 @@ class Verdict:
     behind_ms: float  # how far its own work is behind the others'
     remedies: tuple[Remedy, ...] = field(default_factory=tuple)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def __str__(self) -> str:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.shares.items(), key=lambda kv: -kv[1]))
         return f"{self.bound}-bound ({shares})"
@@ -109,7 +95,7 @@ def diagnose(ranks: Sequence[RankTimes], setup: Setup) -> Verdict:
     slowest = max(range(len(ranks)), key=lambda r: ranks[r].busy_ms)
     others = [r for i, r in enumerate(ranks) if i != slowest] or list(ranks)
     behind = max(0.0, ranks[slowest].busy_ms - statistics.median(r.busy_ms for r in others))
-    typical = RankTimes(*(statistics.fmean(getattr(r, f) for r in others) for f in _FIELDS))
+    typical = RankTimes(*(statistics.fmean(getattr(r, f.name) for r in others) for f in fields(RankTimes)))
     if step <= 0:
         return Verdict("compute", dict.fromkeys(BOUNDS, 0.0), None, 0.0)
     shares = {
@@ -129,60 +115,26 @@ def diagnose(ranks: Sequence[RankTimes], setup: Setup) -> Verdict:
     return Verdict(bound, shares, slowest if len(ranks) > 1 else None, behind, tuple(remedies))
 
 
-_FIELDS = ("data_ms", "compute_ms", "comm_ms", "optimizer_ms")
-
-
 def _data_remedies(share: float, setup: Setup) -> list[Remedy]:
     out = []
     if setup.num_workers == 0:
         # Even without an idle core, one worker overlaps loading (often I/O) with the step.
-        workers = max(1, min(setup.idle_cores, 4))
-        gain = (0.9 if setup.idle_cores else 0.5) * share
-        out.append(
-            Remedy(
-                "DataLoader.num_workers",
-                workers,
-                "load batches in worker processes, while the step runs",
-                gain,
-            )
-        )
+        workers, gain = max(1, min(setup.idle_cores, 4)), (0.9 if setup.idle_cores else 0.5) * share
+        action = "load batches in worker processes, while the step runs"
+        out.append(Remedy("DataLoader.num_workers", workers, action, gain))
     elif setup.idle_cores > 0:
         workers = min(2 * setup.num_workers, setup.num_workers + setup.idle_cores)
-        out.append(
-            Remedy(
-                "DataLoader.num_workers",
-                workers,
-                f"more loader workers ({setup.idle_cores} cores per process are idle)",
-                0.5 * share,
-            )
-        )
+        action = f"more loader workers ({setup.idle_cores} cores per process are idle)"
+        out.append(Remedy("DataLoader.num_workers", workers, action, 0.5 * share))
     else:
-        out.append(
-            Remedy(
-                None,
-                None,
-                "no idle cores for more loader workers: make samples cheaper to load (decode once and cache, augment on the device)",
-                0.5 * share,
-            )
-        )
+        action = "no idle cores for more loader workers: make samples cheaper to load (decode once and cache, augment on the device)"
+        out.append(Remedy(None, None, action, 0.5 * share))
     if setup.num_workers > 0 and (setup.prefetch_factor or 2) < 4:
-        out.append(
-            Remedy(
-                "DataLoader.prefetch_factor",
-                4,
-                "each worker keeps more batches ready, smoothing slow samples",
-                0.3 * share,
-            )
-        )
+        action = "each worker keeps more batches ready, smoothing slow samples"
+        out.append(Remedy("DataLoader.prefetch_factor", 4, action, 0.3 * share))
     if setup.device == "cuda" and not setup.pin_memory:
-        out.append(
-            Remedy(
-                "DataLoader.pin_memory",
-                True,
-                "page-locked batches copy to the GPU faster and asynchronously",
-                0.2 * share,
-            )
-        )
+        action = "page-locked batches copy to the GPU faster and asynchronously"
+        out.append(Remedy("DataLoader.pin_memory", True, action, 0.2 * share))
     return out
 
 
@@ -194,60 +146,23 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
     per_step = (share + optimizer_share) / 2
     full = setup.memory_fraction is not None and setup.memory_fraction > 0.45
     if setup.per_device_batch and not full:
-        out.append(
-            Remedy(
-                "DataLoader.batch_size",
-                2 * setup.per_device_batch,
-                "twice the work per all-reduce (WarmupScaledLR rescales the learning rate to the global batch)",
-                per_step,
-            )
-        )
-    out.append(
-        Remedy(
-            "Trainer.accumulate_grad_batches",
-            2 * setup.accumulate,
-            "one all-reduce per two batches, when the batch cannot grow in memory (the global batch doubles)",
-            0.9 * per_step,
-        )
-    )
+        action = "twice the work per all-reduce (WarmupScaledLR rescales the learning rate to the global batch)"
+        out.append(Remedy("DataLoader.batch_size", 2 * setup.per_device_batch, action, per_step))
+    action = "one all-reduce per two batches, when the batch cannot grow in memory (the global batch doubles)"
+    out.append(Remedy("Trainer.accumulate_grad_batches", 2 * setup.accumulate, action, 0.9 * per_step))
     if setup.comm_hook != "post_local_sgd":
         # Saves 3 all-reduces in 4, but changes the optimisation: counted at half, for the accuracy it may cost.
-        out.append(
-            Remedy(
-                "SoloDDP.comm_hook",
-                "post_local_sgd",
-                "local steps, parameters averaged every 4 steps: skips most all-reduces, changes the optimisation (check accuracy)",
-                0.75 * share / 2,
-            )
-        )
+        action = "local steps, parameters averaged every 4 steps: skips most all-reduces, changes the optimisation (check accuracy)"
+        out.append(Remedy("SoloDDP.comm_hook", "post_local_sgd", action, 0.75 * share / 2))
     if setup.bucket_count == 1 and setup.gradient_mib > 4 and (setup.overlap_fraction or 0.0) < 0.5:
-        cap = max(1, round(setup.gradient_mib / 4))
-        out.append(
-            Remedy(
-                "SoloDDP.bucket_cap_mb",
-                cap,
-                "smaller gradient buckets start the all-reduce while backward is still running",
-                0.5 * share,
-            )
-        )
+        action = "smaller gradient buckets start the all-reduce while backward is still running"
+        out.append(Remedy("SoloDDP.bucket_cap_mb", max(1, round(setup.gradient_mib / 4)), action, 0.5 * share))
     elif setup.bucket_count > 16 and setup.gradient_mib / setup.bucket_count < 1:
-        out.append(
-            Remedy(
-                "SoloDDP.bucket_cap_mb",
-                4 * setup.bucket_cap_mb,
-                "fewer, larger buckets pay the all-reduce latency fewer times",
-                0.2 * share,
-            )
-        )
+        action = "fewer, larger buckets pay the all-reduce latency fewer times"
+        out.append(Remedy("SoloDDP.bucket_cap_mb", 4 * setup.bucket_cap_mb, action, 0.2 * share))
     if _compression_may_pay(setup):
-        out.append(
-            Remedy(
-                "SoloDDP.comm_hook",
-                "auto",
-                "measure exact, fp16, bf16 and PowerSGD all-reduce for a few steps each and keep the fastest",
-                0.4 * share,
-            )
-        )
+        action = "measure exact, fp16, bf16 and PowerSGD all-reduce for a few steps each and keep the fastest"
+        out.append(Remedy("SoloDDP.comm_hook", "auto", action, 0.4 * share))
     return out
 
 
@@ -270,32 +185,14 @@ def _straggler_remedies(
     excess = {f: getattr(slow, f) - getattr(typical, f) for f in ("data_ms", "compute_ms", "optimizer_ms")}
     where = max(excess, key=excess.__getitem__)
     if where == "data_ms":
-        return [
-            Remedy(
-                "DataLoader.num_workers",
-                max(1, 2 * setup.num_workers),
-                f"rank {slowest} waits {excess[where]:.1f} ms per step longer for data than the others: more workers, or check its node's disk and CPU load",
-                0.8 * share,
-            )
-        ]
-    return [
-        Remedy(
-            None,
-            None,
-            f"rank {slowest} is {behind:.1f} ms per step slower than the others: check its device and node (clocks, temperature, other processes)",
-            share,
-        )
-    ]
+        action = f"rank {slowest} waits {excess[where]:.1f} ms per step longer for data than the others: more workers, or check its node's disk and CPU load"
+        return [Remedy("DataLoader.num_workers", max(1, 2 * setup.num_workers), action, 0.8 * share)]
+    action = f"rank {slowest} is {behind:.1f} ms per step slower than the others: check its device and node (clocks, temperature, other processes)"
+    return [Remedy(None, None, action, share)]
 
 
 def _compute_remedies(share: float, setup: Setup) -> list[Remedy]:
     if setup.device == "cuda" and setup.precision.startswith("32"):
-        return [
-            Remedy(
-                "SoloDDP.precision",
-                "auto",
-                "bf16 (or fp16) mixed precision: tensor cores, half the activation memory",
-                0.3 * share,
-            )
-        ]
+        action = "bf16 (or fp16) mixed precision: tensor cores, half the activation memory"
+        return [Remedy("SoloDDP.precision", "auto", action, 0.3 * share)]
     return []
