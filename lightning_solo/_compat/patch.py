@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -23,10 +24,11 @@ _MISSING = object()
 PATCHED: dict[Any, tuple[str, ...]] = {
     DataLoader: ("_get_iterator",),  # a loader's own, for the SIGTERM shield and the agreed end of uneven data
     torch_checkpoint.CheckpointFunction: ("apply",),  # non-reentrant while the unused policy searches
-    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),  # one trainer's: the SIGTERM agreement
+    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end", "reset"),  # one trainer's: SIGTERM, resume
     _EvaluationLoop: ("_evaluation_step",),
     _FitLoop: ("on_advance_end",),
     _SignalConnector: ("_sigterm_notifier_fn",),
+    LightningModule: ("lr_scheduler_step",),  # held on a step the GradScaler skipped (skip_lr_on_overflow)
     dist: (
         "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
