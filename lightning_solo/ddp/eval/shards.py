@@ -17,6 +17,10 @@ from lightning_solo._compat import lightning as lightning_compat
 _ORDER_CACHE = "_lightning_solo_rank_order"  # on the sampler: (epoch, indices, valid), read once per epoch
 
 
+_LOADERS = {RunningStage.VALIDATING: "val_dataloaders", RunningStage.SANITY_CHECKING: "val_dataloaders",
+            RunningStage.TESTING: "test_dataloaders", RunningStage.PREDICTING: "predict_dataloaders"}  # fmt: skip
+
+
 class EvalRows(NamedTuple):
     """The rows of one evaluation batch: their dataset ``indices`` and which are ``valid`` (False: a repeat)."""
 
@@ -53,13 +57,7 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
 def eval_rows(trainer: Any, batch_idx: int, dataloader_idx: int = 0) -> EvalRows | None:
     """The dataset indices and validity of the current validate/test/predict batch ``batch_idx``; ``None`` when
     they cannot be known (a custom sampler or batch sampler, an IterableDataset)."""
-    loaders = {
-        RunningStage.VALIDATING: "val_dataloaders",
-        RunningStage.SANITY_CHECKING: "val_dataloaders",
-        RunningStage.TESTING: "test_dataloaders",
-        RunningStage.PREDICTING: "predict_dataloaders",
-    }
-    attribute = loaders.get(trainer.state.stage)
+    attribute = _LOADERS.get(trainer.state.stage)
     iterables = getattr(trainer, attribute) if attribute else None
     if iterables is None:
         return None

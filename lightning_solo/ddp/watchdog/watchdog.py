@@ -26,14 +26,7 @@ from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 
 from lightning_solo.core.checks import check_number
 from lightning_solo.ddp.watchdog import flight_recorder
-from lightning_solo.ddp.watchdog.heartbeat import (
-    DONE,
-    FAILED,
-    REFINABLE,
-    Heartbeat,
-    HeartbeatWriter,
-    Observer,
-)
+from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, REFINABLE, Heartbeat, HeartbeatWriter, Observer
 from lightning_solo.ddp.watchdog.verdict import END, REPORT, SUSPECT, RankView, Verdict, judge
 from lightning_solo.ddp.watchdog.where import ONCE_HOOKS, thread_frame, where
 
