@@ -74,16 +74,16 @@ class HeartbeatWriter:
         self._totals = dict.fromkeys(ORDER, 0.0)  # every key made now: the thread copies it while it changes
         self._mark = self.state[2]
 
-    # ------------------------------------------------------------------ the training thread
-    def _account(self, now: float) -> None:
-        """The time since the last transition goes to the phase that held it."""
+    def _now(self) -> float:
+        """The clock now; the time since the last transition goes to the phase that held it."""
+        now = self._clock()
         self._totals[self.state[1]] += now - self._mark
         self._mark = now
+        return now
 
     def batch(self, step: int) -> None:
         """A training batch starts: the time since the previous one, less its validations and saves, is a step's."""
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         if self._batch_started is not None:
             self._durations["step"].append(now - self._batch_started - self._batch_other)
         self._batch_started, self._batch_other = now, 0.0
@@ -92,8 +92,7 @@ class HeartbeatWriter:
     def enter(self, phase: str, step: int | None = None) -> tuple[str, float]:
         """Enter ``phase``; returns what :meth:`leave` puts back."""
         step_now, previous, since, _, seq = self.state
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         self.state = (step_now if step is None else step, phase, now, None, seq)
         return previous, since
 
@@ -103,8 +102,7 @@ class HeartbeatWriter:
         step, phase, since, _, seq = self.state
         step += stepped
         previous, previous_since = outer
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         if (group := _GROUP.get(phase)) is not None:
             self._durations.setdefault(group, deque(maxlen=_WINDOW)).append(now - since)
             if previous not in _GROUP:  # a save inside a validation is counted once, with the validation
@@ -124,16 +122,11 @@ class HeartbeatWriter:
         step, phase, since, _, seq = self.state
         self.state = (step, phase, since, name, seq + (name is not None))
 
-    def done(self) -> None:
-        now = self._clock()
-        self._account(now)
-        self.state = (self.state[0], DONE, now, None, self.state[4])
-
-    def failed(self) -> None:
+    def end(self, failed: bool = False) -> None:
+        """The fit ended (``failed``: with an exception, recording where)."""
         step, phase, _, _, seq = self.state
-        now = self._clock()
-        self._account(now)
-        self.state = (step, FAILED, now, f"{phase} at step {step}", seq)
+        now = self._now()
+        self.state = (step, FAILED, now, f"{phase} at step {step}", seq) if failed else (step, DONE, now, None, seq)
 
     # ------------------------------------------------------------------ the watchdog thread
     def median(self, group: str) -> float | None:

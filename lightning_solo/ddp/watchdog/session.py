@@ -86,7 +86,6 @@ class WatchdogSession:
         """See :meth:`SoloDDP.heartbeats <lightning_solo.ddp.strategy.SoloDDP.heartbeats>`."""
         return self._dog.heartbeats() if self._dog is not None else {}
 
-    # ------------------------------------------------------------------ phases, from the strategy's hooks
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """The block runs in phase ``name`` (an optimizer step that completes counts as a step)."""
@@ -136,7 +135,6 @@ class WatchdogSession:
             self._dog.writer.leave(self._validation_outer)
         self._validation_outer = None
 
-    # ------------------------------------------------------------------ the end
     def stop(self) -> None:
         """The fit ended: "done" at once, so no peer takes this rank's exit for a death."""
         if self._dog is not None:

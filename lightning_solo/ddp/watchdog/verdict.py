@@ -109,12 +109,9 @@ def _describe_other(view: RankView) -> str:
         return f"rank {view.rank} finished training"
     if beat.phase == FAILED:
         return f"rank {view.rank} ended with an error (in {beat.collective})"
-    where = _waits(beat)
-    return (
-        f"rank {view.rank} waits in {where} at step {beat.step}"
-        if where is not None
-        else f"rank {view.rank} is in {beat.phase} at step {beat.step}"
-    )
+    if (where := _waits(beat)) is not None:
+        return f"rank {view.rank} waits in {where} at step {beat.step}"
+    return f"rank {view.rank} is in {beat.phase} at step {beat.step}"
 
 
 def _verdict(
@@ -158,9 +155,7 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
             views, over, REPORT, silent_after_s, max(v.age_s for v in over),
             min(v.beat.allowance_s for v in over),  # type: ignore[union-attr]
         )  # fmt: skip
-    if busy:  # the others wait for a rank still within its own allowance
-        return None
-    if not late:
+    if busy or not late:  # (busy: the others wait for a rank still within its own allowance)
         return None
     if missing := [v for v in active if v.beat is None]:
         return _verdict(views, missing, REPORT, silent_after_s, max(v.wait_s for v in late),

@@ -184,10 +184,8 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.settings.interval_s + 1)
         self._thread = None
-        if failed:
-            self.writer.failed()
-        elif self.writer.state[1] != FAILED:
-            self.writer.done()
+        if failed or self.writer.state[1] != FAILED:
+            self.writer.end(failed)
         with contextlib.suppress(Exception):  # the store's host may be gone already: nothing left to tell
             self._publish()
             if self.rank == 0:
@@ -342,20 +340,25 @@ class Watchdog:
         self._requests_answered = max(self._requests_answered, wanted)
         self._signal_all()
         keys = {r: f"fr/{wanted}/{r}" for r in range(self.world_size) if r != self.rank}
-        return {
-            self.rank: self._flight_summary()[1],
-            **self._collect(keys, time.monotonic() + FLIGHT_RECORD_WAIT_S, True),
-        }
+        mine = self._flight_summary()[1]
+        return {self.rank: mine, **self._collect(keys, time.monotonic() + FLIGHT_RECORD_WAIT_S, self._verdict_came)}
 
-    def _collect(self, keys: dict[int, str], deadline: float, answering: bool = False) -> dict[int, Any]:
-        """The summaries the ranks published under ``keys``, waited for until ``deadline`` (``None``: not there);
-        ``answering``: meanwhile answer the other judge's request, and stop at a verdict."""
-        while time.monotonic() < deadline and not self._store.check(list(keys.values())):
-            if answering:
-                self._answer_request()
-                if self._store.check([_VERDICT]):
-                    break
+    def _verdict_came(self) -> bool:
+        """Answer the other judge's request (it may be asking at the same time); whether a verdict came."""
+        self._answer_request()
+        return bool(self._store.check([_VERDICT]))
+
+    def _wait_for(self, keys: list[str], deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Whether the store holds ``keys`` before ``deadline`` (``stop``: asked at each wait, True gives up)."""
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline or (stop is not None and stop()):
+                return False
             time.sleep(0.05)
+        return True
+
+    def _collect(self, keys: dict[int, str], deadline: float, stop: Callable[[], bool] | None = None) -> dict[int, Any]:
+        """The summaries the ranks published under ``keys``, waited for until ``deadline`` (``None``: not there)."""
+        self._wait_for(list(keys.values()), deadline, stop)
         return {r: json.loads(self._store.get(k)) if self._store.check([k]) else None for r, k in keys.items()}
 
     def _snapshot(self) -> Heartbeat:
@@ -491,10 +494,7 @@ class Watchdog:
                 (self.dump_dir / "verdict.txt").write_text(line + "\n")
         else:  # the whole line read before this rank says "dumped" (rank 0's exit takes the store with it)
             with contextlib.suppress(Exception):
-                deadline = started + self.settings.grace_s
-                while time.monotonic() < deadline and not self._store.check([_FINAL]):
-                    time.sleep(0.05)
-                if self._store.check([_FINAL]):
+                if self._wait_for([_FINAL], started + self.settings.grace_s):
                     self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
         # Every rank's stderr carries the line, printed before "dumped" (on which the others, and a launcher, end).
         end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
@@ -504,10 +504,8 @@ class Watchdog:
         try:
             self._store.set(f"dumped/{self.rank}", "1")
             if abort:  # the store's host must outlive the others' dumps
-                deadline = started + self.settings.grace_s
-                live = [v.rank for v in self._views() if _running(v)]
-                while time.monotonic() < deadline and not self._store.check([f"dumped/{r}" for r in live]):
-                    time.sleep(0.1)
+                live = [f"dumped/{v.rank}" for v in self._views() if _running(v)]
+                self._wait_for(live, started + self.settings.grace_s)
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
         if abort:
