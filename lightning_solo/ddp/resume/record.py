@@ -132,13 +132,13 @@ def validation_neutral(state: dict[str, Any] | None) -> None:
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def quiet_not_resumable_warning(trainer: Any) -> None:
+def quiet_not_resumable_warning(trainer: Any) -> Patches:
     """Lightning's "your dataloader is not resumable" warning, about a loader these resume, silenced around this
-    trainer's epoch loop's next ``reset`` only (patched once, undone at that call)."""
-    loop = trainer.fit_loop.epoch_loop
+    trainer's epoch loop's next ``reset`` only (patched once, undone at that call or by closing the patches)."""
+    loop, patches = trainer.fit_loop.epoch_loop, Patches()
     if "reset" in vars(loop):
-        return
-    reset, patches = loop.reset, Patches()
+        return patches
+    reset = loop.reset
 
     def quiet_reset() -> None:
         patches.close()
@@ -147,6 +147,7 @@ def quiet_not_resumable_warning(trainer: Any) -> None:
             reset()
 
     patches.set(loop, "reset", quiet_reset)
+    return patches
 
 
 _COUNTERS = ("ready", "started", "processed", "completed")

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat.patch import Patches
 from lightning_solo.checkpoint.io import load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume, hpc_checkpoints
@@ -47,6 +48,7 @@ class ExactResume:
         self._step_buffers: dict[str, torch.Tensor] | None = None
         self._batch_end_rng: dict[str, Any] | None = None
         self._rng_before_first_batch: dict[str, Any] | None = None
+        self._quiet = Patches()  # Lightning's warning silenced until the epoch loop's next reset
 
     def on_dataloader(self, dataloader: Any, trainer: Any, decide: Callable[[Decision], Any]) -> Any:
         """A training loader Lightning has processed: made resumable, and the resume plan attached to it."""
@@ -84,7 +86,7 @@ class ExactResume:
                 plan.settle()
                 self._rng_before_first_batch = plan.rng_before_first_batch
                 if plan.mid_epoch:
-                    resume.quiet_not_resumable_warning(trainer)
+                    self._quiet = resume.quiet_not_resumable_warning(trainer)
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
         """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none when off."""
@@ -149,8 +151,9 @@ class ExactResume:
         self._record = checkpoint.get(resume.RESUME_KEY) if self.enabled else None
 
     def reset(self) -> None:
-        """At teardown: a fit that failed while Lightning handed over its loaders leaves none open for the next."""
+        """At teardown: no loaders left open for the next fit (one may have failed meanwhile), no patch left."""
         self._loaders_open, self._plan, self._rng_before_first_batch = False, None, None
+        self._quiet.close()
 
 
 def load_auto_checkpoint(
