@@ -30,29 +30,25 @@ def decide_flight_recorder(backend: str | None, environ: Mapping[str, str]) -> t
     env = {_FR: str(TRACE_BUFFER_SIZE)}  # the older name, read too, warns that it is deprecated
     if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
-    return (
-        Decision(
-            "flight_recorder",
-            ", ".join(f"{k}={v}" for k, v in env.items()),
-            "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog "
-            "writes them to hang/rank<r>.fr.json and says in its line which rank issued one the others never "
-            f"entered; set {_FR}=0 to turn it off",
-        ),
-        env,
+    reason = (
+        "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog writes "
+        "them to hang/rank<r>.fr.json and says in its line which rank issued one the others never entered; set "
+        f"{_FR}=0 to turn it off"
     )
+    return Decision("flight_recorder", ", ".join(f"{k}={v}" for k, v in env.items()), reason), env
 
 
 def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
     """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, its last collective and
     whether it is still in flight."""
-    entries = json.loads(dump).get("entries", [])
-    by_pg: dict[str, list[dict[str, Any]]] = {}
-    for entry in entries:
-        by_pg.setdefault(str(entry["process_group"][0]), []).append(entry)
+    # A group's collectives complete in order: its last one tells whether the rank waits there.
+    lasts: dict[str, dict[str, Any]] = {}
+    for entry in json.loads(dump).get("entries", []):
+        pg = str(entry["process_group"][0])
+        if pg not in lasts or _order(entry) > _order(lasts[pg]):
+            lasts[pg] = entry
     summary = {}
-    for pg, pg_entries in by_pg.items():
-        # A group's collectives complete in order: its last one tells whether the rank waits there.
-        e = max(pg_entries, key=_order)
+    for pg, e in lasts.items():
         pending = not e.get("retired") and e.get("state") != "completed"
         summary[pg] = {
             "desc": e["process_group"][1], "seq": e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"],

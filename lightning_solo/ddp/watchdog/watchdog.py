@@ -182,6 +182,7 @@ class Watchdog:
         self._stopped = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
+            # First: a heartbeat the thread is still writing must not land over "done".
             self._thread.join(timeout=2 * self.settings.interval_s + 1)
         self._thread = None
         if failed or self.writer.state[1] != FAILED:
