@@ -28,8 +28,7 @@ _TRAINER_DEFAULT = "32-true"
 def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float | int]:
     """Validate GradScaler settings and fill in torch's defaults for the missing ones."""
     given = dict(scaler or {})
-    unknown = sorted(set(given) - set(SCALER_DEFAULTS))
-    if unknown:
+    if unknown := sorted(set(given) - set(SCALER_DEFAULTS)):
         raise ValueError(f"unknown GradScaler setting(s) {unknown}; accepted: {list(SCALER_DEFAULTS)}")
     s = {**SCALER_DEFAULTS, **given}
     for key in ("init_scale", "growth_factor", "backoff_factor"):
