@@ -159,18 +159,8 @@ class ExactResume:
 def load_auto_checkpoint(
     trainer: Any, rank: int, broadcast: Callable[[Any, int], Any], decide: Callable[[Decision], Any], weights_only: bool
 ) -> tuple[dict[str, Any], str | None]:
-    """``fit(ckpt_path="auto")``: the checkpoint and its path (a collective); :data:`NO_CHECKPOINT`, ``None``: none."""
-    path = _choose_auto_checkpoint(trainer, rank, broadcast, decide)
-    if path is None:
-        return NO_CHECKPOINT, None
-    # Verified (hashed) once, by rank 0's choice: loaded as is.
-    return load_weights_only(path, map_location=lambda storage, loc: storage, weights_only=weights_only), path
-
-
-def _choose_auto_checkpoint(
-    trainer: Any, rank: int, broadcast: Callable[[Any, int], Any], decide: Callable[[Decision], Any]
-) -> str | None:
-    """Rank 0 picks the newest checkpoint that verifies and broadcasts it; every rank checks it sees the same file."""
+    """``fit(ckpt_path="auto")`` (a collective): rank 0 picks the newest checkpoint that verifies and broadcasts it,
+    every rank checks it sees the same file. The checkpoint and its path; :data:`NO_CHECKPOINT`, ``None``: none."""
     chosen: tuple[Any, Any] | None = None
     if rank == 0:
         decision = decide_resume(checkpoint_dir(trainer), extra=hpc_checkpoints(trainer))
@@ -178,13 +168,17 @@ def _choose_auto_checkpoint(
     decision, manifest = broadcast(chosen, 0)  # rank 0 always sends a pair
     decide(decision)
     rank_zero_info(f"ckpt_path='auto': {decision}")
-    if decision.value is not None and read_manifest(decision.value) != manifest:
+    path = decision.value
+    if path is not None and read_manifest(path) != manifest:
         raise RuntimeError(
             f"rank {rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
-            f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share"
+            f" ({path}): put the checkpoint directory on a filesystem all nodes share"
         )
-    lightning_compat.set_ckpt_path(trainer, decision.value)
-    return decision.value
+    lightning_compat.set_ckpt_path(trainer, path)
+    if path is None:
+        return NO_CHECKPOINT, None
+    # Verified (hashed) once, by rank 0's choice: loaded as is.
+    return load_weights_only(path, map_location=lambda storage, loc: storage, weights_only=weights_only), path
 
 
 def _combined_decision(decisions: list[Decision]) -> Decision:
