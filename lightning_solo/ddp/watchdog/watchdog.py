@@ -163,7 +163,6 @@ class Watchdog:
         self._beats = 0
         self._seen: dict[int, tuple[int, float, Heartbeat]] = {}  # rank -> (beats, when seen, heartbeat)
         self._stop = threading.Event()
-        self._stopped = False
         self._acted = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -177,9 +176,8 @@ class Watchdog:
     def stop(self, failed: bool = False) -> None:
         """The fit ended (``failed``: with an exception): say so at once, so no peer takes this rank's exit for a
         death. Rank 0 (the store's server) waits up to ``grace_s`` for the others to say so too."""
-        if self._stopped:
+        if self._stop.is_set():
             return
-        self._stopped = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             # First: a heartbeat the thread is still writing must not land over "done".
