@@ -1,9 +1,5 @@
-"""Private Lightning names the pack uses, one accessor each. Checked on lightning 2.6.6.
-
-Two kinds: names the pack *reads or calls* (the functions and classes below), and names it *overrides or
-sets* in its subclasses (:data:`OVERRIDDEN`, :data:`STRATEGY_ATTRIBUTES`), listed so that the compat test
-notices when one disappears upstream.
-"""
+"""Private Lightning names the pack uses, one accessor each (checked on lightning 2.6.6), and those it overrides or
+sets in its subclasses (:data:`OVERRIDDEN`, :data:`STRATEGY_ATTRIBUTES`), listed for tests/test_compat.py."""
 
 from __future__ import annotations
 
@@ -22,8 +18,6 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from lightning.pytorch.utilities.exceptions import _augment_message
 from torch.utils.data import SequentialSampler
 
-CHECKED_ON = "lightning 2.6.6"
-
 # Classes the pack subclasses or checks against (checked on lightning 2.6.6).
 MultiProcessingLauncher = _MultiProcessingLauncher
 WorkerOutput = _WorkerOutput
@@ -40,18 +34,9 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
 }
 # DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
 # SoloDDP turns into a property.
-STRATEGY_ATTRIBUTES = (
-    "_layer_sync",
-    "_ddp_kwargs",
-    "_start_method",
-    "_launcher",
-    "_timeout",
-    "_model_averaging_period",
-    "_ddp_comm_state",
-    "_ddp_comm_hook",
-    "_ddp_comm_wrapper",
-    "_model_averager",
-)
+STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout",
+                       "_model_averaging_period", "_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper",
+                       "_model_averager")  # fmt: skip
 # Logger attributes a notebook parent takes back from the worker (checked on lightning 2.6.6).
 LOGGER_ATTRIBUTES = ("_version",)
 
@@ -60,12 +45,7 @@ def register_ddp_comm_hook(
     model: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None, ddp_comm_wrapper: Any = None
 ) -> None:
     """``lightning.pytorch.overrides.distributed._register_ddp_comm_hook`` (checked on lightning 2.6.6)."""
-    _register_ddp_comm_hook(
-        model=model,
-        ddp_comm_state=ddp_comm_state,
-        ddp_comm_hook=ddp_comm_hook,
-        ddp_comm_wrapper=ddp_comm_wrapper,
-    )
+    _register_ddp_comm_hook(model, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
 
 
 def augment_message(error: BaseException, pattern: str, new_message: str) -> None:
@@ -79,22 +59,19 @@ def is_local_path(path: Any) -> bool:
 
 
 def fit_data_source(trainer: Any) -> Any:
-    """What was passed to ``fit`` as data, before the loaders are loaded: ``trainer.fit_loop._data_source.instance``
-    (checked on lightning 2.6.6); ``None`` when it is not there."""
+    """What was passed to ``fit`` as data: ``trainer.fit_loop._data_source.instance`` (checked on lightning 2.6.6)."""
     return getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
 
 
 def precision_flags(trainer: Any, default: str) -> tuple[str, Any]:
-    """``Trainer(precision=...)`` and ``Trainer(plugins=[<precision plugin>])`` as the accelerator connector
-    kept them: ``_accelerator_connector._precision_flag`` / ``._precision_plugin_flag`` (checked on lightning
-    2.6.6); ``default`` and ``None`` on a trainer without them."""
+    """``Trainer(precision=...)`` and its precision plugin: ``_accelerator_connector._precision_flag`` /
+    ``._precision_plugin_flag`` (checked on lightning 2.6.6); ``default`` and ``None`` on a trainer without them."""
     connector = getattr(trainer, "_accelerator_connector", None)
     return getattr(connector, "_precision_flag", default), getattr(connector, "_precision_plugin_flag", None)
 
 
 def set_ckpt_path(trainer: Any, path: str | None) -> None:
-    """Tell Lightning which checkpoint the fit restores: ``trainer._checkpoint_connector._ckpt_path``
-    (checked on lightning 2.6.6)."""
+    """The checkpoint the fit restores: ``trainer._checkpoint_connector._ckpt_path`` (checked on lightning 2.6.6)."""
     trainer._checkpoint_connector._ckpt_path = path
 
 
@@ -104,8 +81,8 @@ def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
 
 
 def logger_connector(trainer: Any) -> Any:
-    """``trainer._logger_connector``, whose ``_logged_metrics`` and ``_progress_bar_metrics`` dicts the notebook
-    parent takes back (checked on lightning 2.6.6)."""
+    """``trainer._logger_connector``, whose :data:`LOGGER_CONNECTOR_METRICS` the notebook parent takes back
+    (checked on lightning 2.6.6)."""
     return trainer._logger_connector
 
 
@@ -113,29 +90,27 @@ LOGGER_CONNECTOR_METRICS = ("_logged_metrics", "_progress_bar_metrics")
 
 
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public ``trainer``
-    raises when there is none; checked on lightning 2.6.6)."""
+    """The Trainer ``module`` is attached to, or None: ``LightningModule._trainer`` (checked on lightning 2.6.6)."""
     return module._trainer
 
 
 def should_update_logs(trainer: Any) -> bool:
-    """Whether this training batch is one the loggers write (``trainer._logger_connector.should_update_logs``,
-    which Lightning's ``LearningRateMonitor`` also reads at batch start; checked on lightning 2.6.6)."""
+    """Whether the loggers write this training batch: ``trainer._logger_connector.should_update_logs`` (checked on
+    lightning 2.6.6)."""
     return bool(trainer._logger_connector.should_update_logs)
 
 
 def inner_batch_sampler(batch_sampler: Any) -> Any:
-    """The batch sampler inside Lightning's predict-time ``_IndexBatchSamplerWrapper`` (its ``_batch_sampler``),
-    or ``batch_sampler`` itself (checked on lightning 2.6.6)."""
+    """The batch sampler inside Lightning's ``_IndexBatchSamplerWrapper``, or ``batch_sampler`` itself (checked on
+    lightning 2.6.6)."""
     if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
         return batch_sampler._batch_sampler
     return batch_sampler
 
 
 def dataloader_init_args(dataloader: Any, sampler: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments that re-create ``dataloader`` (a DataLoader subclass too) around ``sampler``, as Lightning
-    takes them to inject its own: ``lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs``
-    (checked on lightning 2.6.6). Without ``sampler`` the sampler arguments are placeholders to replace."""
+    """The arguments that re-create ``dataloader`` around ``sampler`` (else a placeholder to replace):
+    ``_get_dataloader_init_args_and_kwargs`` (checked on lightning 2.6.6)."""
     return _get_dataloader_init_args_and_kwargs(
         dataloader, sampler if sampler is not None else SequentialSampler(range(0))
     )
@@ -147,9 +122,8 @@ def reinstantiate(dataloader: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def lightning_owns_requeue_signal(trainer: Any, signum: int) -> bool:
-    """Whether ``signum``'s handler is the one Lightning's ``_SignalConnector.register_signal_handlers`` installs
-    for SLURM auto-requeue: a ``_HandlersCompose`` whose ``signal_handlers`` hold the trainer's
-    ``_signal_connector._slurm_sigusr_handler_fn`` (checked on lightning 2.6.6)."""
+    """Whether ``signum``'s handler is Lightning's SLURM auto-requeue one: a ``_HandlersCompose`` holding
+    ``trainer._signal_connector._slurm_sigusr_handler_fn`` (checked on lightning 2.6.6)."""
     import signal
 
     ours = getattr(getattr(trainer, "_signal_connector", None), "_slurm_sigusr_handler_fn", None)
@@ -157,22 +131,20 @@ def lightning_owns_requeue_signal(trainer: Any, signum: int) -> bool:
 
 
 def hpc_save_path(trainer: Any) -> str:
-    """Where Lightning's SLURM handler saves, and where ``fit(ckpt_path=None)`` on SLURM resumes from:
-    ``trainer._checkpoint_connector.hpc_save_path(default_root_dir)``, the next ``hpc_ckpt_<n>.ckpt``
-    (checked on lightning 2.6.6)."""
+    """Where Lightning's SLURM handler saves (the next ``hpc_ckpt_<n>.ckpt``):
+    ``trainer._checkpoint_connector.hpc_save_path`` (checked on lightning 2.6.6)."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
 def compiled_by_user(module: Any) -> bool:
-    """Whether Lightning compiled ``module``'s steps from a ``fit(torch.compile(model))``: its ``_compiler_ctx``,
-    set by ``lightning.pytorch.utilities.compile.from_compiled`` (checked on lightning 2.6.6)."""
+    """Whether Lightning compiled ``module`` from a ``fit(torch.compile(model))``: its ``_compiler_ctx`` (checked on
+    lightning 2.6.6)."""
     return getattr(module, "_compiler_ctx", None) is not None
 
 
 def logged_sample_count(frame: Any, tensor: Any) -> bool:
-    """Whether ``tensor``, reduced from ``frame``, is the sample count of a ``self.log(..., sync_dist=True)`` epoch
-    mean: ``_ResultMetric.compute`` syncs its ``cumulated_batch_size`` through ``strategy.reduce`` (checked on
-    lightning 2.6.6)."""
+    """Whether ``tensor``, reduced from ``frame``, is ``_ResultMetric.compute``'s ``cumulated_batch_size`` (a
+    ``sync_dist`` epoch mean's sample count; checked on lightning 2.6.6)."""
     return (
         frame is not None
         and frame.f_code is _ResultMetric.compute.__code__
@@ -181,9 +153,8 @@ def logged_sample_count(frame: Any, tensor: Any) -> bool:
 
 
 def hook_call_codes() -> frozenset[Any]:
-    """The code objects of ``lightning.pytorch.trainer.call``'s ``_call_callback_hooks``,
-    ``_call_lightning_module_hook`` and ``_call_strategy_hook``: a frame running one holds the hook's name in its
-    local ``hook_name`` (the watchdog reads the training thread's stack; checked on lightning 2.6.6)."""
+    """The code objects of ``trainer.call``'s ``_call_callback_hooks``, ``_call_lightning_module_hook`` and
+    ``_call_strategy_hook``, whose frames hold the hook's name as ``hook_name`` (checked on lightning 2.6.6)."""
     from lightning.pytorch.trainer import call
 
     functions = (call._call_callback_hooks, call._call_lightning_module_hook, call._call_strategy_hook)

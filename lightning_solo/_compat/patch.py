@@ -24,11 +24,12 @@ _MISSING = object()
 PATCHED: dict[Any, tuple[str, ...]] = {
     DataLoader: ("_get_iterator",),  # a loader's own, for the SIGTERM shield and the agreed end of uneven data
     torch_checkpoint.CheckpointFunction: ("apply",),  # non-reentrant while the unused policy searches
-    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end"),  # one trainer's: the SIGTERM agreement
+    _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end", "reset"),  # one trainer's: SIGTERM, resume
     _EvaluationLoop: ("_evaluation_step",),
     _FitLoop: ("on_advance_end",),
     LightningModule: ("log", "log_dict"),  # one module's, eager inside its compiled steps (compile=)
     _SignalConnector: ("_sigterm_notifier_fn",),
+    LightningModule: ("lr_scheduler_step",),  # held on a step the GradScaler skipped (skip_lr_on_overflow)
     dist: (
         "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",

@@ -11,8 +11,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CHECKED_ON = "torch 2.11.0 and 2.14.1"
-
 # Base classes the pack checks against or subclasses (checked on torch 2.11.0 and 2.14.1).
 BatchNormBase = _BatchNorm
 DispatchMode = TorchDispatchMode
@@ -35,8 +33,8 @@ def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
 
 
 def set_ddp_runtime_logging_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
-    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate(rate)``: the reducer records its timings
-    on iterations 1-10 and then every ``rate``-th (default 100) (checked on torch 2.11.0 and 2.14.1)."""
+    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate(rate)``: timings on iterations 1-10, then every
+    ``rate``-th (checked on torch 2.11.0 and 2.14.1)."""
     ddp._set_ddp_runtime_logging_sample_rate(rate)
 
 
@@ -46,14 +44,12 @@ def ddp_graph_static(ddp: DistributedDataParallel) -> bool:
 
 
 def local_used_map(ddp: DistributedDataParallel) -> torch.Tensor:
-    """``ddp.reducer._get_local_used_map()``: which parameters this step used, all-reduced over the ranks
-    under ``find_unused_parameters=True`` (checked on torch 2.11.0 and 2.14.1)."""
+    """``ddp.reducer._get_local_used_map()``: the parameters this step used (checked on torch 2.11.0 and 2.14.1)."""
     return ddp.reducer._get_local_used_map()
 
 
 def mark_ready(ddp: DistributedDataParallel, index: int) -> None:
-    """``ddp.reducer._autograd_hook(index)``: mark parameter ``index`` ready, as its gradient hook would
-    (checked on torch 2.11.0 and 2.14.1)."""
+    """``ddp.reducer._autograd_hook(index)``: parameter ``index`` ready (checked on torch 2.11.0 and 2.14.1)."""
     ddp.reducer._autograd_hook(index)
 
 
@@ -63,14 +59,12 @@ def remove_autograd_hooks(ddp: DistributedDataParallel) -> None:
 
 
 def set_params_to_ignore(module: torch.nn.Module, names: list[str]) -> None:
-    """``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (checked on torch 2.11.0 and
-    2.14.1)."""
+    """``DDP._set_params_and_buffers_to_ignore_for_model`` (checked on torch 2.11.0 and 2.14.1)."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
-    """``powerSGD_hook._should_compress(...)[0]``: whether PowerSGD compresses an n×m matrix at this rank
-    (checked on torch 2.11.0 and 2.14.1)."""
+    """``powerSGD_hook._should_compress(...)[0]``: PowerSGD compresses n×m (checked on torch 2.11.0 and 2.14.1)."""
     return powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0]
 
 
@@ -80,8 +74,7 @@ def compress_hook(dtype: torch.dtype, process_group: Any, bucket: Any) -> torch.
 
 
 def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-    """``GradScaler._scale``: the scale tensor, ``None`` before the first ``scale()`` (checked on torch 2.11.0
-    and 2.14.1)."""
+    """``GradScaler._scale``, ``None`` before the first ``scale()`` (checked on torch 2.11.0 and 2.14.1)."""
     return scaler._scale
 
 
@@ -91,9 +84,8 @@ def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
 
 
 def set_group_timeout(timeout: Any, group: Any) -> None:
-    """``torch.distributed.set_timeout(timeout, group)``: the group's timeout for its later collectives; on a torch
-    without it (2.11.0), ``distributed_c10d._set_pg_timeout`` (checked on torch 2.11.0 and 2.14.1, where the
-    private one warns that it is deprecated)."""
+    """``torch.distributed.set_timeout(timeout, group)``, or ``distributed_c10d._set_pg_timeout`` where it is missing
+    (checked on torch 2.11.0 and 2.14.1)."""
     set_timeout = getattr(torch.distributed, "set_timeout", None)
     if set_timeout is None:
         set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
@@ -101,46 +93,39 @@ def set_group_timeout(timeout: Any, group: Any) -> None:
 
 
 def default_store() -> Any:
-    """``torch.distributed.distributed_c10d._get_default_store()``: the default process group's store, which the
-    watchdog clones for its heartbeats (checked on torch 2.11.0 and 2.14.1)."""
+    """``distributed_c10d._get_default_store()``: the default group's store (checked on torch 2.11.0 and 2.14.1)."""
     return torch.distributed.distributed_c10d._get_default_store()
 
 
 def dynamo_counters() -> Any:
-    """``torch._dynamo.utils.counters``: Dynamo's per-process counters (``frames``: ``total``/``ok`` compiled
-    frames; ``unimplemented``: why a frame fell back to eager; ``aot_autograd``: ``total`` graphs handed to
-    AOTAutograd, one per DDPOptimizer split) (checked on torch 2.11.0 and 2.14.1)."""
+    """``torch._dynamo.utils.counters``: Dynamo's per-process counters (``frames``, ``unimplemented``,
+    ``aot_autograd``: one graph per DDPOptimizer split) (checked on torch 2.11.0 and 2.14.1)."""
     from torch._dynamo.utils import counters
 
     return counters
 
 
 def optimize_ddp() -> Any:
-    """``torch._dynamo.config.optimize_ddp``: ``True``/``"ddp_optimizer"`` splits a graph compiled inside DDP's
-    forward at DDP's bucket boundaries (checked on torch 2.11.0 and 2.14.1)."""
+    """``torch._dynamo.config.optimize_ddp``: splitting at DDP's buckets (checked on torch 2.11.0 and 2.14.1)."""
     import torch._dynamo
 
     return torch._dynamo.config.optimize_ddp
 
 
-# ``torch.compile(module)`` returns ``torch._dynamo.eval_frame.OptimizedModule``, which holds the module as its child
-# ``_orig_mod``: a compiled submodule's state-dict keys read ``net._orig_mod.weight`` (checked on torch 2.11.0 and
-# 2.14.1).
+# The compiled module, ``OptimizedModule``'s child: keys read ``net._orig_mod.weight`` (torch 2.11.0 and 2.14.1).
 COMPILED_CHILD = "_orig_mod"
 
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``;
-    checked on torch 2.11.0 and 2.14.1)."""
+    """Whether ``module`` is a ``torch.compile`` ``OptimizedModule`` (checked on torch 2.11.0 and 2.14.1)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule)
 
 
 def flight_recorder_json(nccl: bool) -> bytes:
-    """This process's flight-recorder record as torch's JSON: ``torch._C._distributed_c10d._dump_nccl_trace_json``
-    (NCCL's process groups) or ``_dump_fr_trace_json`` (gloo's), every entry, completed ones too (checked on torch
-    2.11.0 and 2.14.1; the NCCL one only where torch was built with NCCL)."""
+    """This process's flight-recorder record, every entry, as torch's JSON: ``c10d._dump_nccl_trace_json`` (NCCL) or
+    ``_dump_fr_trace_json`` (gloo) (checked on torch 2.11.0 and 2.14.1; NCCL's only where built with it)."""
     from torch._C import _distributed_c10d as c10d
 
     dump = c10d._dump_nccl_trace_json if nccl else c10d._dump_fr_trace_json  # type: ignore[attr-defined]
@@ -148,17 +133,16 @@ def flight_recorder_json(nccl: bool) -> bytes:
 
 
 def dataloader_next_code() -> Any:
-    """The code object of ``torch.utils.data.dataloader._BaseDataLoaderIter.__next__``: a frame running it holds
-    the iterator as ``self`` (the watchdog reads the training thread's stack; checked on torch 2.14.1)."""
+    """The code of ``_BaseDataLoaderIter.__next__``, whose frame holds the iterator as ``self`` (checked on torch
+    2.14.1)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     return _BaseDataLoaderIter.__next__.__code__
 
 
 def dataloader_start_codes() -> frozenset[Any]:
-    """The code objects that make a loader's iterator (``DataLoader.__iter__``, ``DataLoader._get_iterator``,
-    ``_MultiProcessingDataLoaderIter.__init__``, which starts the workers): a frame running one is an epoch's loader
-    starting (checked on torch 2.14.1)."""
+    """The code that makes a loader's iterator (``DataLoader.__iter__``, ``._get_iterator``,
+    ``_MultiProcessingDataLoaderIter.__init__``: workers start) (checked on torch 2.14.1)."""
     from torch.utils.data.dataloader import DataLoader, _MultiProcessingDataLoaderIter
 
     functions = (DataLoader.__iter__, DataLoader._get_iterator, _MultiProcessingDataLoaderIter.__init__)
@@ -166,7 +150,6 @@ def dataloader_start_codes() -> frozenset[Any]:
 
 
 def batches_yielded(iterator: Any) -> int | None:
-    """``_BaseDataLoaderIter._num_yielded``: the batches a loader's iterator has handed out this epoch (``None``: not
-    such an iterator; checked on torch 2.14.1)."""
+    """``_BaseDataLoaderIter._num_yielded``, ``None`` for another object (checked on torch 2.14.1)."""
     value = getattr(iterator, "_num_yielded", None)
     return value if isinstance(value, int) else None

@@ -1,11 +1,5 @@
-"""Per-sample results of every rank brought to one process in dataset order, and written to one file.
-
-Example::
-
-    rows = gather_rows(indices, predictions)              # on every rank; rank 0 gets all of them, sorted
-    if rows is not None:
-        write_predictions("predictions_val.csv", *rows)    # index,prediction — each index once, in order
-"""
+"""Per-sample results of every rank brought to one process in dataset order (:func:`gather_rows`), and written to
+one file (:func:`write_predictions`). See docs/evaluation.md."""
 
 from __future__ import annotations
 

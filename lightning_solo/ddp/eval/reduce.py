@@ -1,13 +1,5 @@
-"""Exact epoch means for ``self.log(..., sync_dist=True)``: averages of integer tensors taken in floating point.
-
-Only Lightning's logged sample count averages in float: a user's own ``strategy.reduce`` of an integer tensor
-averages as stock does.
-
-Example::
-
-    mean_operand(torch.tensor(101), "mean")    # tensor(101., dtype=torch.float64): averages to 50.5, not 50
-
-See docs/evaluation.md."""
+"""Exact epoch means for ``self.log(..., sync_dist=True)``: Lightning's logged sample count averaged in floating
+point (a user's own ``strategy.reduce`` of an integer tensor averages as stock does). See docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -21,8 +13,8 @@ from lightning_solo.core.decision import Decision
 
 
 def mean_operand(tensor: Any, reduce_op: Any, caller: Any = None) -> Any:
-    """``tensor`` in float64 when it is an integer tensor about to be averaged and, given the ``caller`` frame of
-    ``strategy.reduce``, the sample count of a logged epoch mean; otherwise ``tensor`` itself."""
+    """``tensor`` in float64 when it is an integer tensor about to be averaged and (given ``strategy.reduce``'s
+    ``caller`` frame) a logged epoch mean's sample count; otherwise ``tensor`` itself."""
     averaging = reduce_op.lower() in ("mean", "avg") if isinstance(reduce_op, str) else reduce_op == ReduceOp.AVG
     if not (averaging and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()):
         return tensor

@@ -4,6 +4,7 @@ See docs/evaluation.md."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +15,10 @@ from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from lightning_solo._compat import lightning as lightning_compat
 
-_ORDER_CACHE = "_lightning_solo_rank_order"  # on the sampler: (epoch, indices, valid), read once per epoch
+# sampler -> (epoch, indices, valid), read once per epoch; nothing set on the sampler, nothing kept after it
+_ORDERS: weakref.WeakKeyDictionary[Any, tuple[Any, list[int], list[bool]]] = weakref.WeakKeyDictionary()
+_LOADERS = {RunningStage.VALIDATING: "val_dataloaders", RunningStage.SANITY_CHECKING: "val_dataloaders",
+            RunningStage.TESTING: "test_dataloaders", RunningStage.PREDICTING: "predict_dataloaders"}  # fmt: skip
 
 
 class EvalRows(NamedTuple):
@@ -31,35 +35,28 @@ class EvalRows(NamedTuple):
 def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
     """This rank's dataset indices in evaluation order and which are real (False: a padding repeat), read off
     the sampler Lightning put in (or a sequential one on one process); ``None`` for any other sampler."""
+    if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
+        return None
     epoch = getattr(sampler, "epoch", 0)
-    cached = getattr(sampler, _ORDER_CACHE, None)
-    if cached is not None and cached[0] == epoch:
+    if (cached := _ORDERS.get(sampler)) is not None and cached[0] == epoch:
         return cached[1], cached[2]
     if isinstance(sampler, (UnrepeatedDistributedSamplerWrapper, SequentialSampler)):
         indices = [int(i) for i in sampler]
         valid = [True] * len(indices)
-    elif isinstance(sampler, DistributedSampler):
+    else:
         # DistributedSampler pads the dataset order to W·ceil(N/W) and gives rank r positions r, r+W, ...
         # (DistributedSamplerWrapper: N is the user's sampler's length, the indices are what it yields).
         indices = [int(i) for i in sampler]
         total = len(sampler.dataset)  # type: ignore[arg-type]  # sized: DistributedSampler took its len too
         valid = [sampler.rank + k * sampler.num_replicas < total for k in range(len(indices))]
-    else:
-        return None
-    setattr(sampler, _ORDER_CACHE, (epoch, indices, valid))
+    _ORDERS[sampler] = (epoch, indices, valid)
     return indices, valid
 
 
 def eval_rows(trainer: Any, batch_idx: int, dataloader_idx: int = 0) -> EvalRows | None:
     """The dataset indices and validity of the current validate/test/predict batch ``batch_idx``; ``None`` when
     they cannot be known (a custom sampler or batch sampler, an IterableDataset)."""
-    loaders = {
-        RunningStage.VALIDATING: "val_dataloaders",
-        RunningStage.SANITY_CHECKING: "val_dataloaders",
-        RunningStage.TESTING: "test_dataloaders",
-        RunningStage.PREDICTING: "predict_dataloaders",
-    }
-    attribute = loaders.get(trainer.state.stage)
+    attribute = _LOADERS.get(trainer.state.stage)
     iterables = getattr(trainer, attribute) if attribute else None
     if iterables is None:
         return None

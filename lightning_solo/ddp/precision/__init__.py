@@ -1,6 +1,5 @@
-"""Mixed precision, in two parts: the rule (:mod:`~lightning_solo.ddp.precision.rule`: ``"auto"`` agreed by all
-ranks, SoloDDP against the Trainer, GradScaler settings) and the plugin (:mod:`~lightning_solo.ddp.precision.plugin`:
-:class:`SoloMixedPrecision`, resume-safe, and how SoloDDP settles it once the device is known)."""
+"""Mixed precision: the rule (rule.py: ``"auto"`` agreed by all ranks, SoloDDP against the Trainer, GradScaler
+settings) and the plugin (plugin.py: :class:`SoloMixedPrecision`, resume-safe, settled once the device is known)."""
 
 from lightning_solo.ddp.precision.plugin import (
     CHECKPOINT_KEY,
@@ -22,20 +21,6 @@ from lightning_solo.ddp.precision.rule import (
     scaler_settings,
 )
 
-__all__ = [
-    "CAPABILITIES",
-    "CHECKPOINT_KEY",
-    "EXTRA_KEY",
-    "PRECISIONS",
-    "SCALER_DEFAULTS",
-    "SoloMixedPrecision",
-    "agreed_rule",
-    "auto_precision",
-    "auto_rule",
-    "decide_precision",
-    "decide_precision_plugin",
-    "device_capability",
-    "pending_plugin",
-    "precision_options",
-    "scaler_settings",
-]
+__all__ = ["CAPABILITIES", "CHECKPOINT_KEY", "EXTRA_KEY", "PRECISIONS", "SCALER_DEFAULTS", "SoloMixedPrecision",
+           "agreed_rule", "auto_precision", "auto_rule", "decide_precision", "decide_precision_plugin",
+           "device_capability", "pending_plugin", "precision_options", "scaler_settings"]  # fmt: skip

@@ -1,18 +1,5 @@
-"""Mixed precision that is configurable, resume-safe and never switched behind your back.
-
-Example::
-
-    import lightning as L
-    from lightning_solo import SoloDDP
-
-    # fp16 autocast + a tuned GradScaler, on CPU or GPU (real fp16 on CPU: no silent switch to bf16)
-    strategy = SoloDDP(precision="16-mixed", scaler={"init_scale": 2.0**12, "growth_interval": 500})
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
-
-    # the plugin alone, with any strategy
-    from lightning_solo.ddp.precision import SoloMixedPrecision
-    trainer = L.Trainer(plugins=[SoloMixedPrecision("16-mixed", "cpu", scaler={"growth_factor": 4.0})])
-
+"""Mixed precision that is configurable, resume-safe and never switched behind your back: :class:`SoloMixedPrecision`
+(with SoloDDP or alone, ``Trainer(plugins=[...])``), and how SoloDDP settles it once the device is known.
 See docs/precision.md."""
 
 from __future__ import annotations
@@ -29,34 +16,19 @@ from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo._compat.patch import Patches
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.precision.rule import _TRAINER_DEFAULT, _Options, decide_precision, scaler_settings
 
-# Stock Lightning writes and reads the scaler under the plugin's class qualname; "MixedPrecision" is what
-# its own plugin uses, so both directions of resume (stock <-> lightning_solo) keep the scale.
+# The key Lightning's own plugin (its class qualname) saves the scaler under: resume works both ways with stock.
 CHECKPOINT_KEY = MixedPrecision.__qualname__
 EXTRA_KEY = "lightning_solo.precision"  # a checkpoint key (the format), not the module path
 
 
 class SoloMixedPrecision(DecisionLog, MixedPrecision):
-    """Lightning's :class:`MixedPrecision` with a configurable, resume-safe GradScaler and skip counting.
-
-    Example::
-
-        plugin = SoloMixedPrecision("16-mixed", "cpu", scaler={"init_scale": 1024, "growth_interval": 100},
-                                    skip_lr_on_overflow=True)
-        trainer = L.Trainer(accelerator="cpu", plugins=[plugin])
-        trainer.fit(model)
-        print(plugin.skipped_steps, plugin.scaler.get_scale())
-
-    Args:
-        precision: ``"16-mixed"`` (fp16 autocast + GradScaler) or ``"bf16-mixed"`` (no scaler).
-        device: the autocast device type, ``"cuda"``, ``"cpu"``, ...
-        scaler: GradScaler settings (``init_scale``, ``growth_factor``, ``backoff_factor``,
-            ``growth_interval``); missing ones take torch's defaults. Ignored for bf16.
-        skip_lr_on_overflow: hold step-interval LR schedulers on a step the scaler skipped, so the schedule
-            follows real updates. Costs one host sync per optimizer step.
-    """
+    """Lightning's :class:`MixedPrecision` (``"16-mixed"`` or ``"bf16-mixed"`` on ``device``) with a configurable,
+    resume-safe GradScaler (``scaler``: torch's defaults for missing settings) and skip counting;
+    ``skip_lr_on_overflow``: hold step-interval LR schedulers on a skipped step (one host sync per step)."""
 
     def __init__(
         self,
@@ -68,17 +40,8 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         if precision not in ("16-mixed", "bf16-mixed"):
             raise ValueError(f"SoloMixedPrecision precision must be '16-mixed' or 'bf16-mixed', got {precision!r}")
         settings = scaler_settings(scaler)
-        grad_scaler = (
-            torch.amp.GradScaler(
-                device,
-                init_scale=settings["init_scale"],
-                growth_factor=settings["growth_factor"],
-                backoff_factor=settings["backoff_factor"],
-                growth_interval=int(settings["growth_interval"]),
-            )
-            if precision == "16-mixed"
-            else None
-        )
+        fp16 = precision == "16-mixed"
+        grad_scaler = torch.amp.GradScaler(device, **settings) if fp16 else None  # type: ignore[arg-type]
         super().__init__(precision, device, grad_scaler)
         self.scaler_settings = settings if grad_scaler is not None else {}
         self.skip_lr_on_overflow = bool(skip_lr_on_overflow)
@@ -86,7 +49,7 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         self._skipped: Tensor | None = None  # stays on the device: counting must not sync
         self._skipped_before = 0  # restored from a checkpoint
         self._last_step_skipped = False
-        self._guarded: tuple[nn.Module, Any] | None = None
+        self._guarded: tuple[nn.Module, Patches] | None = None
 
     @property
     def skipped_steps(self) -> int:
@@ -94,16 +57,12 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         return self._skipped_before + (int(self._skipped.item()) if self._skipped is not None else 0)
 
     @override
-    # Lightning's MixedPrecision.optimizer_step signature, which differs from fabric's Precision.optimizer_step
-    # (Lightning ignores the same error on its own override).
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(  # type: ignore[override]  # Lightning's own signature, unlike fabric's
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        scale = torch_compat.scaler_scale(
-            self.scaler
-        )  # created lazily by the first scale(); the saved scale after a resume
+        scale = torch_compat.scaler_scale(self.scaler)  # made by the first scale(); the saved one after a resume
         before = scale.clone() if scale is not None else torch_compat.scaler_init_scale(self.scaler)
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         after = torch_compat.scaler_scale(self.scaler)
@@ -117,20 +76,15 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
             self._last_step_skipped = bool(skipped)
         if getattr(model, "_current_fx_name", None) and not model.trainer.barebones:
             model.log_dict(
-                {
-                    "amp/skipped_steps": self._skipped,
-                    "amp/scale": after.detach(),
-                },
-                on_step=True,
-                on_epoch=False,
+                {"amp/skipped_steps": self._skipped, "amp/scale": after.detach()}, on_step=True, on_epoch=False
             )
         return output
 
     def _guard_lr_schedulers(self, module: pl.LightningModule) -> None:
-        # Lightning steps schedulers through the module's lr_scheduler_step hook right after the optimizer
-        # step; wrapping that hook (on the instance, undone in teardown) is the one seam it offers.
+        # Lightning steps schedulers through the module's lr_scheduler_step hook: wrapped until teardown.
         if self._guarded is not None and self._guarded[0] is module:
             return
+        self._unguard()
         original = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
@@ -138,8 +92,14 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
                 return None
             return original(scheduler, metric)
 
-        vars(module)["lr_scheduler_step"] = lr_scheduler_step  # on the instance: teardown pops it again
-        self._guarded = (module, original)
+        patches = Patches()
+        patches.set(module, "lr_scheduler_step", lr_scheduler_step)
+        self._guarded = (module, patches)
+
+    def _unguard(self) -> None:
+        if self._guarded is not None:
+            self._guarded[1].close()
+            self._guarded = None
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -160,7 +120,7 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning just stored state_dict() under our qualname; move it to the key stock Lightning reads.
+        # Lightning stored state_dict() under this class's qualname: moved to the key stock Lightning reads.
         state = checkpoint.pop(type(self).__qualname__, None)
         if state:
             checkpoint[CHECKPOINT_KEY] = state
@@ -174,28 +134,15 @@ class SoloMixedPrecision(DecisionLog, MixedPrecision):
         if state and self.scaler is not None:
             self.load_state_dict(state)
         elif state:
-            self._decide(
-                Decision(
-                    "grad_scaler_resume",
-                    None,
-                    f"checkpoint has GradScaler state, unused with {self.precision}",
-                )
-            )
+            reason = f"checkpoint has GradScaler state, unused with {self.precision}"
+            self._decide(Decision("grad_scaler_resume", None, reason))
         elif self.scaler is not None and "optimizer_states" in checkpoint:
-            self._decide(
-                Decision(
-                    "grad_scaler_resume",
-                    self.scaler_settings,
-                    "checkpoint has no GradScaler state; starting at init_scale",
-                )
-            )
+            reason = "checkpoint has no GradScaler state; starting at init_scale"
+            self._decide(Decision("grad_scaler_resume", self.scaler_settings, reason))
 
     @override
     def teardown(self) -> None:
-        if self._guarded is not None:
-            module, _ = self._guarded
-            module.__dict__.pop("lr_scheduler_step", None)
-            self._guarded = None
+        self._unguard()
         super().teardown()
 
 
@@ -222,10 +169,7 @@ def pending_plugin(options: _Options) -> Precision | None:
 def decide_precision_plugin(
     plugin: Precision, options: _Options, trainer: Any, device: torch.device
 ) -> tuple[Precision, list[Decision]]:
-    """Replace the placeholder (or Lightning's own AMP plugin) with the real plugin for ``device``.
-
-    Returns the plugin to use and the decisions made. Called by SoloDDP once the device is known.
-    """
+    """The plugin for ``device`` in place of the placeholder (or Lightning's own AMP plugin), and the decisions."""
     trainer_precision, user_plugin = lightning_compat.precision_flags(trainer, _TRAINER_DEFAULT)
     if isinstance(plugin, _PendingPrecision):
         decision = decide_precision(options.precision, trainer_precision, device)
@@ -254,7 +198,6 @@ def decide_precision_plugin(
         hold = "held" if options.skip_lr_on_overflow else "advanced"
         decisions.append(Decision("lr_on_overflow", hold, "step-interval LR schedulers on a skipped step"))
     elif options.scaler_given:
-        decisions.append(
-            Decision("grad_scaler", None, f"scaler settings unused: {decision.value} needs no loss scaling")
-        )
+        unused = f"scaler settings unused: {decision.value} needs no loss scaling"
+        decisions.append(Decision("grad_scaler", None, unused))
     return new, decisions

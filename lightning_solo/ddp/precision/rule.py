@@ -28,13 +28,11 @@ _TRAINER_DEFAULT = "32-true"
 def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float | int]:
     """Validate GradScaler settings and fill in torch's defaults for the missing ones."""
     given = dict(scaler or {})
-    unknown = sorted(set(given) - set(SCALER_DEFAULTS))
-    if unknown:
+    if unknown := sorted(set(given) - set(SCALER_DEFAULTS)):
         raise ValueError(f"unknown GradScaler setting(s) {unknown}; accepted: {list(SCALER_DEFAULTS)}")
     s = {**SCALER_DEFAULTS, **given}
     for key in ("init_scale", "growth_factor", "backoff_factor"):
-        v = s[key]
-        check_number(f"scaler {key}", v, positive=False)
+        check_number(f"scaler {key}", s[key], positive=False)
     if s["init_scale"] <= 0:
         raise ValueError(f"scaler init_scale must be > 0, got {s['init_scale']!r}")
     if s["growth_factor"] <= 1:
@@ -42,12 +40,7 @@ def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float 
     if not 0 < s["backoff_factor"] < 1:
         raise ValueError(f"scaler backoff_factor must be in (0, 1), got {s['backoff_factor']!r}")
     interval = check_int("scaler growth_interval", s["growth_interval"])
-    return {
-        "init_scale": float(s["init_scale"]),
-        "growth_factor": float(s["growth_factor"]),
-        "backoff_factor": float(s["backoff_factor"]),
-        "growth_interval": interval,
-    }
+    return {**{k: float(s[k]) for k in ("init_scale", "growth_factor", "backoff_factor")}, "growth_interval": interval}
 
 
 def auto_rule(device_type: str, bf16_supported: bool) -> Decision:
@@ -74,9 +67,8 @@ def device_capability(device: torch.device) -> int:
 
 
 def agreed_rule(levels: list[int]) -> Decision:
-    """The ``"auto"`` rule for a job whose rank ``r`` has capability ``levels[r]``: :func:`auto_rule` at the
-    lowest level, the same on every rank. A job spanning A100 and V100 nodes thus runs fp16 + GradScaler
-    everywhere: DDP must not average loss-scaled fp16 gradients with unscaled bf16 ones."""
+    """The ``"auto"`` rule for a job whose rank ``r`` has capability ``levels[r]``: :func:`auto_rule` at the lowest
+    level, the same on every rank (DDP must not average loss-scaled fp16 gradients with unscaled bf16 ones)."""
     level = min(levels)
     decision = auto_rule("cuda" if level else "cpu", level == 2)
     if len(levels) == 1:
@@ -85,16 +77,12 @@ def agreed_rule(levels: list[int]) -> Decision:
         return Decision("precision", decision.value, f"{decision.reason}; the same on all {len(levels)} ranks")
     lowest = [rank for rank, have in enumerate(levels) if have == level]
     shown = f"{lowest[:8]}{' ...' if len(lowest) > 8 else ''}"
-    return Decision(
-        "precision",
-        decision.value,
-        f"{decision.reason}; the lowest capability of {len(levels)} ranks (rank(s) {shown} cannot do more)",
-    )
+    reason = f"{decision.reason}; the lowest capability of {len(levels)} ranks (rank(s) {shown} cannot do more)"
+    return Decision("precision", decision.value, reason)
 
 
 def capabilities(device: torch.device, capability: int | None = None) -> list[int]:
-    """Every rank's :func:`device_capability` (or ``capability``, for this rank), by rank: a collective when a
-    process group of several ranks exists, so call it on every rank, after the group."""
+    """Every rank's :func:`device_capability` (or ``capability``, for this rank), by rank: a collective."""
     levels = [device_capability(device) if capability is None else capability]
     if (world := world_size()) > 1:
         mine = torch.tensor(levels, device=device)
@@ -112,19 +100,8 @@ def auto_precision(device: torch.device, capability: int | None = None) -> Decis
 def decide_precision(
     requested: str | None, trainer_precision: str, device: torch.device, capability: int | None = None
 ) -> Decision:
-    """Decide the run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)``.
-
-    The rule:
-
-    * ``requested=None``: the Trainer decides, as in stock Lightning (default ``"32-true"``).
-    * a concrete ``requested`` (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``) is used; if the Trainer
-      was given a *different* explicit precision, this raises ``ValueError`` instead of letting one of them
-      win silently.
-    * ``requested="auto"`` defers to an explicit Trainer precision and otherwise applies :func:`auto_rule` to the
-      lowest capability of all ranks (:func:`auto_precision`, a collective).
-    * ``Trainer(precision="32-true")`` cannot be told apart from the Trainer's default, so it counts as
-      "not set": ``SoloDDP(precision="bf16-mixed")`` with it runs bf16 and ``"auto"`` applies its rule.
-    """
+    """The run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)`` (the rule:
+    docs/precision.md); ``ValueError`` when both are set and disagree."""
     if requested is None:
         return Decision("precision", trainer_precision, "Trainer(precision=...); SoloDDP(precision=None) defers")
     trainer_explicit = None if trainer_precision == _TRAINER_DEFAULT else trainer_precision

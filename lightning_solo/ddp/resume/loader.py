@@ -1,11 +1,5 @@
 """The training loader made resumable: a sampler that fast-forwards to a position, and samples loaded with RNGs
 seeded from (seed, epoch, index) so augmentation and loader workers do not depend on which batches were skipped.
-
-Example::
-
-    sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=2, rank=0), batch_size=32)
-    sampler.resume_once(epoch=3, skip_samples=5 * 32)      # the next iteration starts at batch 5 of epoch 3
-
 See docs/checkpoints.md."""
 
 from __future__ import annotations
@@ -13,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -35,8 +30,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo.core.decision import Decision
 from lightning_solo.core.rng import rng_state, set_rng_state
 
-# torch's samplers that draw their whole order from the RNG (the global one, or their own generator) when their
-# iteration starts: a resume replays that draw from the RNG state recorded at the epoch's start.
+# torch's samplers that draw their whole order from the RNG when their iteration starts: a resume replays the draw.
 _DRAWN = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
 _END = object()
 
@@ -50,15 +44,9 @@ def _user_sampler(sampler: Any) -> Any:
 
 class ResumableSampler(Sampler):
     """Forwards to ``sampler`` (``tag_epoch``: as :class:`SeededDataset.Key` ``(epoch, index)`` pairs); after
-    :meth:`resume_once` its next iteration sets that epoch and drops the first ``skip_samples`` indices. ``len``
-    is unchanged, so Lightning's batch counts (and its ``batch_idx``, which continues from the checkpoint) still
-    hold.
-
-    ``replay_rng``: the order is drawn from the RNG when an iteration starts (``RandomSampler``,
-    ``WeightedRandomSampler``, also inside Lightning's ``DistributedSamplerWrapper``): each iteration records the
-    RNG states it starts from in ``epoch_rng`` (and the sampler's own generator's), and a resume draws the order
-    again from the recorded ones, leaving the caller's RNG as it was.
-    """
+    :meth:`resume_once` its next iteration sets that epoch and drops the first ``skip_samples`` indices (``len`` is
+    unchanged). ``replay_rng``: each iteration records the RNG states it starts from in ``epoch_rng``, and a resume
+    draws the order again from them, leaving the caller's RNG as it was."""
 
     def __init__(
         self, sampler: Sampler | Any, batch_size: int, tag_epoch: bool = False, replay_rng: bool = False
@@ -69,9 +57,7 @@ class ResumableSampler(Sampler):
         self.replay_rng = replay_rng
         self.epoch = int(getattr(sampler, "epoch", 0))
         self.epoch_rng: dict[str, Any] | None = None
-        self._plan: (
-            tuple[int | None, int | Callable[[], int], dict[str, Any] | None, Callable[[], None] | None] | None
-        ) = None
+        self._plan: tuple[int | None, int | Callable[[], int], dict | None, Callable[[], None] | None] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -87,17 +73,15 @@ class ResumableSampler(Sampler):
         epoch_rng: dict[str, Any] | None = None,
         on_start: Callable[[], None] | None = None,
     ) -> None:
-        """Arm the next iteration: ``epoch`` (``None``, or a ``set_epoch`` after this call: what Lightning set), the
-        samples to skip (or a function that says, asked when the iteration starts), and the ``epoch_rng`` to draw
-        the order from; ``on_start`` runs when the iteration starts, before the sampler's own."""
+        """Arm the next iteration: ``epoch`` (``None``, or a later ``set_epoch``: Lightning's), the samples to skip
+        (or a function asked when it starts), the ``epoch_rng`` to draw the order from; ``on_start`` runs first."""
         self._plan = (epoch, skip_samples, epoch_rng, on_start)
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        # A generator: the plan is taken at the first index drawn, i.e. after Lightning built the loaders and set
-        # the epoch, when the skip can be known for every loader.
+        # A generator: the plan is taken at the first index drawn, once Lightning built every loader and set the epoch.
         plan, self._plan = self._plan, None
         epoch, skip, epoch_rng, on_start = plan if plan is not None else (None, 0, None, None)
         if epoch is not None:
@@ -130,8 +114,6 @@ class ResumableSampler(Sampler):
 
 
 def _numpy_random() -> Any:
-    import sys
-
     numpy = sys.modules.get("numpy")  # only if the program uses numpy: never import it for this
     return numpy.random if numpy is not None else None
 
@@ -142,9 +124,8 @@ def _seed_of(text: str) -> int:
 
 class SeededDataset(Dataset):
     """The user's dataset, as the user sees it, whose training samples load with the torch, Python and numpy RNGs
-    seeded from ``(seed, epoch, index)``, putting the caller's RNG states back afterwards.
-
-    See docs/checkpoints.md."""
+    seeded from ``(seed, epoch, index)``, the caller's RNG states put back. Its ``__class__`` property is not a
+    patch: the pack's own class answers ``isinstance`` for the user's; ``type()`` and pickling still say what it is."""
 
     class Key(NamedTuple):
         """An index from :class:`ResumableSampler`, with the epoch it was drawn in (no user index is one)."""
@@ -156,7 +137,6 @@ class SeededDataset(Dataset):
         self.dataset = dataset
         self.seed = seed
 
-    # isinstance(wrapped, UserDataset) holds, as before the wrap; type(wrapped) still says what it is.
     @property  # type: ignore[misc]  # a read-only __class__ over the writable one: the point of the wrap
     def __class__(self) -> type:
         return type(self.dataset)
@@ -186,8 +166,7 @@ class SeededDataset(Dataset):
         return self.dataset[key]
 
     def __getitems__(self, keys: list[Any]) -> Any:
-        # The DataLoader's fetcher asks for a whole batch here, so the caller's RNG states are saved and put back
-        # once per batch: numpy's get/set alone cost ~110 µs, more than seeding a sample.
+        # The caller's RNG states saved and put back once per batch: numpy's get/set alone cost ~110 µs.
         batched = getattr(self.dataset, "__getitems__", None)
         if not keys or not isinstance(keys[0], SeededDataset.Key):  # the user's own indices: the user's fetch
             return batched(keys) if batched else [self.dataset[k] for k in keys]
@@ -252,8 +231,8 @@ def _order(sampler: Any) -> tuple[bool | str, bool, str]:
 
 
 def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
-    """Re-instantiate a training ``DataLoader`` around a :class:`ResumableSampler` and a :class:`SeededDataset`
-    (as Lightning does to inject its ``DistributedSampler``); loaders it cannot handle are returned as they are."""
+    """The training ``DataLoader`` re-instantiated around a :class:`ResumableSampler` and a :class:`SeededDataset`
+    (as Lightning injects its sampler); one it cannot handle is returned as it is."""
 
     def refuse(why: str) -> tuple[Any, Decision]:
         return dataloader, Decision(
@@ -283,15 +262,10 @@ def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
         raise TypeError("the DataLoader does not take its dataset as `dataset`")
 
     try:
-        # The BatchSampler's size: `dataloader.batch_size` is None when the loader was given the BatchSampler.
         size = dataloader.batch_sampler.batch_size
         sampler = ResumableSampler(inner, size, tag_epoch=True, replay_rng=replay)
         args, kwargs = with_seeded_dataset(*lightning_compat.dataloader_init_args(dataloader, sampler))
         wrapped = lightning_compat.reinstantiate(dataloader, args, kwargs)
     except Exception as err:  # noqa: BLE001 - any re-instantiation failure just means "not resumable"
         return refuse(f"the DataLoader could not be re-instantiated ({err})")
-    return wrapped, Decision(
-        "resumable_data",
-        exact,
-        f"{why}: the batches done are skipped; {STREAMS}",
-    )
+    return wrapped, Decision("resumable_data", exact, f"{why}: the batches done are skipped; {STREAMS}")

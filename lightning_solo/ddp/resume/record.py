@@ -1,7 +1,5 @@
-"""Exact mid-epoch resume: the record a checkpoint carries, and the resume it decides (no sample repeated or
-skipped, every rank's RNG back).
-
-See docs/checkpoints.md."""
+"""Exact mid-epoch resume: the record a checkpoint carries, and the resume it decides (no sample repeated or skipped,
+every rank's RNG back). See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_solo._compat.patch import Patches
 from lightning_solo.core import ranks
 from lightning_solo.core.decision import Decision
 from lightning_solo.core.rng import rng_state, set_rng_state  # re-exported: resume.rng_state() is public
@@ -53,23 +52,12 @@ def _sample_seed(loader: Any) -> int | None:
     return dataset.seed if type(dataset) is SeededDataset else None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# save the position
-
-
 def capture(
     trainer: Any, loaders: list[Any], last_step: tuple[Any, int] | None, collective: bool = True
 ) -> dict[str, Any]:
-    """The resume record for the training ``loaders``; call on every rank (it gathers the RNG states of all
-    ranks to each), or with ``collective=False`` on one rank (only its own RNG state: a resume then restores
-    none).
-
-    ``last_step`` is this rank's RNG state and the batches of the epoch consumed, taken right after the last
-    optimizer step: the record is the state as of that step. A save in the middle of an accumulation cycle
-    therefore holds no half-accumulated gradients (the weights and optimizer have not moved since that step);
-    the resume replays the cycle's batches with the same RNG. A validation after the step does not count: SoloDDP
-    leaves the training RNG as the validation found it, so the resumed run, which skips it, matches.
-    """
+    """The resume record for the training ``loaders`` as of the last optimizer step (``last_step``: this rank's RNG
+    state and the epoch's batches consumed then); a collective that gathers every rank's RNG, or with
+    ``collective=False`` this rank's only (a resume then restores none)."""
     world_size = ranks.world_size()
     samplers = [_sampler(loader) for loader in loaders]
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -78,8 +66,7 @@ def capture(
     local = (state, epoch_rng if any(e is not None for e in epoch_rng) else None)
     if world_size > 1 and collective:
         gathered: list[Any] = [None] * world_size
-        # Pickling a tensor goes through torch.save (Storage.__reduce__): every rank would call torch.save while
-        # rank 0 saves the checkpoint. Numpy arrays pickle without it; the record keeps its tensors.
+        # Numpy arrays: pickling a tensor would call torch.save on every rank while rank 0 saves the checkpoint.
         torch.distributed.all_gather_object(gathered, _pack(local))
         gathered = [_unpack(g) for g in gathered]
     else:
@@ -110,21 +97,17 @@ def capture(
 
 
 def step_buffers(trainer: Any) -> dict[str, torch.Tensor] | None:
-    """The module's buffers right after an optimizer step, when accumulation can put a save between steps
-    (a copy per step of buffers only: BatchNorm statistics, small)."""
+    """The module's buffers right after an optimizer step, when accumulation can put a save between steps."""
     if trainer.accumulate_grad_batches <= 1:
         return None
     return {name: b.detach().clone() for name, b in trainer.lightning_module.named_buffers()}
 
 
 def rewind_buffers(
-    checkpoint: dict[str, Any],
-    trainer: Any,
-    last_step: tuple[Any, int] | None,
-    buffers: dict[str, torch.Tensor] | None,
+    checkpoint: dict[str, Any], trainer: Any, last_step: tuple[Any, int] | None, buffers: dict[str, torch.Tensor] | None
 ) -> None:
-    """In a checkpoint written inside an accumulation cycle, put back the buffers of the last optimizer step
-    (the resume replays the cycle's forwards, which would move them a second time)."""
+    """In a checkpoint written inside an accumulation cycle, the buffers of the last optimizer step (the resume
+    replays the cycle's forwards, which would move them a second time)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     state = checkpoint.get("state_dict")
     if buffers is None or last_step is None or state is None or int(progress.ready) <= last_step[1]:
@@ -140,37 +123,31 @@ def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def validation_neutral(state: dict[str, Any] | None) -> None:
-    """After a validation inside a fit: the training RNG as the validation found it (``state``, taken when the
-    last training batch's work returned). Validation draws (its DataLoader's worker seed, random ops in
-    ``validation_step``) must not shift the training stream: a resumed run skips that validation, or runs it
-    again, or Lightning builds its loader at another point."""
+    """After a validation inside a fit: the training RNG as the validation found it (``state``), so that its draws
+    do not shift the training stream (a resumed run skips that validation, or runs it elsewhere)."""
     if state is not None:
         set_rng_state(state)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# continue from it
 
 
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def quiet_not_resumable_warning(trainer: Any) -> None:
-    """Lightning's "your dataloader is not resumable" warning (``_TrainingEpochLoop.reset``) is about the loader it
-    would restart; these resume. Silenced around that loop's next ``reset`` only, on this trainer: no filter
-    outside that call."""
-    loop = trainer.fit_loop.epoch_loop
+def quiet_not_resumable_warning(trainer: Any) -> Patches:
+    """Lightning's "your dataloader is not resumable" warning, about a loader these resume, silenced around this
+    trainer's epoch loop's next ``reset`` only (patched once, undone at that call or by closing the patches)."""
+    loop, patches = trainer.fit_loop.epoch_loop, Patches()
     if "reset" in vars(loop):
-        return
+        return patches
     reset = loop.reset
 
     def quiet_reset() -> None:
-        del loop.reset  # once: the class's own from here on
+        patches.close()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
             reset()
 
-    loop.reset = quiet_reset
+    patches.set(loop, "reset", quiet_reset)
+    return patches
 
 
 _COUNTERS = ("ready", "started", "processed", "completed")
@@ -182,8 +159,7 @@ def _counters(trainer: Any) -> list[list[int]]:
 
 
 def _rewind(trainer: Any, restored: list[list[int]], batches: int) -> None:
-    # Lightning's restored batch counters, moved back to the batches this resume really continues after (from the
-    # values it restored, so a plan settled again with more loaders does not move them twice).
+    # Lightning's restored counters moved back by ``batches`` (from the restored values: settling twice is harmless).
     progress = trainer.fit_loop.epoch_loop.batch_progress
     for counter, values in zip((progress.current, progress.total), restored):
         for name, value in zip(_COUNTERS, values):
@@ -191,8 +167,7 @@ def _rewind(trainer: Any, restored: list[list[int]], batches: int) -> None:
 
 
 def _mode(trainer: Any) -> str | None:
-    """How Lightning combines the training loaders (``CombinedLoader``'s mode; ``max_size_cycle`` for a plain
-    loader, list or dict)."""
+    """How Lightning combines the training loaders: ``CombinedLoader``'s mode."""
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
     return getattr(combined, "_mode", None)
 
@@ -211,16 +186,10 @@ def _position(mode: str | None, consumed: int, batches: int) -> int | None:
 
 
 class ResumePlan:
-    """A checkpoint's record applied to this fit's training loaders, handed to the plan in Lightning's order
-    (:meth:`attach`). The position needs every loader and how Lightning combines them, known only once all are
-    processed: :meth:`settle` runs at the first index a loader draws or at ``on_train_start``, whichever comes
-    first (both before the epoch loop reads Lightning's counters).
-
-    At an epoch boundary this rank's RNG is restored at once (the iterators of the next epoch come after it, as in
-    the uninterrupted run); mid-epoch it is restored right before the first resumed batch
-    (:attr:`rng_before_first_batch`), after whatever Lightning does on the way (it fast-forwards, without running
-    it, a validation due at the checkpoint's step, and builds that validation's loader).
-    """
+    """A checkpoint's record applied to this fit's training loaders, each handed over by :meth:`attach`;
+    :meth:`settle` decides once all are in (at the first index drawn or ``on_train_start``). At an epoch boundary
+    this rank's RNG is restored at once; mid-epoch right before the first resumed batch
+    (:attr:`rng_before_first_batch`), after Lightning's fast-forward of a validation due at the saved step."""
 
     def __init__(self, record: dict[str, Any], trainer: Any, decide: Callable[[Decision], Any]) -> None:
         self.record, self.trainer, self._decide = record, trainer, decide
@@ -265,9 +234,8 @@ class ResumePlan:
             if type(loader.dataset) is SeededDataset and saved.get("sample_seed") is not None:
                 loader.dataset.seed = saved["sample_seed"]
             if not self.mid_epoch:
-                # The next epoch's order, also where Lightning builds the iterator (workers draw their first
-                # indices) before it sets the epoch. The uninterrupted run reused persistent workers' iterator,
-                # which draws no worker seed: here it was just built, drawing one; the RNG goes back after it.
+                # Persistent workers: the uninterrupted run reused their iterator, which draws no worker seed; here
+                # it was just built, drawing one, so the RNG goes back after it.
                 rng, persistent = self.rng, loader.persistent_workers and loader.num_workers > 0
                 restore = functools.partial(set_rng_state, rng) if persistent and rng is not None else None
                 sampler.resume_once(self.next_epoch, 0, on_start=restore)
@@ -292,9 +260,8 @@ class ResumePlan:
             self._settle(final=True)
 
     def _settle(self, final: bool) -> None:
-        """Decide the position of every loader, rewind Lightning's counters to it and say so. After each
-        :meth:`attach` too, provisionally (assuming Lightning's default mode for several loaders), so that the
-        Decision is there for callbacks' ``on_train_start``; the final call decides again."""
+        """Decide every loader's position, rewind Lightning's counters to it and say so; provisionally after each
+        :meth:`attach` (Lightning's default mode), so that callbacks' ``on_train_start`` sees a Decision."""
         if not self.mid_epoch:
             if not self.decided:
                 self.decided = True

@@ -1,19 +1,5 @@
 """Exact resume across one strategy's fits: what a checkpoint carries beyond Lightning's, and how a fit continues
 from it. :class:`~lightning_solo.ddp.strategy.SoloDDP` holds one :class:`ExactResume` and calls it from its hooks.
-
-Example (the order SoloDDP's hooks call it in)::
-
-    resume = ExactResume(enabled=True)
-    resume.on_load_checkpoint(checkpoint)                  # load_checkpoint: the record to replay
-    loader = resume.on_dataloader(loader, trainer, decide)  # process_dataloader, each training loader
-    resume.close_loaders(trainer)                          # on_train_start (or the first batch)
-    resume.before_batch(trainer)                           # batch_to_device
-    with resume.stepping():                                # optimizer_step (the closure runs training_step)
-        ...
-    resume.after_optimizer_step(trainer)
-    resume.after_validation(trainer)                       # on_validation_end
-    resume.add_to_checkpoint(checkpoint, trainer)          # save_checkpoint
-
 See docs/checkpoints.md."""
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo._compat.patch import Patches
 from lightning_solo.checkpoint.io import load_weights_only
 from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.select import checkpoint_dir, decide_resume, hpc_checkpoints
@@ -46,12 +33,8 @@ NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version_
 
 
 class ExactResume:
-    """The exact-resume state of one strategy, and what its hooks do with it.
-
-    Args:
-        enabled: ``False`` (``SoloDDP(exact_resume=False)``): the training loaders and RNG streams stay
-            Lightning's: no loader wrap, no resume record, validation draws shift the training RNG as they do stock.
-    """
+    """The exact-resume state of one strategy, and what its hooks do with it. ``enabled=False``
+    (``SoloDDP(exact_resume=False)``): Lightning's loaders and RNG streams, no resume record."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -65,6 +48,7 @@ class ExactResume:
         self._step_buffers: dict[str, torch.Tensor] | None = None
         self._batch_end_rng: dict[str, Any] | None = None
         self._rng_before_first_batch: dict[str, Any] | None = None
+        self._quiet = Patches()  # Lightning's warning silenced until the epoch loop's next reset
 
     def on_dataloader(self, dataloader: Any, trainer: Any, decide: Callable[[Decision], Any]) -> Any:
         """A training loader Lightning has processed: made resumable, and the resume plan attached to it."""
@@ -79,8 +63,7 @@ class ExactResume:
             self._loaders_open, self._train_loaders, self._loader_decisions = True, [], []
             record, self._record = self._record, None
             self._plan = resume.ResumePlan(record, trainer, decide) if record is not None else None
-            # Until the first step of this fit, "the last step" is where it starts (a validation before it, e.g.
-            # in a replayed accumulation cycle, must leave the RNG there too).
+            # Until this fit's first step, "the last step" is where it starts (a validation leaves the RNG there).
             ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
             plan_rng = self._plan.rng if self._plan is not None else None
             self._last_step = (plan_rng or resume.rng_state(), ready)
@@ -95,8 +78,7 @@ class ExactResume:
         return dataloader
 
     def close_loaders(self, trainer: Any) -> None:
-        """Every training loader of the request is in: the resume plan settles (if no loader's first index did).
-        Before the epoch loop reads the batch counters the plan rewinds."""
+        """Every training loader of the request is in: the resume plan settles (if no loader's first index did)."""
         if self._loaders_open:
             self._loaders_open = False
             plan, self._plan = self._plan, None
@@ -104,14 +86,18 @@ class ExactResume:
                 plan.settle()
                 self._rng_before_first_batch = plan.rng_before_first_batch
                 if plan.mid_epoch:
-                    resume.quiet_not_resumable_warning(trainer)
+                    self._quiet = resume.quiet_not_resumable_warning(trainer)
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
         """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none when off."""
         if not self.enabled:
             return {}
-        return {"batch": self.before_batch, "step": self._around_training_step, "optimizer_step": self.stepping,
-                "after_step": lambda strategy, optimizer: self.after_optimizer_step(strategy.lightning_module.trainer)}  # fmt: skip
+        return {
+            "batch": self.before_batch,
+            "step": self._around_training_step,
+            "optimizer_step": self.stepping,
+            "after_step": lambda strategy, optimizer: self.after_optimizer_step(strategy.lightning_module.trainer),
+        }
 
     @contextlib.contextmanager
     def _around_training_step(self, strategy: Any) -> Iterator[None]:
@@ -122,14 +108,12 @@ class ExactResume:
         """A training batch is about to move to the device."""
         self.close_loaders(trainer)  # (a reload of the loaders between epochs has no on_train_start)
         if (state := self._rng_before_first_batch) is not None:
-            # The first resumed batch starts from the RNG of the checkpoint's step, whatever Lightning did since
-            # the restore (e.g. it built the loader of the validation it fast-forwards).
+            # The first resumed batch starts from the checkpoint's RNG, whatever Lightning did since the restore.
             self._rng_before_first_batch = None
             resume.set_rng_state(state)
 
     def after_training_step(self) -> None:
-        """A batch that does not step (accumulation, manual optimization): where a validation after it must leave
-        the RNG. (Inside an optimizer step, the step's own capture is the batch's end.)"""
+        """A batch that does not step (accumulation, manual optimization): a validation after it leaves the RNG here."""
         if self.enabled and not self._in_optimizer_step:
             self._batch_end_rng = resume.rng_state()
 
@@ -160,8 +144,6 @@ class ExactResume:
         if self.enabled and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             last_step = self._last_step
             checkpoint[resume.RESUME_KEY] = resume.capture(trainer, self._train_loaders, last_step, collective)
-            # Inside an accumulation cycle the forwards since the step moved buffers (BatchNorm's running
-            # statistics) that the resume replays: save them as of the step, like everything else.
             resume.rewind_buffers(checkpoint, trainer, last_step, self._step_buffers)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -169,32 +151,16 @@ class ExactResume:
         self._record = checkpoint.get(resume.RESUME_KEY) if self.enabled else None
 
     def reset(self) -> None:
-        """At teardown: a fit that failed while Lightning handed over its loaders must not leave them open for the
-        next fit."""
+        """At teardown: no loaders left open for the next fit (one may have failed meanwhile), no patch left."""
         self._loaders_open, self._plan, self._rng_before_first_batch = False, None, None
+        self._quiet.close()
 
 
 def load_auto_checkpoint(
-    trainer: Any,
-    rank: int,
-    broadcast: Callable[[Any, int], Any],
-    decide: Callable[[Decision], Any],
-    weights_only: bool,
+    trainer: Any, rank: int, broadcast: Callable[[Any, int], Any], decide: Callable[[Decision], Any], weights_only: bool
 ) -> tuple[dict[str, Any], str | None]:
-    """``fit(ckpt_path="auto")``: the checkpoint and its path; :data:`NO_CHECKPOINT` and ``None`` where there is
-    none (the fit starts fresh). A collective (see :func:`_choose_auto_checkpoint`)."""
-    path = _choose_auto_checkpoint(trainer, rank, broadcast, decide)
-    if path is None:
-        return NO_CHECKPOINT, None
-    # Verified (hashed) once, by rank 0's choice: loaded as is.
-    return load_weights_only(path, map_location=lambda storage, loc: storage, weights_only=weights_only), path
-
-
-def _choose_auto_checkpoint(
-    trainer: Any, rank: int, broadcast: Callable[[Any, int], Any], decide: Callable[[Decision], Any]
-) -> str | None:
-    """Rank 0 picks the newest checkpoint in the checkpoint callback's directory that verifies (hashing it once)
-    and broadcasts it; every rank checks it sees the same file."""
+    """``fit(ckpt_path="auto")`` (a collective): rank 0 picks the newest checkpoint that verifies and broadcasts it,
+    every rank checks it sees the same file. The checkpoint and its path; :data:`NO_CHECKPOINT`, ``None``: none."""
     chosen: tuple[Any, Any] | None = None
     if rank == 0:
         decision = decide_resume(checkpoint_dir(trainer), extra=hpc_checkpoints(trainer))
@@ -202,13 +168,17 @@ def _choose_auto_checkpoint(
     decision, manifest = broadcast(chosen, 0)  # rank 0 always sends a pair
     decide(decision)
     rank_zero_info(f"ckpt_path='auto': {decision}")
-    if decision.value is not None and read_manifest(decision.value) != manifest:
+    path = decision.value
+    if path is not None and read_manifest(path) != manifest:
         raise RuntimeError(
             f"rank {rank} does not see the checkpoint rank 0 chose for ckpt_path='auto'"
-            f" ({decision.value}): put the checkpoint directory on a filesystem all nodes share"
+            f" ({path}): put the checkpoint directory on a filesystem all nodes share"
         )
-    lightning_compat.set_ckpt_path(trainer, decision.value)
-    return decision.value
+    lightning_compat.set_ckpt_path(trainer, path)
+    if path is None:
+        return NO_CHECKPOINT, None
+    # Verified (hashed) once, by rank 0's choice: loaded as is.
+    return load_weights_only(path, map_location=lambda storage, loc: storage, weights_only=weights_only), path
 
 
 def _combined_decision(decisions: list[Decision]) -> Decision:

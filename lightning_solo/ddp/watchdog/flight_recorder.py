@@ -1,26 +1,6 @@
 """torch's flight recorder, on by default with the watchdog (gloo and NCCL): each rank's last collectives, read into
-the verdict's line when a run stalls.
-
-Example::
-
-    decision, env = decide_flight_recorder("gloo", os.environ)
-    os.environ.update(env)                    # before the process group is created
-    ...
-    mine = summarize(dump_json)               # this rank's last collective per process group, at the verdict
-    clause({0: mine, 1: theirs}, lead=(1,))   # "flight recorder: rank 1 issued gloo:all_gather #1 on extra, ..."
-
-The buffer size is read once per process, when the recorder is first used (before the process group is made):
-``TORCH_FR_BUFFER_SIZE``, whose older name ``TORCH_NCCL_TRACE_BUFFER_SIZE`` torch 2.14.1 still reads (with a
-warning that it is deprecated). torch 2.14.1 records 2000 gloo collectives when neither is set; SoloDDP sets it anyway, so that the evidence
-does not hang on a torch version's default. For NCCL ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` also writes each rank's record
-(``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) when a collective times out. A user's own setting of any of them is kept; a
-size of 0 turns recording off.
-
-Why the clause compares what each rank has *in flight*, not the sequence numbers alone: a number says how far a
-rank got, not whether it waits there, and point-to-point messages the recorder does not show (a monitored
-barrier's, on gloo) advance the numbers too. A collective one rank issued and another never entered is in flight
-(not retired, not completed) on the first and absent from the second.
-The NCCL path (its dump, its states) is unverified here: no GPU has run it in this project's tests.
+the verdict's line when a run stalls (:func:`summarize` a rank's dump, :func:`clause` the words, :func:`deadlock` a
+mismatch). See docs/multi-node.md ("The flight recorder's evidence"); the NCCL path has not run on a GPU here.
 """
 
 from __future__ import annotations
@@ -50,29 +30,25 @@ def decide_flight_recorder(backend: str | None, environ: Mapping[str, str]) -> t
     env = {_FR: str(TRACE_BUFFER_SIZE)}  # the older name, read too, warns that it is deprecated
     if nccl and _DUMP not in environ:
         env[_DUMP] = "1"
-    return (
-        Decision(
-            "flight_recorder",
-            ", ".join(f"{k}={v}" for k, v in env.items()),
-            "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog "
-            "writes them to hang/rank<r>.fr.json and says in its line which rank issued one the others never "
-            f"entered; set {_FR}=0 to turn it off",
-        ),
-        env,
+    reason = (
+        "each rank keeps its last collectives (whatever the torch version's default): at a hang the watchdog writes "
+        "them to hang/rank<r>.fr.json and says in its line which rank issued one the others never entered; set "
+        f"{_FR}=0 to turn it off"
     )
+    return Decision("flight_recorder", ", ".join(f"{k}={v}" for k, v in env.items()), reason), env
 
 
 def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
     """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, its last collective and
     whether it is still in flight."""
-    entries = json.loads(dump).get("entries", [])
-    by_pg: dict[str, list[dict[str, Any]]] = {}
-    for entry in entries:
-        by_pg.setdefault(str(entry["process_group"][0]), []).append(entry)
+    # A group's collectives complete in order: its last one tells whether the rank waits there.
+    lasts: dict[str, dict[str, Any]] = {}
+    for entry in json.loads(dump).get("entries", []):
+        pg = str(entry["process_group"][0])
+        if pg not in lasts or _order(entry) > _order(lasts[pg]):
+            lasts[pg] = entry
     summary = {}
-    for pg, pg_entries in by_pg.items():
-        # A group's collectives complete in order: its last one tells whether the rank waits there.
-        e = max(pg_entries, key=_order)
+    for pg, e in lasts.items():
         pending = not e.get("retired") and e.get("state") != "completed"
         summary[pg] = {
             "desc": e["process_group"][1], "seq": e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"],
@@ -131,9 +107,8 @@ def _pg_part(pg: str, lasts: dict[int, PgLast | None]) -> tuple[str | None, tupl
 
 
 def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) -> str | None:
-    """The flight recorder's words for the verdict's line, from every rank's summary (``None``: no record from
-    that rank: gone, silent, or its dump failed); ``None`` when no rank recorded anything. ``lead``: the ranks the
-    verdict names, whose process groups come first."""
+    """The flight recorder's words for the verdict's line from every rank's summary (``None``: no record from it);
+    ``None`` when no rank recorded anything. ``lead``: the ranks the verdict names, whose groups come first."""
     have = {r: s for r, s in sorted(summaries.items()) if s is not None}
     missing = sorted(r for r, s in summaries.items() if s is None)
     pgs = sorted({pg for s in have.values() for pg in s}, key=lambda pg: (len(pg), pg))
@@ -167,17 +142,16 @@ def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) ->
 
 
 def _blocks(mine: PgLast, theirs: PgLast | None) -> bool:
-    """A rank in flight in ``mine`` waits for a rank whose last collective there is ``theirs``: that rank never
-    entered it (none there, or an earlier one), or entered a different collective under the same number."""
+    """A rank in flight in ``mine`` waits for one whose last there is ``theirs``: an earlier one, none, or another
+    collective under the same number."""
     if theirs is None or theirs["seq"] < mine["seq"]:
         return True
     return theirs["seq"] == mine["seq"] and theirs["op"] != mine["op"]
 
 
 def deadlock(summaries: Mapping[int, Summary | None]) -> tuple[int, ...] | None:
-    """The ranks in a collective mismatch, from their summaries: each in flight in a collective the next one never
-    entered, around a cycle (rank 1 in an all_gather rank 0 never entered, rank 0 in an all_reduce rank 1 never
-    entered); ``None`` when the records show no such cycle (a rank with no record is no link of one)."""
+    """The ranks in a collective mismatch: a cycle of ranks each in flight in a collective the next never entered;
+    ``None`` when the records show none (a rank with no record is no link of one)."""
     have = {r: s for r, s in summaries.items() if s is not None}
     edges: dict[int, set[int]] = {r: set() for r in have}
     for a, mine in have.items():

@@ -1,17 +1,6 @@
-"""What a rank is doing, published by its watchdog thread: the global step, the phase (data wait, training_step,
-backward, optimizer step, validation, checkpoint save), a named collective inside it with its sequence number, and
-how long it has been there.
-
-Example::
-
-    writer = HeartbeatWriter()
-    writer.batch(step=6)                      # a training batch starts (SoloDDP.batch_to_device)
-    outer = writer.enter("training_step")     # SoloDDP.training_step ...
-    writer.leave(outer)                       # ... and back: the next thing a rank does is wait for data
-    beat = writer.snapshot(1, os.getpid(), "host", beats=3, allowance=lambda phase: 60.0)
-
-The training thread only assigns one tuple per transition (and appends a batch time): the watchdog thread reads it
-and does the rest (medians, encoding, the store), so a step pays about a microsecond.
+"""What a rank is doing, published by its watchdog thread: the global step, the phase, a named collective inside
+it with its sequence number, and how long it has been there. The training thread only assigns one tuple per
+transition (about a microsecond a step); the watchdog thread does the rest (:meth:`HeartbeatWriter.snapshot`).
 """
 
 from __future__ import annotations
@@ -44,12 +33,9 @@ _WINDOW = 64  # durations kept per group: the median of the recent ones
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """One rank's published state. ``age_s``: seconds in ``phase`` when published; ``allowance_s``: how long this
-    rank may stay there (``factor`` × its median of that kind + ``margin``, or the first-step allowance);
-    ``collective``: a named collective it waits in (``None``: none seen), ``seq`` its number on this rank;
-    ``beats``: a counter that moves at every publication (a silent rank's stops). ``phase`` may be what the
-    watchdog thread read on the training thread's stack (a Lightning hook's name, ``loader start``), with its own
-    clock and allowance."""
+    """One rank's published state: ``age_s`` in ``phase`` (a writer's phase, or a hook or ``loader start`` read on
+    the training thread's stack), which may last ``allowance_s``; ``collective``: a named one it waits in, ``seq``
+    its number; ``beats``: moves at every publication (a silent rank's stops)."""
 
     rank: int
     pid: int
@@ -88,16 +74,16 @@ class HeartbeatWriter:
         self._totals = dict.fromkeys(ORDER, 0.0)  # every key made now: the thread copies it while it changes
         self._mark = self.state[2]
 
-    # ------------------------------------------------------------------ the training thread
-    def _account(self, now: float) -> None:
-        """The time since the last transition goes to the phase that held it."""
+    def _now(self) -> float:
+        """The clock now; the time since the last transition goes to the phase that held it."""
+        now = self._clock()
         self._totals[self.state[1]] += now - self._mark
         self._mark = now
+        return now
 
     def batch(self, step: int) -> None:
         """A training batch starts: the time since the previous one, less its validations and saves, is a step's."""
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         if self._batch_started is not None:
             self._durations["step"].append(now - self._batch_started - self._batch_other)
         self._batch_started, self._batch_other = now, 0.0
@@ -106,19 +92,17 @@ class HeartbeatWriter:
     def enter(self, phase: str, step: int | None = None) -> tuple[str, float]:
         """Enter ``phase``; returns what :meth:`leave` puts back."""
         step_now, previous, since, _, seq = self.state
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         self.state = (step_now if step is None else step, phase, now, None, seq)
         return previous, since
 
     def leave(self, outer: tuple[str, float], stepped: bool = False) -> None:
-        """Back from a phase: to the one around it, except that after a batch's own work comes the data wait.
-        ``stepped``: the phase was an optimizer step, which Lightning counts in the global step right after."""
+        """Back from a phase to the one around it (after a batch's own work: the data wait). ``stepped``: an optimizer
+        step, which Lightning counts in the global step right after."""
         step, phase, since, _, seq = self.state
         step += stepped
         previous, previous_since = outer
-        now = self._clock()
-        self._account(now)
+        now = self._now()
         if (group := _GROUP.get(phase)) is not None:
             self._durations.setdefault(group, deque(maxlen=_WINDOW)).append(now - since)
             if previous not in _GROUP:  # a save inside a validation is counted once, with the validation
@@ -128,8 +112,7 @@ class HeartbeatWriter:
         elif previous == OPTIMIZER_STEP:  # the closure's training_step and backward ran: the step's own work now
             self.state = (step, previous, now, None, seq)
         elif previous in (TRAINING_STEP, BACKWARD, VALIDATION, SANITY_CHECK, SETUP):
-            # A phase inside a step (manual optimization's step inside training_step) or inside validation:
-            # the outer one's clock goes on.
+            # Inside a step (manual optimization) or a validation: the outer phase's clock goes on.
             self.state = (step, previous, previous_since, None, seq)
         else:
             self.state = (step, previous, now, None, seq)
@@ -139,21 +122,15 @@ class HeartbeatWriter:
         step, phase, since, _, seq = self.state
         self.state = (step, phase, since, name, seq + (name is not None))
 
-    def done(self) -> None:
-        now = self._clock()
-        self._account(now)
-        self.state = (self.state[0], DONE, now, None, self.state[4])
-
-    def failed(self) -> None:
+    def end(self, failed: bool = False) -> None:
+        """The fit ended (``failed``: with an exception, recording where)."""
         step, phase, _, _, seq = self.state
-        now = self._clock()
-        self._account(now)
-        self.state = (step, FAILED, now, f"{phase} at step {step}", seq)
+        now = self._now()
+        self.state = (step, FAILED, now, f"{phase} at step {step}", seq) if failed else (step, DONE, now, None, seq)
 
     # ------------------------------------------------------------------ the watchdog thread
     def median(self, group: str) -> float | None:
-        """The median of the recent durations of ``group``; ``None`` before enough (the first step is excluded:
-        it holds the warm-up)."""
+        """The median of ``group``'s recent durations; ``None`` before enough (the first step, a warm-up, excluded)."""
         samples = list(self._durations.get(group, ()))
         if group == "step":
             samples = samples[1:]
@@ -181,9 +158,8 @@ REFINABLE = frozenset({SETUP, DATA_WAIT, BATCH_START, OPTIMIZER_STEP, VALIDATION
 
 
 class Observer:
-    """The watchdog thread's side of a rank's heartbeat: the writer's phase, or what the thread saw on the training
-    thread's stack (a hook, a loader's first batch) with its own clock, allowance and durations; the time spent in
-    the collective the rank waits in. ``first``: the refined phase's first occurrence (``first_s`` applies)."""
+    """The watchdog thread's side of a heartbeat: the writer's phase, or one read on the training thread's stack with
+    its own clock, allowance and durations; and the time in the collective the rank waits in."""
 
     def __init__(self, writer: HeartbeatWriter, clock: Callable[[], float] = time.monotonic) -> None:
         self.writer, self._clock = writer, clock
@@ -208,8 +184,8 @@ class Observer:
         self, rank: int, pid: int, host: str, beats: int, settings: tuple[float, float, float],
         refined: str | None = None, first: bool = False,
     ) -> Heartbeat:  # fmt: skip
-        """This rank's heartbeat now; ``settings``: (factor, margin_s, first_s); ``refined``: what the thread saw
-        on the training thread's stack (``None``: nothing more than the writer's phase)."""
+        """This rank's heartbeat now; ``settings``: (factor, margin_s, first_s); ``refined``: the phase read on the
+        training thread's stack (``None``: the writer's); ``first``: its first occurrence (``first_s`` applies)."""
         factor, margin_s, first_s = settings
         step, phase, since, collective, seq = self.writer.state
         now = self._clock()

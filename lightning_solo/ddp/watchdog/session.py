@@ -1,18 +1,6 @@
 """SoloDDP's watchdog across its fits: the setting and its Decision, the flight recorder's environment, each fit's
-:class:`~lightning_solo.ddp.watchdog.watchdog.Watchdog`, and the phases the strategy's hooks mark. Every method
-does nothing while no watchdog runs (``watchdog=False``, one process, no process group, outside a fit), so the
-hooks call it unconditionally.
-
-Example::
-
-    session = WatchdogSession(True)                         # SoloDDP(watchdog=True)
-    session.prepare_environment("gloo")                     # before the process group exists: the flight recorder
-    session.start(trainer, rank, world, timeout)            # each fit's setup
-    with session.phase(hb.BACKWARD):
-        ...
-    session.stop()                                          # the fit ended: "done" at once
-    session.teardown()                                      # the environment as it was before prepare_environment
-"""
+:class:`~lightning_solo.ddp.watchdog.watchdog.Watchdog`, and the phases the strategy's hooks mark. Every method does
+nothing while no watchdog runs, so the hooks call it unconditionally."""
 
 from __future__ import annotations
 
@@ -60,9 +48,8 @@ class WatchdogSession:
         )
 
     def prepare_environment(self, backend: str) -> Decision | None:
-        """Switch torch's flight recorder on for ``backend`` unless the user set it: torch reads it when the
-        process group is created, and SoloDDP puts the variables back right after (:meth:`restore_environment`).
-        Returns its Decision (None: the watchdog is off)."""
+        """Switch torch's flight recorder on for ``backend`` (read as the process group is made; put back by
+        :meth:`restore_environment`) unless the user set it; its Decision (None: the watchdog is off)."""
         if self.settings is None:
             return None
         recorder, env = decide_flight_recorder(backend, os.environ)
@@ -72,7 +59,7 @@ class WatchdogSession:
         return recorder
 
     def restore_environment(self) -> None:
-        """Every variable :meth:`prepare_environment` set back to its value before (unset where it was unset)."""
+        """Every variable :meth:`prepare_environment` set back as it was."""
         for key, value in self._environ.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -81,8 +68,7 @@ class WatchdogSession:
         self._environ = {}
 
     def start(self, trainer: Any, rank: int, world_size: int, timeout: timedelta | None = None) -> None:
-        """This fit's watchdog, with its own connection to the process group's store; dumps go to
-        ``<trainer.default_root_dir>/hang/``; ``timeout``: the collective timeout (30 minutes if ``None``)."""
+        """This fit's watchdog, dumping into ``<default_root_dir>/hang/``; ``timeout``: the collective timeout."""
         prefix = next_store_prefix()  # every rank's process runs the same fits: the same prefix
         self._validation_outer, self._trainer = None, trainer
         if self.settings is None or world_size < 2 or not torch.distributed.is_initialized():
@@ -92,23 +78,14 @@ class WatchdogSession:
         nccl = "nccl" in str(torch.distributed.get_backend())
         record = functools.partial(torch_compat.flight_recorder_json, nccl)
         timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
-        self._dog = Watchdog(
-            self.settings,
-            store,
-            rank,
-            world_size,
-            Path(trainer.default_root_dir) / "hang",
-            record,
-            timeout_s,
-            epoch=lambda: int(trainer.current_epoch),
-        )
+        hang, epoch = Path(trainer.default_root_dir) / "hang", lambda: int(trainer.current_epoch)
+        self._dog = Watchdog(self.settings, store, rank, world_size, hang, record, timeout_s, epoch)
         self._dog.start()
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         """See :meth:`SoloDDP.heartbeats <lightning_solo.ddp.strategy.SoloDDP.heartbeats>`."""
         return self._dog.heartbeats() if self._dog is not None else {}
 
-    # ------------------------------------------------------------------ phases, from the strategy's hooks
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """The block runs in phase ``name`` (an optimizer step that completes counts as a step)."""
@@ -130,8 +107,7 @@ class WatchdogSession:
         self._dog.writer.collective(None)
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`): none without a
-        watchdog running."""
+        """The training-step moments it takes part in (:mod:`lightning_solo.ddp.component`)."""
         if self._dog is None:
             return {}
         return {"batch": lambda trainer: self.batch(trainer.global_step),
@@ -159,7 +135,6 @@ class WatchdogSession:
             self._dog.writer.leave(self._validation_outer)
         self._validation_outer = None
 
-    # ------------------------------------------------------------------ the end
     def stop(self) -> None:
         """The fit ended: "done" at once, so no peer takes this rank's exit for a death."""
         if self._dog is not None:

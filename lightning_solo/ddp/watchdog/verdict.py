@@ -1,19 +1,6 @@
-"""The verdict on a stalled run, from every rank's heartbeat: pure (no clock, no store), table-tested.
-
-Example::
-
-    views = [RankView(0, beat0, age_s=95.0), RankView(1, beat1, age_s=94.0)]
-    verdict = judge(views)          # None while every rank is within its allowance
-    verdict.kind                    # END (proof of a hang), REPORT (a rank busy past its allowance), SUSPECT
-    print(verdict.line)             # rank 1 has been in training_step for 94 s at step 6; rank 0 waits in ...
-
-What ends a run (``END``): a rank whose process ended; a rank that finished its fit while another waits in a
-collective past a step's allowance (uneven data the uneven-data policy did not settle). What is only reported
-(``REPORT``): a rank busy outside any collective past its own phase's allowance (the ranks waiting for it never
-convict it), a silent heartbeat (the process alive, its watchdog thread unable to run). ``SUSPECT``: every rank
-waits in a collective past a step's allowance; the flight recorder's records decide between a mismatch (``END``,
-:func:`~lightning_solo.ddp.watchdog.flight_recorder.deadlock`) and a report. The watchdog thread ends a reported
-stall at the collective timeout or at ``abort_after_s``.
+"""The verdict on a stalled run, from every rank's heartbeat: pure (no clock, no store), table-tested. ``END``:
+proof of a hang; ``REPORT``: a rank busy past its allowance; ``SUSPECT``: every rank waits in a collective, the
+flight recorder decides. What each covers: :data:`ENDS`, :data:`REPORTED` (docs/multi-node.md, "When a run hangs").
 """
 
 from __future__ import annotations
@@ -49,11 +36,9 @@ _AFTER_TRAINING = frozenset({"on_train_end", "on_fit_end", "teardown"})
 
 @dataclass(frozen=True)
 class RankView:
-    """One rank as the judge sees it: its latest heartbeat (``None``: none yet), how long it has been in that
-    phase by now (``age_s``), how long its heartbeat has not moved (``silent_s``), whether its process ended,
-    and (``proc``) its process's state from ``/proc``, read once its heartbeat stopped moving for a few periods:
-    a rank waiting in a collective releases the interpreter lock and goes on publishing, so such a rank is busy
-    (native code holding the lock), whatever its last heartbeat said."""
+    """One rank as the judge sees it: its latest heartbeat (``None``: none yet), ``age_s`` in that phase by now,
+    ``silent_s`` since its heartbeat moved, whether its process ended, and ``proc``: its state from ``/proc`` once its
+    heartbeat stopped for a few periods (native code holding the interpreter lock: busy, whatever it last said)."""
 
     rank: int
     beat: Heartbeat | None
@@ -71,9 +56,8 @@ class RankView:
 
 @dataclass(frozen=True)
 class Verdict:
-    """``stuck``: the ranks named; ``kind``: END, REPORT or SUSPECT; ``over_s`` / ``allowance_s``: how long the
-    named ranks have been there and their allowance; ``peers_wait_s``: the longest another rank has waited in a
-    collective (the collective timeout runs on it); ``key``: the stall, the same at every look."""
+    """``stuck``: the ranks named; ``over_s`` / ``allowance_s``: how long they have been there and their allowance;
+    ``peers_wait_s``: the longest wait in a collective (the timeout runs on it); ``key``: the stall, at every look."""
 
     stuck: tuple[int, ...]
     line: str
@@ -125,12 +109,9 @@ def _describe_other(view: RankView) -> str:
         return f"rank {view.rank} finished training"
     if beat.phase == FAILED:
         return f"rank {view.rank} ended with an error (in {beat.collective})"
-    where = _waits(beat)
-    return (
-        f"rank {view.rank} waits in {where} at step {beat.step}"
-        if where is not None
-        else f"rank {view.rank} is in {beat.phase} at step {beat.step}"
-    )
+    if (where := _waits(beat)) is not None:
+        return f"rank {view.rank} waits in {where} at step {beat.step}"
+    return f"rank {view.rank} is in {beat.phase} at step {beat.step}"
 
 
 def _verdict(
@@ -151,10 +132,8 @@ def _verdict(
 
 
 def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Verdict | None:
-    """The verdict, or ``None`` while no rank is past its allowance and none is gone.
-
-    ``silent_after_s``: a heartbeat that has not moved for longer means that rank's watchdog cannot run (its
-    process is frozen, or holds the interpreter lock in native code): reported, as a busy rank."""
+    """The verdict, or ``None`` while no rank is past its allowance and none is gone. A heartbeat that has not moved
+    for ``silent_after_s`` (its watchdog cannot run) is reported, as a busy rank."""
     views = sorted(views, key=lambda v: v.rank)
     active = [v for v in views if v.beat is None or v.beat.phase not in (DONE, FAILED)]
     if gone := [v for v in active if v.gone]:
@@ -166,8 +145,7 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
     finished = [v for v in views if v.beat is not None and v.beat.phase in (DONE, FAILED)]
     if finished and (proof := [v for v in late if v.beat.phase not in _AFTER_TRAINING]):  # type: ignore[union-attr]
         return _verdict(views, proof, END, silent_after_s)
-    # A heartbeat its thread published late (the interpreter lock held) tells of a phase that may be over: the
-    # next one says.
+    # A heartbeat published late (the interpreter lock held) tells of a phase that may be over: the next one says.
     late_beat = [v for v in busy if v.beat is not None and v.beat.late]
     if over := [
         v for v in busy
@@ -177,9 +155,7 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
             views, over, REPORT, silent_after_s, max(v.age_s for v in over),
             min(v.beat.allowance_s for v in over),  # type: ignore[union-attr]
         )  # fmt: skip
-    if busy:  # the others wait for a rank still within its own allowance
-        return None
-    if not late:
+    if busy or not late:  # (busy: the others wait for a rank still within its own allowance)
         return None
     if missing := [v for v in active if v.beat is None]:
         return _verdict(views, missing, REPORT, silent_after_s, max(v.wait_s for v in late),

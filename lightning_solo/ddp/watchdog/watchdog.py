@@ -1,38 +1,7 @@
-"""The watchdog thread: publishes this rank's heartbeat, judges every rank's, reports a busy rank and ends a run
-that is proven hung.
+"""The watchdog thread: publishes this rank's heartbeat into the store, judges every rank's (ranks 0 and W-1),
+reports a busy rank and ends a run proven hung (dumps, one line, exit status :data:`HANG_EXIT_CODE`).
 
-Example::
-
-    dog = Watchdog(WatchdogSettings(), store, rank=0, world_size=2, dump_dir="runs/x/hang")
-    dog.start()                   # SoloDDP does this at each fit's setup, and moves dog.writer from its hooks
-    ...
-    dog.stop()                    # end of fit: "done" is published at once
-
-Each rank's daemon thread writes its heartbeat (:mod:`~lightning_solo.ddp.watchdog.heartbeat`, the phase refined
-by the training thread's stack: :mod:`~lightning_solo.ddp.watchdog.where`) into the process group's store every
-``interval_s``, off the training stream, and reads one counter that moves at every verdict, report and request.
-Ranks 0 and ``W - 1`` also read every rank's and judge them (:func:`~lightning_solo.ddp.watchdog.verdict.judge`):
-two judges, so one stuck in native code holding the interpreter lock does not silence the watchdog. A report (a
-rank busy past its allowance) is claimed once per level (1x, 2x, 4x the allowance) with ``compare_set``; every rank
-prints it and writes its stacks. A suspected stall (every rank waits) makes the judge ask each rank for its
-flight-recorder summary (:func:`~lightning_solo.ddp.watchdog.flight_recorder.deadlock`). An end (proof, or a
-reported stall at the collective timeout or ``abort_after_s``) is written to the store once; every live rank then
-writes its Python stacks (all threads, ``faulthandler``) to ``<dump_dir>/rank<r>.stacks.txt`` and its
-flight-recorder record to ``rank<r>.fr.json``, and publishes that record's summary in the store (no shared file
-system assumed); the judge that wrote the verdict waits up to :data:`FLIGHT_RECORD_WAIT_S` for the live ranks'
-summaries, adds the flight recorder's words (:func:`~lightning_solo.ddp.watchdog.flight_recorder.clause`) and
-writes that one line to the store and to ``verdict.txt``. Each rank prints the line on its own stderr as
-``[rank: r] SoloDDP watchdog: ...`` (a cluster keeps a log per node or per rank), says "dumped", waits up to
-``grace_s`` from its verdict for the others' "dumped", ends its own child processes (loader workers, one of which
-may be the stuck one) and exits with status :data:`HANG_EXIT_CODE`; a rank that another rank started (Lightning's
-popen launcher) exits after that one.
-
-Why ``os._exit``: a rank waiting in a gloo or NCCL collective waits in C++ with the interpreter lock released.
-``_thread.interrupt_main`` raises only when the main thread next runs Python, which is after the collective's
-timeout (30 minutes by default); ``ProcessGroup.abort()`` on gloo returns but leaves the waiting collective waiting
-(tried on torch 2.14.1: benchmarks/RESULTS.md). Ending the process is what reliably unblocks: the peers' collectives
-fail at once on the closed connections, and their own watchdogs end them. Nothing is saved on the way out, so the
-newest verified checkpoint stays the newest (an atomic save that was under way leaves only its temporary file).
+See docs/multi-node.md ("When a run hangs") for what it judges, leaves and ends, and why it ends with ``os._exit``.
 """
 
 from __future__ import annotations
@@ -57,46 +26,27 @@ from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 
 from lightning_solo.core.checks import check_number
 from lightning_solo.ddp.watchdog import flight_recorder
-from lightning_solo.ddp.watchdog.heartbeat import (
-    DONE,
-    FAILED,
-    REFINABLE,
-    Heartbeat,
-    HeartbeatWriter,
-    Observer,
-)
+from lightning_solo.ddp.watchdog.heartbeat import DONE, FAILED, REFINABLE, Heartbeat, HeartbeatWriter, Observer
 from lightning_solo.ddp.watchdog.verdict import END, REPORT, SUSPECT, RankView, Verdict, judge
 from lightning_solo.ddp.watchdog.where import ONCE_HOOKS, thread_frame, where
 
 HANG_EXIT_CODE = 86  # distinct from Python's 1, a signal's 128+n and SLURM's requeue codes
 PEER_EXIT_WAIT_S = 3.0  # a SIGKILLed peer's sockets close a moment before /proc shows its process ended
 PARENT_EXIT_WAIT_S = 10.0  # how long a rank started by another rank waits for that rank to exit first
-_VERDICT, _FINAL, _SIGNAL = (
-    "verdict",
-    "verdict/final",
-    "signal",
-)  # signal: counts every verdict, report, request
-# How long the printing judge waits for the live ranks' flight-recorder summaries: with the default margin (55 s)
-# and heartbeat (1 s) the line still comes within 2 x the median step + 60 s of the stall.
-FLIGHT_RECORD_WAIT_S = 3.0
+_VERDICT, _FINAL, _SIGNAL = "verdict", "verdict/final", "signal"  # signal: counts every verdict, report, request
+FLIGHT_RECORD_WAIT_S = 3.0  # the judge's wait for the live ranks' flight records: within 2 x median step + 60 s
 _fits = itertools.count(1)
 
 
 def next_store_prefix() -> str:
-    """Each fit's keys in the process group's store (a script may fit twice in one process group), counted per
-    process: every rank runs the same fits."""
+    """Each fit's keys in the store (a script may fit twice in one process group): every rank runs the same fits."""
     return f"lightning_solo/watchdog/{next(_fits)}/"
 
 
 @dataclass(frozen=True)
 class WatchdogSettings:
-    """``factor`` × the median step (or validation, or checkpoint save, or hook seen before) + ``margin_s``: how
-    long a rank may stay in a phase before it is reported; ``first_s`` for a phase's first occurrence (the first
-    steps, the first validation, save, loader start of a fit, a hook in the fit's first epoch or run once);
-    ``interval_s``: heartbeat period; ``silent_s``: a heartbeat that has not moved for longer is reported as
-    silent; ``grace_s``: how long a rank waits for the others' stack dumps before it exits; ``abort``: end the run
-    on proof of a hang (else report only); ``abort_after_s``: also end a reported stall once it lasts this long
-    (``None``: only at the collective timeout). A proven hang ends within 2 × median step + 60 s."""
+    """A phase's allowance is ``factor`` × its median + ``margin_s`` (``first_s`` the first time); ``interval_s``:
+    heartbeat period; ``silent_s``, ``grace_s``, ``abort``, ``abort_after_s``: docs/multi-node.md ("Tuning")."""
 
     factor: float = 2.0
     margin_s: float = 55.0
@@ -131,12 +81,16 @@ class WatchdogSettings:
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "traced"}
 
 
-def proc_state(pid: int) -> str | None:
-    """A live process's state from ``/proc`` (its state letter, and the kernel function it sleeps in where
-    readable): ``"state S (sleeping), wchan hrtimer_nanosleep"``; ``None`` where ``/proc`` does not say."""
+def _state_letter(pid: int) -> str | None:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
+        return None
+
+
+def proc_state(pid: int) -> str | None:
+    """A live process's state from ``/proc``: ``"state S (sleeping), wchan hrtimer_nanosleep"``; ``None``: unknown."""
+    if (state := _state_letter(pid)) is None:
         return None
     text = f"state {state}" + (f" ({_STATES[state]})" if state in _STATES else "")
     with contextlib.suppress(OSError):
@@ -150,22 +104,23 @@ def _gone(beat: Heartbeat | None, host: str) -> bool:
     """A rank on this host whose process has ended (a zombie counts: its parent has not reaped it yet)."""
     if beat is None or beat.host != host:
         return False
+    if (state := _state_letter(beat.pid)) is not None:
+        return state in ("Z", "X")
     try:
-        state = Path(f"/proc/{beat.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(beat.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-    return state in ("Z", "X")
+        os.kill(beat.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def _running(view: RankView) -> bool:
+    return not view.gone and (view.beat is None or view.beat.phase not in (DONE, FAILED))
 
 
 def peer_failure(exception: BaseException | None) -> bool:
-    """Whether ``exception`` is a collective's failure that a peer's end may explain (torch's ``DistError``, or
-    gloo's and NCCL's plain ``RuntimeError``)."""
+    """Whether ``exception`` is a collective's failure a peer's end may explain (``DistError``, gloo's, NCCL's)."""
     if isinstance(exception, torch.distributed.DistError):
         return True
     text = str(exception) if isinstance(exception, RuntimeError) else ""
@@ -173,8 +128,9 @@ def peer_failure(exception: BaseException | None) -> bool:
 
 
 class Watchdog:
-    """One fit's watchdog on one rank (see the module docstring). ``store``: a ``torch.distributed.Store`` of its
-    own (a prefix store over a clone of the process group's); ``writer``: the phases SoloDDP's hooks set."""
+    """One fit's watchdog on one rank. ``store``: its own (a prefix store over a clone of the process group's);
+    ``flight_record``: this process's flight-recorder dump; ``timeout_s``: the collective timeout; ``epoch``: the
+    current epoch (a hook in the fit's first epoch gets ``first_s``); ``writer``: the phases SoloDDP's hooks set."""
 
     def __init__(
         self,
@@ -187,9 +143,6 @@ class Watchdog:
         timeout_s: float = 1800.0,
         epoch: Callable[[], int] | None = None,
     ) -> None:
-        """``flight_record``: this process's flight-recorder dump (torch's JSON), read when a stall is suspected and
-        at a verdict; ``timeout_s``: the collective timeout, at which a reported stall ends the run; ``epoch``: the
-        current epoch (a hook in the fit's first epoch gets ``first_s``)."""
         self.settings = settings
         self._flight_record = flight_record
         self._timeout_s, self._epoch = timeout_s, epoch
@@ -210,7 +163,6 @@ class Watchdog:
         self._beats = 0
         self._seen: dict[int, tuple[int, float, Heartbeat]] = {}  # rank -> (beats, when seen, heartbeat)
         self._stop = threading.Event()
-        self._stopped = False
         self._acted = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -222,41 +174,31 @@ class Watchdog:
         self._thread.start()
 
     def stop(self, failed: bool = False) -> None:
-        """The fit ended (``failed``: with an exception): say so at once, so no peer takes this rank's exit for
-        a death, and end the thread. Rank 0, whose process holds the store's server (``env://`` rendezvous), waits
-        up to ``grace_s`` for the others to say so too: they would otherwise write to a store that is gone."""
-        if self._stopped:
+        """The fit ended (``failed``: with an exception): say so at once, so no peer takes this rank's exit for a
+        death. Rank 0 (the store's server) waits up to ``grace_s`` for the others to say so too."""
+        if self._stop.is_set():
             return
-        self._stopped = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             # First: a heartbeat the thread is still writing must not land over "done".
             self._thread.join(timeout=2 * self.settings.interval_s + 1)
         self._thread = None
-        if failed:
-            self.writer.failed()
-        elif self.writer.state[1] != FAILED:
-            self.writer.done()
+        if failed or self.writer.state[1] != FAILED:
+            self.writer.end(failed)
         with contextlib.suppress(Exception):  # the store's host may be gone already: nothing left to tell
             self._publish()
             if self.rank == 0:
                 deadline = time.monotonic() + self.settings.grace_s
-                while time.monotonic() < deadline and any(
-                    not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED)) for v in self._views()
-                ):
+                while time.monotonic() < deadline and any(map(_running, self._views())):
                     time.sleep(0.05)
 
     def on_exception(self, exception: BaseException | None = None) -> Verdict | None:
-        """The fit failed on this rank: if a peer's process ended (a collective then fails here at once, naming
-        no rank), say which, with this rank's stacks; then stop. Returns the verdict, if any.
-
-        A killed peer's sockets close before its process shows as ended, so after a communication error
-        (:func:`peer_failure`) the peers are looked at for up to ``PEER_EXIT_WAIT_S``."""
+        """The fit failed here: name a peer whose process ended (looked for up to ``PEER_EXIT_WAIT_S`` after a
+        :func:`peer_failure`), with this rank's stacks; then stop. Returns the verdict, if any."""
         verdict = None
         thread = self._thread
         if self._acted.locked() and thread is not None and thread is not threading.current_thread():
-            # The thread acts on a verdict and ends the process (abort): this exception is the stall's consequence
-            # (a peer ended first), and the thread's line and exit status are the run's.
+            # The thread acts on a verdict: its line and exit status are the run's.
             thread.join(timeout=self.settings.grace_s + FLIGHT_RECORD_WAIT_S + 5)
         if self.verdict is None:
             deadline = time.monotonic() + (PEER_EXIT_WAIT_S if peer_failure(exception) else 0.0)
@@ -276,7 +218,7 @@ class Watchdog:
         return verdict or self.verdict
 
     def heartbeats(self) -> dict[int, Heartbeat]:
-        """Every rank's latest heartbeat this rank has read (this rank's own, fresh): ranks 0 and W-1 read all."""
+        """Every rank's latest heartbeat read here (this rank's own, fresh): ranks 0 and W-1 read all."""
         s = self.settings
         own = self.writer.snapshot(
             self.rank, self._pid, self._host, self._beats,
@@ -289,8 +231,7 @@ class Watchdog:
     def _run(self) -> None:
         last = time.monotonic()
         while not self._stop.wait(self.settings.interval_s):
-            # A look that came late (this process's interpreter lock held by native code) judges nothing this time:
-            # what it read before the wait may be stale.
+            # A late look (the interpreter lock held by native code) judges nothing: what it read may be stale.
             late, last = time.monotonic() - last > 2 * self.settings.interval_s + 0.5, time.monotonic()
             try:
                 self._publish(late)
@@ -316,7 +257,7 @@ class Watchdog:
             self._store.set(f"fr/{wanted}/{self.rank}", json.dumps(self._flight_summary()[1]))
 
     def _answer(self) -> None:
-        """Another rank asked for this rank's flight-recorder summary, or printed a report: answer, dump, print."""
+        """Another rank asked for flight records, or printed a report: answer, dump, print."""
         self._answer_request()
         reports = int(self._store.add("report/count", 0))
         while self._reports_read < reports:
@@ -331,8 +272,8 @@ class Watchdog:
         self._store.add(_SIGNAL, 1)
 
     def _consider(self, verdict: Verdict) -> bool:
-        """Act on a verdict: end the run on proof (True), else report at 1x, 2x, 4x ... the allowance, and end at
-        the collective timeout or ``abort_after_s`` (True)."""
+        """Act on a verdict: end the run on proof, at the collective timeout or ``abort_after_s`` (True), else report
+        at 1x, 2x, 4x ... the allowance."""
         if verdict.kind == END:
             self._act(verdict)
             return True
@@ -356,8 +297,7 @@ class Watchdog:
         return False
 
     def _ends(self, verdict: Verdict) -> str | None:
-        """Why a reported stall ends the run now, if it does: the collective timeout is (about to be) reached on a
-        rank waiting in a collective (its error would name no rank), or ``abort_after_s`` passed."""
+        """Why a reported stall ends now, if it does: the collective timeout nears, or ``abort_after_s`` passed."""
         s = self.settings
         if s.abort_after_s is not None and verdict.over_s >= s.abort_after_s:
             return f"ended after {s.abort_after_s:g} s (watchdog abort_after_s)"
@@ -367,7 +307,7 @@ class Watchdog:
         return None
 
     def _report(self, verdict: Verdict) -> None:
-        """One line for a busy rank, printed once by every rank (each dumps its stacks), never ending the run."""
+        """One line for a busy rank, printed once by every rank (each dumps its stacks)."""
         s = self.settings
         until = []
         if verdict.peers_wait_s > 0:
@@ -394,24 +334,31 @@ class Watchdog:
                 f.write(line + "\n")
 
     def _ask_flight_records(self) -> dict[int, Any]:
-        """Every live rank's flight-recorder summary, asked for through the store (waited up to
-        FLIGHT_RECORD_WAIT_S): read only when a stall is suspected."""
+        """Every live rank's flight-recorder summary, asked for through the store: only when a stall is suspected."""
         wanted = int(self._store.add("fr/want", 1))
         self._requests_answered = max(self._requests_answered, wanted)
         self._signal_all()
-        summaries: dict[int, Any] = {self.rank: self._flight_summary()[1]}
-        keys = [f"fr/{wanted}/{r}" for r in range(self.world_size) if r != self.rank]
-        deadline = time.monotonic() + FLIGHT_RECORD_WAIT_S
-        while time.monotonic() < deadline and not self._store.check(keys):
-            self._answer_request()  # the other judge may be asking at the same time
-            if self._store.check([_VERDICT]):
-                break
+        keys = {r: f"fr/{wanted}/{r}" for r in range(self.world_size) if r != self.rank}
+        mine = self._flight_summary()[1]
+        return {self.rank: mine, **self._collect(keys, time.monotonic() + FLIGHT_RECORD_WAIT_S, self._verdict_came)}
+
+    def _verdict_came(self) -> bool:
+        """Answer the other judge's request (it may be asking at the same time); whether a verdict came."""
+        self._answer_request()
+        return bool(self._store.check([_VERDICT]))
+
+    def _wait_for(self, keys: list[str], deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Whether the store holds ``keys`` before ``deadline`` (``stop``: asked at each wait, True gives up)."""
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline or (stop is not None and stop()):
+                return False
             time.sleep(0.05)
-        for rank in range(self.world_size):
-            if rank != self.rank:
-                key = f"fr/{wanted}/{rank}"
-                summaries[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
-        return summaries
+        return True
+
+    def _collect(self, keys: dict[int, str], deadline: float, stop: Callable[[], bool] | None = None) -> dict[int, Any]:
+        """The summaries the ranks published under ``keys``, waited for until ``deadline`` (``None``: not there)."""
+        self._wait_for(list(keys.values()), deadline, stop)
+        return {r: json.loads(self._store.get(k)) if self._store.check([k]) else None for r, k in keys.items()}
 
     def _snapshot(self) -> Heartbeat:
         s = self.settings
@@ -476,8 +423,7 @@ class Watchdog:
             return None, None
 
     def _dump_stacks(self, line: str) -> str:
-        """This rank's heartbeat, ``line`` and every thread's Python stack into ``rank<r>.stacks.txt``; returns
-        what went wrong, if anything."""
+        """This rank's heartbeat, ``line`` and every thread's stack into ``rank<r>.stacks.txt``; returns any problem."""
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             with open(self.dump_dir / f"rank{self.rank}.stacks.txt", "w") as f:
@@ -503,27 +449,17 @@ class Watchdog:
         return summary
 
     def _flight_words(self, verdict: Verdict, mine: dict[str, Any] | None, started: float) -> str | None:
-        """The flight recorder's clause from every live rank's summary, waited for up to FLIGHT_RECORD_WAIT_S
-        (a rank gone or silent is not waited for: it has no record to give)."""
+        """The flight recorder's clause from every live rank's summary (a rank gone or silent is not waited for)."""
         if self._flight_record is None:
             return None
         summaries: dict[int, Any] = {self.rank: mine}
         try:
             views = self._views()
-            live = [
-                v.rank
-                for v in views
-                if v.rank != self.rank and not v.gone and v.silent_s <= self.settings.silent_s
-                and (v.beat is None or v.beat.phase not in (DONE, FAILED))
-            ]  # fmt: skip
-            summaries.update({v.rank: None for v in views if v.gone or v.silent_s > self.settings.silent_s})
+            silent = [v.rank for v in views if v.gone or v.silent_s > self.settings.silent_s]
+            live = [v.rank for v in views if v.rank != self.rank and v.rank not in silent and _running(v)]
+            summaries.update(dict.fromkeys(silent))
             deadline = started + min(FLIGHT_RECORD_WAIT_S, self.settings.grace_s)
-            keys = [f"fr/{r}" for r in live]
-            while time.monotonic() < deadline and not self._store.check(keys):
-                time.sleep(0.05)
-            for rank in live:
-                key = f"fr/{rank}"
-                summaries[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+            summaries.update(self._collect({r: f"fr/{r}" for r in live}, deadline))
         except Exception:  # noqa: BLE001 - the store's host ended: this rank's own record only
             pass
         return flight_recorder.clause(summaries, lead=verdict.stuck)
@@ -555,17 +491,11 @@ class Watchdog:
                 self._store.set(_FINAL, line)
             with contextlib.suppress(OSError):
                 (self.dump_dir / "verdict.txt").write_text(line + "\n")
-        else:  # the whole line, flight recorder included, read before this rank says "dumped": the ranks wait
-            # for each other's "dumped" before they exit, and rank 0's exit takes the store with it
+        else:  # the whole line read before this rank says "dumped" (rank 0's exit takes the store with it)
             with contextlib.suppress(Exception):
-                deadline = started + self.settings.grace_s
-                while time.monotonic() < deadline and not self._store.check([_FINAL]):
-                    time.sleep(0.05)
-                if self._store.check([_FINAL]):
+                if self._wait_for([_FINAL], started + self.settings.grace_s):
                     self.verdict = Verdict(verdict.stuck, self._store.get(_FINAL).decode())
-        # Every rank's stderr carries the line (one log per node or per rank on a cluster), rank-prefixed as
-        # Lightning prefixes its per-rank messages; printed before "dumped", on which the others may exit, and with
-        # them a launcher (torchrun, popen under a job) may kill this rank.
+        # Every rank's stderr carries the line, printed before "dumped" (on which the others, and a launcher, end).
         end = f" Ending the run (exit status {HANG_EXIT_CODE})." if abort else ""
         with contextlib.suppress(Exception):
             sys.stderr.write(rank_prefixed_message(f"{self.verdict.line}{end}", self.rank) + "\n")
@@ -573,18 +503,12 @@ class Watchdog:
         try:
             self._store.set(f"dumped/{self.rank}", "1")
             if abort:  # the store's host must outlive the others' dumps
-                deadline = started + self.settings.grace_s
-                live = [
-                    v.rank
-                    for v in self._views()
-                    if not v.gone and (v.beat is None or v.beat.phase not in (DONE, FAILED))
-                ]
-                while time.monotonic() < deadline and not self._store.check([f"dumped/{r}" for r in live]):
-                    time.sleep(0.1)
+                live = [f"dumped/{v.rank}" for v in self._views() if _running(v)]
+                self._wait_for(live, started + self.settings.grace_s)
         except Exception:  # noqa: BLE001 - the store's host ended first
             pass
         if abort:
-            # This rank's own child processes (loader workers; one may be the stuck one) would outlive it.
+            # Its own children (loader workers; one may be the stuck one) would outlive it.
             for child in multiprocessing.active_children():
                 with contextlib.suppress(Exception):
                     child.kill()
@@ -592,10 +516,8 @@ class Watchdog:
             os._exit(HANG_EXIT_CODE)
 
     def _let_the_parent_rank_exit_first(self) -> None:
-        """Wait (at most PARENT_EXIT_WAIT_S) for this process's parent to exit when the parent is a rank of this
-        job, as under Lightning's popen launcher (local rank 0 starts the others). Its process observer polls the
-        ranks it started and SIGKILLs itself and them when one has ended with an error: a child that exits first
-        may turn the job's exit status into -9 instead of HANG_EXIT_CODE."""
+        """Wait (at most PARENT_EXIT_WAIT_S) for a parent that is a rank of this job (Lightning's popen launcher) to
+        exit first: its process observer would SIGKILL the job on this child's exit, making its status -9."""
         parent = os.getppid()
         ranks = [beat for _, _, beat in self._seen.values() if beat.host == self._host]
         if not any(beat.pid == parent for beat in ranks):

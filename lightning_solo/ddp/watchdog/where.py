@@ -1,12 +1,5 @@
-"""What a rank's training thread is doing between the phases SoloDDP's hooks mark: the Lightning hook being
-called (``on_train_epoch_end``, a callback's ``on_validation_end``, ``on_train_end``...) or a loader fetching an
-epoch's first batch (its workers starting). The watchdog thread reads the training thread's Python stack
-(``sys._current_frames()``) at each heartbeat: nothing runs on the training thread.
-
-Example::
-
-    where(sys._current_frames()[training_thread_id])   # "on_train_epoch_end", "loader start" or None
-"""
+"""What a rank's training thread is doing between the phases SoloDDP's hooks mark: the Lightning hook being called or
+a loader fetching an epoch's first batch, read by the watchdog thread off the training thread's Python stack."""
 
 from __future__ import annotations
 
