@@ -27,9 +27,10 @@ PATCHED: dict[Any, tuple[str, ...]] = {
     _TrainingEpochLoop: ("_broadcast_sigterm_tensor", "on_advance_end", "reset"),  # one trainer's: SIGTERM, resume
     _EvaluationLoop: ("_evaluation_step",),
     _FitLoop: ("on_advance_end",),
-    LightningModule: ("log", "log_dict"),  # one module's, eager inside its compiled steps (compile=)
+    # one module's: eager log/log_dict inside its compiled steps (compile=); lr_scheduler_step held on a step the
+    # GradScaler skipped (skip_lr_on_overflow)
+    LightningModule: ("log", "log_dict", "lr_scheduler_step"),
     _SignalConnector: ("_sigterm_notifier_fn",),
-    LightningModule: ("lr_scheduler_step",),  # held on a step the GradScaler skipped (skip_lr_on_overflow)
     dist: (
         "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
