@@ -205,7 +205,7 @@ class _ListOnly(L.Callback):
 
 def test_what_crosses_is_state_dicts_and_decisions(caplog):
     """capture() in the worker, restore() in the parent, without the processes: a callback's public list comes
-    back only through its state_dict(), a callback's decisions through its public record()."""
+    back only through its state_dict(), a callback's decisions through its public decisions."""
 
     def trainer_with(callbacks):
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks, enable_progress_bar=False)
@@ -215,7 +215,7 @@ def test_what_crosses_is_state_dicts_and_decisions(caplog):
     worker = trainer_with([StepLog(), _ListOnly(), WarmupScaledLR(warmup_steps=0)])
     steps, plain, warmup = worker.callbacks[:3]
     steps.steps_seen, plain.filled = [1, 2, 3], [4, 5]
-    warmup.record(Decision("lr_scale", 2.0, "made in the worker"))
+    warmup.decisions["lr_scale"] = Decision("lr_scale", 2.0, "made in the worker")
     parent = trainer_with([StepLog(), _ListOnly(), WarmupScaledLR(warmup_steps=0)])
     caplog.clear()
     restore(parent, capture(worker))

@@ -179,7 +179,7 @@ class CompiledSteps:
             strategy.model,
         )
         if decision is not None:
-            strategy.record(decision)
+            strategy._decide(decision)
 
     def at_boundary(
         self, settled: bool, device: torch.device, planned_steps: Callable[[], Any], wrapper: Any = None

@@ -348,5 +348,4 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, by
                 rank_zero_warn(f"{name}.load_state_dict() failed in the parent after the fit ({err!r})")
         decisions = unpack(packed_decisions, f"{name}.decisions")
         if isinstance(callback, DecisionLog) and isinstance(decisions, dict):
-            for decision in decisions.values():
-                callback.record(decision)
+            callback.decisions.update(decisions)  # quietly: announced where they were made
