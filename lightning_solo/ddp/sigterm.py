@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
+from lightning_solo._compat.patch import Patches
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.select import checkpoint_dir
 from lightning_solo.core.checks import check_bool
@@ -35,24 +36,20 @@ _LOCAL_STOPS = (("fit_loop.epoch_loop", "on_advance_end", True), ("fit_loop", "o
 
 
 class SigtermAgreement:
-    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training,
-    :meth:`uninstall` at teardown.
+    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training.
+    ``group``: the gloo group the ranks agree on (``None``: one rank); ``checkpoint``: save ``on_sigterm.ckpt`` on
+    an agreed stop; ``patches``: the run's, which undo what this sets on the trainer and the loaders."""
 
-    Args:
-        group: the gloo group the ranks agree on; ``None``: one rank, nothing to agree.
-        checkpoint: save ``on_sigterm.ckpt`` on an agreed stop (see the module docstring).
-    """
-
-    def __init__(self, group: Any, checkpoint: bool = True) -> None:
+    def __init__(self, group: Any, patches: Patches, checkpoint: bool = True) -> None:
         self.group = group
         self.checkpoint = bool(checkpoint)
         self.noted = False
         self.checkpoint_path: str | None = None  # what the agreed stop saved
+        self.installed = False
         self._agreement = Agreement(group)
+        self._patches = patches
         self._stopping = False
         self._pid = os.getpid()
-        self._owners: list[tuple[Any, str]] = []
-        self._shielded: list[tuple[DataLoader, Any]] = []
 
     def install(self, trainer: Any) -> Decision:
         """Take over ``trainer``'s per-batch check, its SIGTERM notifier and its stops on one rank; before its
@@ -66,13 +63,12 @@ class SigtermAgreement:
             and all(hasattr(owner, name) for owner, name, _ in stops)
         ):
             return Decision("sigterm_check", "lightning", "this Lightning has no per-batch SIGTERM broadcast")
-        # Instance attributes: this trainer only, taken back by uninstall().
-        loop._broadcast_sigterm_tensor = self.check
-        connector._sigterm_notifier_fn = self.note
-        self._owners = [(loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")]
+        # Instance attributes: this trainer only, for this run.
+        self._patches.set(loop, "_broadcast_sigterm_tensor", self.check)
+        self._patches.set(connector, "_sigterm_notifier_fn", self.note)
         for owner, name, here in stops:
-            setattr(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
-            self._owners.append((owner, name))
+            self._patches.set(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
+        self.installed = True
         if self.group is None:
             return Decision(
                 "sigterm_check",
@@ -89,7 +85,7 @@ class SigtermAgreement:
 
     def checkpoint_decision(self) -> Decision:
         """Where an agreed stop saves, for the run summary (after :meth:`install`)."""
-        if not self._owners:
+        if not self.installed:
             return Decision("sigterm_checkpoint", False, "Lightning's own SIGTERM handling: no save")
         if not self.checkpoint:
             return Decision("sigterm_checkpoint", False, "sigterm_checkpoint=False: the stop saves nothing")
@@ -163,28 +159,15 @@ class SigtermAgreement:
         """Give ``dataloader``'s workers the signal handling of :func:`leave_signals_to_the_rank`, through its
         ``worker_init_fn``; its workers start with SIGTERM blocked (the thread that starts them blocks it
         meanwhile), so that no thread of theirs takes it before (a spawned worker has threads from its imports).
-        :meth:`uninstall` puts both back. Returns ``dataloader``."""
+        Both until the run's patches close. Returns ``dataloader``."""
         if (
             isinstance(dataloader, DataLoader)
             and dataloader.num_workers > 0
             and not isinstance(dataloader.worker_init_fn, _ShieldedWorkerInit)
         ):
-            self._shielded.append((dataloader, dataloader.worker_init_fn))
-            dataloader.worker_init_fn = _ShieldedWorkerInit(dataloader.worker_init_fn)
-            start = functools.partial(_start_blocked, dataloader._get_iterator)
-            dataloader._get_iterator = start  # type: ignore[method-assign]  # undone by uninstall()
+            self._patches.set(dataloader, "worker_init_fn", _ShieldedWorkerInit(dataloader.worker_init_fn))
+            self._patches.set(dataloader, "_get_iterator", functools.partial(_start_blocked, dataloader._get_iterator))
         return dataloader
-
-    def uninstall(self) -> None:
-        """Give the trainer Lightning's check, notifier and stops back (a later ``validate`` on it uses them), and
-        the loaders their own ``worker_init_fn``."""
-        for owner, name in self._owners:
-            vars(owner).pop(name, None)
-        self._owners = []
-        for dataloader, worker_init_fn in self._shielded:
-            dataloader.worker_init_fn = worker_init_fn
-            vars(dataloader).pop("_get_iterator", None)
-        self._shielded = []
 
     def close(self) -> None:
         """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
@@ -251,7 +234,9 @@ class SigtermSetting:
         self.checkpoint = check_bool("sigterm_checkpoint", checkpoint)
         self.agreement: SigtermAgreement | None = None
 
-    def install(self, trainer: Any, side_group: Callable[[], Any], decide: Callable[[Decision], Any]) -> None:
+    def install(
+        self, trainer: Any, side_group: Callable[[], Any], decide: Callable[[Decision], Any], patches: Patches
+    ) -> None:
         """A fit's setup, every rank alike, before Lightning registers its signal handlers: the agreement on the
         gloo group ``side_group()`` makes (asked for with several ranks only). Every decision goes to ``decide``."""
         if not self.enabled:
@@ -261,7 +246,7 @@ class SigtermSetting:
         if trainer.world_size > 1 and group is None:
             decide(Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast"))
             return
-        self.agreement = SigtermAgreement(group, checkpoint=self.checkpoint)
+        self.agreement = SigtermAgreement(group, patches, checkpoint=self.checkpoint)
         decide(self.agreement.install(trainer))
         decide(self.agreement.checkpoint_decision())
 
@@ -272,7 +257,5 @@ class SigtermSetting:
         if self.agreement is not None:
             self.agreement.close()
 
-    def uninstall(self) -> None:
-        if self.agreement is not None:
-            self.agreement.uninstall()
-            self.agreement = None
+    def teardown(self) -> None:
+        self.agreement = None  # the run's patches undo what it set
