@@ -272,7 +272,7 @@ def test_capture_outside_a_fit_is_empty_of_progress():
 
 def _training_state(trainer, module) -> dict:
     """The step, the GradScaler's scale and PowerSGD's iteration."""
-    scale, powersgd = trainer.precision_plugin.scaler.get_scale(), trainer.strategy._comm.state
+    scale, powersgd = trainer.precision_plugin.scaler.get_scale(), trainer.strategy.comm_hook.state
     return {"step": trainer.global_step, "scale": scale, "iter": powersgd.iter}
 
 

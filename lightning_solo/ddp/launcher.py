@@ -41,10 +41,8 @@ class _Carried(Protocol):
     which imports this module)."""
 
     comm_hook: Any
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    decisions: dict[str, Decision]
+    advice: list[str]
 
 
 _STATE_KEY = "lightning_solo_state"
@@ -173,10 +171,11 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         ]
         if fitting
         else [],
-        "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
-            name: pack(value, f"strategy.{name}")
-            for name, value in (trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}).items()
-        },
+        "strategy": {  # what the fit decided and advised
+            name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in ("decisions", "advice")
+        }
+        if isinstance(trainer.strategy, _Carried)
+        else {},
         "loggers": [
             {name: pack(getattr(logger, name, None), f"logger.{name}") for name in lightning_compat.LOGGER_ATTRIBUTES}
             for logger in trainer.loggers
@@ -271,8 +270,9 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     if state.get("optimizers"):
         _restore_optimizers(trainer, state["optimizers"], state["lr_schedulers"])
     if isinstance(trainer.strategy, _Carried):
-        results = {name: unpack(blob, f"strategy.{name}") for name, blob in state["strategy"].items()}
-        trainer.strategy.load_state_dict({k: v for k, v in results.items() if v is not LEFT_BEHIND})
+        for name, blob in state["strategy"].items():
+            if (value := unpack(blob, f"strategy.{name}")) is not LEFT_BEHIND:
+                setattr(trainer.strategy, name, value)
     for logger, packed in zip(trainer.loggers, state["loggers"]):
         for name, blob in packed.items():
             if (value := unpack(blob, f"{type(logger).__name__}.{name}")) is not LEFT_BEHIND:

@@ -125,6 +125,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._sigterm = SigtermSetting(sigterm_agreement, sigterm_checkpoint)
         self._uneven = UnevenData(uneven_data)
         self._syncbn = syncbn.LayerSyncChoice(sync_batchnorm, sync_batchnorm_threshold)
+        self.sync_batchnorm_threshold = self._syncbn.threshold  # below it per device, "auto" synchronises
         self._precision_options = precision_options
         self._exact_eval = bool(exact_eval)
         self._cpu_malloc_reuse = check_bool("cpu_malloc_reuse", cpu_malloc_reuse)
@@ -136,16 +137,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._keep(launcher, decide_exact_eval(self._exact_eval), unused.decision, self._watchdog.decision)
         self._keep(self._compile.decision, self._compiled_keys.decision(None))
 
-    # ----------------------------------------------------------------------------------------- public seams
     @property
     def side_group(self) -> Any:
         """A gloo group apart from DDP's; ``None`` before setup or without gloo."""
         return self._groups.side_group
-
-    @property
-    def sync_batchnorm_threshold(self) -> int:
-        """The per-device batch size below which ``sync_batchnorm="auto"`` synchronises."""
-        return self._syncbn.threshold
 
     def add_rewrap_listener(self, listener: Callable[[DistributedDataParallel], Any]) -> None:
         """Call ``listener(old)`` before a re-wrap drops DDP wrapper ``old``; held weakly, for this fit."""
@@ -155,14 +150,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def heartbeats(self) -> dict[int, Heartbeat]:
         """Each rank's latest heartbeat as this rank's watchdog read it; empty without one."""
         return self._watchdog.heartbeats()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last fit's ``decisions`` and ``advice``, for a notebook parent to take back."""
-        return {"decisions": dict(self.decisions), "advice": list(self.advice)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decisions.update(state.get("decisions", {}))
-        self.advice = list(state.get("advice", self.advice))
 
     def settings(self) -> dict[str, Any]:
         """The effective DDP settings, for the run summary."""
@@ -175,7 +162,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
             **self._ddp_kwargs,
         }
 
-    # ------------------------------------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
@@ -259,7 +245,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self.comm_hook.attach_averager(self._model_averager)  # type: ignore[arg-type]
         self._model_averager = None
 
-    # ---------------------------------------------------------------------------------------------- loaders
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
@@ -285,7 +270,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 hook(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
 
-    # ------------------------------------------------------------------------------------------------ steps
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -302,7 +286,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._unused.step_context(self._note_reentrant), self._hooks.around("step", self):
+        note_reentrant = functools.partial(self._decide, REENTRANT_CHECKPOINT)
+        with self._unused.step_context(note_reentrant), self._hooks.around("step", self):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -368,7 +353,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
                 return super().barrier(name, *args, **kwargs)
             comm.monitored_barrier(name, self._timeout, self._groups.barrier)
 
-    # ------------------------------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         with self._watchdog.phase(hb.CHECKPOINT_SAVE):
@@ -407,7 +391,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self.comm_hook.on_load_checkpoint(checkpoint, checkpoint_path)
         return checkpoint
 
-    # ---------------------------------------------------------------------------------------------- the end
     @override
     def on_train_end(self) -> None:
         # Not the end of the fit (a LearningRateFinder runs the fit loop and this hook first): see teardown.
@@ -442,7 +425,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._patches.close()
         cpu_malloc.restore()
 
-    # ---------------------------------------------------------------------------------------------- helpers
     def _end_fit(self) -> None:
         """The fit completed on every rank: the collectives in flight settle, the decisions and advice are final."""
         self._sigterm.close()
@@ -481,10 +463,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def _rebuild_hooks(self) -> None:
         self._hooks.rebuild([self.comm_hook, self._watchdog, self._compile, self._resume])
-
-    def _note_reentrant(self) -> None:
-        if "reentrant_checkpoint" not in self.decisions:
-            self._decide(REENTRANT_CHECKPOINT)
 
     def __getstate__(self) -> dict:
         # Weak references do not pickle; the listeners belong to the process that registered them.
