@@ -1,14 +1,5 @@
-"""SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process.
-
-Example::
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # in Jupyter: fork, SoloLauncher
-    trainer.fit(model, datamodule)
-    trainer.global_step, trainer.checkpoint_callback.best_model_score      # the workers' values
-    trainer.fit_loop.max_epochs += 2
-    trainer.fit(model, datamodule)                                          # two more epochs
-
-See docs/notebooks.md."""
+"""SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process, which
+can fit again. See docs/notebooks.md."""
 
 from __future__ import annotations
 
@@ -17,7 +8,7 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import lightning as L
 import torch
@@ -49,25 +40,21 @@ _STATE_KEY = "lightning_solo_state"
 
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 
 def in_notebook() -> bool:
     """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or ("IPython" in sys.modules and _ipython_active())
-
-
-def _ipython_active() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return get_ipython() is not None
+    ipython = sys.modules.get("IPython")
+    return (
+        hasattr(sys, "ps1")
+        or bool(sys.flags.interactive)
+        or getattr(ipython, "get_ipython", lambda: None)() is not None
+    )
 
 
 def decide_start_method(start_method: str) -> Decision:
     """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
-    check_choice("start_method", start_method, _START_METHODS)
+    check_choice("start_method", start_method, get_args(StartMethod))
     if start_method != "auto":
         return Decision("start_method", start_method, "set by the user")
     if in_notebook():
@@ -80,9 +67,7 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
-        # Lightning refuses a second fit on one Trainer because its parent kept none of the first fit's
-        # state; this parent keeps it (see the module docstring), so the second fit continues correctly.
-        self._already_fit = False
+        self._already_fit = False  # Lightning refuses a second fit: its parent kept no state; this one does
         if self._start_method == "fork" and torch.cuda.is_initialized():
             raise RuntimeError(
                 "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
@@ -105,9 +90,8 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
-        # Bytes (the queue's pickler would share tensors through memory that dies with this process), in a file:
-        # Lightning's parent joins the workers before it reads the queue, so a result larger than the pipe's
-        # buffer (64 KiB) would block rank 0 forever. Only the path goes through the queue, as for the weights.
+        # Bytes in a file (the queue's pickler would share tensors through memory that dies with this process, and a
+        # result over the pipe's 64 KiB would block rank 0: the parent joins before it reads); its path in the queue.
         state = pickle.dumps({**capture(trainer), "training_state": _training_state(trainer, self)})
         fd, path = tempfile.mkstemp(prefix="lightning_solo_state_", suffix=".pkl")
         with os.fdopen(fd, "wb") as file:
@@ -309,10 +293,8 @@ def _restore_optimizers(trainer: L.Trainer, optimizers: list[bytes | None], sche
                 owner.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - e.g. param groups a callback added during the fit (BackboneFinetuning)
         rank_zero_warn(f"the optimizers' state stays in the worker processes: it does not load here ({err!r})")
-        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = (
-            [],
-            [],
-        )  # none, rather than fresh ones
+        trainer.strategy.optimizers = []  # none, rather than fresh ones
+        trainer.strategy.lr_scheduler_configs = []
 
 
 def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix: str = "") -> None:

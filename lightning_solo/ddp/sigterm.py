@@ -1,7 +1,5 @@
 """SIGTERM noticed on any rank stops every rank at the same batch, with no collective on the training stream, and
-saves a checkpoint the run resumes from.
-
-See docs/sigterm.md."""
+saves a checkpoint the run resumes from. See docs/sigterm.md."""
 
 from __future__ import annotations
 
@@ -44,8 +42,6 @@ class SigtermAgreement:
         self.group = group
         self.checkpoint = bool(checkpoint)
         self.noted = False
-        self.checkpoint_path: str | None = None  # what the agreed stop saved
-        self.installed = False
         self._agreement = Agreement(group)
         self._patches = patches
         self._stopping = False
@@ -56,25 +52,14 @@ class SigtermAgreement:
         signal handlers are registered (``Strategy.setup`` is)."""
         self._trainer = trainer
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-        stops = [(functools.reduce(getattr, path.split("."), trainer), name, here) for path, name, here in _LOCAL_STOPS]
-        if not (
-            hasattr(loop, "_broadcast_sigterm_tensor")
-            and hasattr(connector, "_sigterm_notifier_fn")
-            and all(hasattr(owner, name) for owner, name, _ in stops)
-        ):
-            return Decision("sigterm_check", "lightning", "this Lightning has no per-batch SIGTERM broadcast")
         # Instance attributes: this trainer only, for this run.
         self._patches.set(loop, "_broadcast_sigterm_tensor", self.check)
         self._patches.set(connector, "_sigterm_notifier_fn", self.note)
-        for owner, name, here in stops:
+        for path, name, here in _LOCAL_STOPS:
+            owner = functools.reduce(getattr, path.split("."), trainer)
             self._patches.set(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
-        self.installed = True
         if self.group is None:
-            return Decision(
-                "sigterm_check",
-                "one rank",
-                "the rank stops after the batch the signal came in, with a checkpoint",
-            )
+            return Decision("sigterm_check", "one rank", "the rank stops after the batch the signal came in")
         return Decision(
             "sigterm_check",
             "any rank, asynchronous",
@@ -85,8 +70,6 @@ class SigtermAgreement:
 
     def checkpoint_decision(self) -> Decision:
         """Where an agreed stop saves, for the run summary (after :meth:`install`)."""
-        if not self.installed:
-            return Decision("sigterm_checkpoint", False, "Lightning's own SIGTERM handling: no save")
         if not self.checkpoint:
             return Decision("sigterm_checkpoint", False, "sigterm_checkpoint=False: the stop saves nothing")
         if (directory := checkpoint_dir(self._trainer)) is None:
@@ -134,7 +117,6 @@ class SigtermAgreement:
         except Exception:  # the stop goes on; the newest regular checkpoint remains
             log.exception("SIGTERM: saving %s failed", path)
             return
-        self.checkpoint_path = path
         rank_zero_info(f"SIGTERM: every rank stopped at global step {trainer.global_step}; saved {path}")
 
     def _deferred(self, method: Any, stop_here: bool) -> Any:
@@ -202,16 +184,9 @@ class _ShieldedWorkerInit:
 
 
 def leave_signals_to_the_rank(rank_pid: int) -> None:
-    """In a loader worker: a SIGTERM from the worker's rank ends it quietly, as torch's handler does; one from
-    anyone else (SLURM, ``kill`` of the process group) is left to the rank, which stops with the other ranks and
-    then ends its workers. SIGTERM is blocked in the worker's threads and taken by a thread of its own, which reads
-    the sender (a Python handler cannot). SLURM's requeue signals (USR1, USR2) reach every process too: a Python
-    handler the worker inherited from its rank (Lightning's saves a checkpoint, a collective) is the rank's, so
-    the worker ignores them.
-
-    Exact where the workers are forked from the rank (the default on Linux). A spawned or fork-server worker may
-    have threads of its own before this runs (its imports start some), and one of them may take a SIGTERM first,
-    with torch's handler; the rank's own SIGTERM ends the worker either way."""
+    """In a loader worker: a SIGTERM from the worker's rank ends it quietly; one from anyone else is left to the
+    rank, read by a thread of the worker's own (docs/sigterm.md, "Loader workers"). SLURM's requeue signals, whose
+    inherited handlers are the rank's, are ignored."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started after this inherit the mask
     for signum in (signal.SIGUSR1, signal.SIGUSR2):
         if callable(signal.getsignal(signum)):

@@ -97,7 +97,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
         comm_hooks = comm.make_comm_hook(
             comm_hook, ddp_kwargs, rewraps=unused.in_window, powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period, local_sgd_warmup=local_sgd_warmup,
+            powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period,
+            local_sgd_warmup=local_sgd_warmup,
         )  # fmt: skip
         precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow)
         if precision is not None and precision_plugin is not None:
@@ -112,8 +113,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
             precision_plugin = amp.pending_plugin(precision_options)
         super().__init__(
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=launcher.value, gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=unused.initial, **ddp_kwargs,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=launcher.value,
+            gradient_as_bucket_view=gradient_as_bucket_view, find_unused_parameters=unused.initial, **ddp_kwargs,
         )  # fmt: skip
         self.decisions: dict[str, Decision] = {}
         self.comm_hook = comm_hooks  # the gradient communication (``comm_hook=``)
@@ -286,8 +287,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        note_reentrant = functools.partial(self._decide, REENTRANT_CHECKPOINT)
-        with self._unused.step_context(note_reentrant), self._hooks.around("step", self):
+        with self._unused.step_context(lambda: self._keep(REENTRANT_CHECKPOINT)), self._hooks.around("step", self):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -378,8 +378,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if os.fspath(checkpoint_path) == "auto":  # rank 0 chooses, every rank checks it sees that file
-            if weights_only is None:
-                weights_only = getattr(self.checkpoint_io, "weights_only", True)
+            weights_only = getattr(self.checkpoint_io, "weights_only", True) if weights_only is None else weights_only
             checkpoint, checkpoint_path = load_auto_checkpoint(
                 self._module.trainer, self.global_rank, self.broadcast, self._decide, weights_only
             )
@@ -407,13 +406,9 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        trainer = self._attached_trainer
-        if (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING  # not after an exception (INTERRUPTED)
-        ):
-            self._end_fit()
+        state = getattr(self._attached_trainer, "state", None)
+        if state is not None and (state.fn, state.status) == (TrainerFn.FITTING, TrainerStatus.RUNNING):
+            self._end_fit()  # completed, not INTERRUPTED by an exception
         self._rewrap_listeners = []
         self._hooks = StepHooks()
         self._watchdog.teardown()
@@ -444,9 +439,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return self._groups.side(self._timeout)
 
     def _rewrap(self) -> None:
-        """Every rank at a batch boundary: the next DDP wrapper, built with no broadcast (the replicas are in step,
-        or deliberately apart under post-local-SGD) on the current stream, where the optimizer step may still run.
-        The old wrapper is read by the listeners and dropped first: its buckets are as big as the gradients."""
+        """Every rank at a batch boundary: the old wrapper read by the listeners and dropped (its buckets are as big
+        as the gradients), then the next built with no broadcast (the replicas are in step) on the current stream."""
         old = cast(DistributedDataParallel, self.model)
         for ref in self._rewrap_listeners:
             if (listener := ref()) is not None:
@@ -469,8 +463,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return {**super().__getstate__(), "_rewrap_listeners": []}
 
     @property
-    def _exact_allreduce(self) -> bool:
-        """No comm hook, ours or the user's: DDP's own all-reduce can carry the policy's probe and sentinel."""
+    def _exact_allreduce(self) -> bool:  # no comm hook: DDP's own all-reduce can carry the probe and sentinel
         return self.comm_hook.name is None and self._ddp_comm_hook is None
 
     @property
@@ -479,8 +472,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         return not self._unused.in_window and not self._hooks.by_moment["boundary"]
 
     @property
-    def _attached_trainer(self) -> pl.Trainer | None:
-        """The Trainer once the LightningModule is attached to one (Lightning's own tests run hooks without)."""
+    def _attached_trainer(self) -> pl.Trainer | None:  # Lightning's own tests run hooks without one
         return getattr(self.lightning_module, "_trainer", None)
 
     @property

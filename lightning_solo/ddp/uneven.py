@@ -1,14 +1,6 @@
 """Uneven data cannot hang: when the ranks' loaders of an ``IterableDataset`` run out at different batches, every rank
 ends its epoch (or evaluation) at the batch where the first rank runs out, agreed at each batch without a blocking
-collective.
-
-Example::
-
-    uneven = UnevenData("shortest")
-    decision = uneven.setup(world_size=2, group=gloo_group, patches=patches)  # each run, on every rank
-    loader = uneven.on_dataloader(loader, trainer)  # every loader the strategy processes, until patches close
-
-See docs/ranks.md."""
+collective. See docs/ranks.md."""
 
 from __future__ import annotations
 
@@ -46,8 +38,7 @@ class UnevenData:
         self._wrapped: list[DataLoader] = []
 
     def setup(self, world_size: int, group: Any, patches: Patches) -> Decision:
-        """This run's group (the gloo side group; ``None`` where there is none), the patches that undo what it
-        sets on the loaders at the run's end, and what the policy does."""
+        """This run's gloo group (``None``: none) and patches (undone at its end); returns what the policy does."""
         self._group = group if self.policy and world_size > 1 else None
         self._patches, self._wrapped = patches, []
         if not self.policy:
@@ -68,11 +59,8 @@ class UnevenData:
         )
 
     def on_dataloader(self, dataloader: Any, trainer: Any) -> Any:
-        """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
-        the policy runs) and its length the shortest rank's where the ranks' lengths differ and Lightning would
-        part them (see the module's docstring); any other as it is. Through its ``_get_iterator`` and its class
-        (:func:`_agree_length`), until the run's patches close. A batch limit (``limit_train_batches=7``, ...)
-        at or below every rank's length keeps the ranks together by itself."""
+        """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s), and its length the
+        shortest rank's where the ranks' lengths differ and Lightning would part them; any other as it is."""
         if self._group is None or not isinstance(dataloader, DataLoader):
             return dataloader
         training = trainer is not None and trainer.training
