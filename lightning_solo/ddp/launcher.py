@@ -118,19 +118,18 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        if _STATE_KEY in extra:
-            path = extra[_STATE_KEY]
-            try:
-                with open(path, "rb") as file:
-                    state = pickle.load(file)  # our own file, written by rank 0 just now: a structure of bytes
-            finally:
-                os.remove(path)
-            restore(trainer, state)
+        path = extra[_STATE_KEY]
+        try:
+            with open(path, "rb") as file:
+                state = pickle.load(file)  # our own file, written by rank 0 just now: a structure of bytes
+        finally:
+            os.remove(path)
+        restore(trainer, state)
 
 
 def capture(trainer: L.Trainer) -> dict[str, Any]:
-    """What rank 0 holds after the run that an in-process run would leave in the parent: state_dicts and
-    decisions, each packed on its own (plain CPU data, checked), so that one that cannot come back loses only itself."""
+    """What rank 0 holds after the run that an in-process run would leave in the parent, each value packed on its
+    own (plain CPU data), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
     return {
