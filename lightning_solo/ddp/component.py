@@ -29,10 +29,8 @@ class StepHooks:
         self.by_moment = by_moment
 
     def around(self, moment: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
-        """A context inside every context ``moment``'s callables return, the first outermost; none: no call made."""
+        """A context inside every context ``moment``'s callables return (at least one), the first outermost."""
         fns = self.by_moment[moment]
-        if not fns:
-            return contextlib.nullcontext()
         return fns[0](*args) if len(fns) == 1 else _all(fns, args)
 
 

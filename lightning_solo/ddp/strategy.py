@@ -6,6 +6,7 @@ moments go through :mod:`lightning_solo.ddp.component`, so a feature that is off
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -287,7 +288,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._unused.step_context(lambda: self._keep(REENTRANT_CHECKPOINT)), self._hooks.around("step", self):
+        with self._unused.step_context(lambda: self._keep(REENTRANT_CHECKPOINT)), self._around("step", self):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -297,7 +298,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._module)
         self._unused.before_backward(self._wrapped)
-        with self._unused.backward_context(), self._hooks.around("backward"):
+        with self._unused.backward_context(), self._around("backward"):
             self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         self._unused.after_backward(self._wrapped)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
@@ -306,7 +307,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with self._hooks.around("optimizer_step"):  # the closure runs training_step
+        with self._around("optimizer_step"):  # the closure runs training_step
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         for hook in self._hooks.by_moment["after_step"]:
             hook(self, optimizer)
@@ -319,19 +320,19 @@ class SoloDDP(DecisionLog, DDPStrategy):
             self._unused.note_backward_collective("all_gather(sync_grads=True)")
             if self._unused.on_fast_path:
                 return all_gather_grad_on(tensor, group, self._side_channel())
-        with self._hooks.around("collective", "all_gather"):
+        with self._around("collective", "all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if self._exact_eval:  # the integer sample counts behind sync_dist epoch means average in float
             tensor = mean_operand(tensor, reduce_op, caller=sys._getframe(1))
-        with self._hooks.around("collective", "reduce"):
+        with self._around("collective", "reduce"):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._hooks.around("collective", "broadcast"):
+        with self._around("collective", "broadcast"):
             return super().broadcast(obj, src)
 
     @override
@@ -348,7 +349,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # A monitored barrier names the ranks that never arrived instead of hanging until the timeout.
-        with self._hooks.around("collective", f"barrier {name!r}" if name else "barrier"):
+        with self._around("collective", f"barrier {name!r}" if name else "barrier"):
             if self._groups.barrier is None or not torch.distributed.is_initialized():
                 return super().barrier(name, *args, **kwargs)
             comm.monitored_barrier(name, self._timeout, self._groups.barrier)
@@ -454,6 +455,10 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self.model = self._unused.rebuild(module, build, self._side_channel(), exact_allreduce=self._exact_allreduce)
         self._register_ddp_hooks()
         self._rebuild_hooks()  # comm_hook="auto" takes no part once decided
+
+    def _around(self, moment: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+        """The contexts of the features taking part in ``moment``; none: no call into them."""
+        return self._hooks.around(moment, *args) if self._hooks.by_moment[moment] else contextlib.nullcontext()
 
     def _rebuild_hooks(self) -> None:
         self._hooks.rebuild([self.comm_hook, self._watchdog, self._compile, self._resume])
