@@ -23,6 +23,11 @@ finally:
     if _collecting:
         gc.enable()
 
-SoloDDP.register_strategies(StrategyRegistry)
+for _name, _start_method, _description in (
+    ("solo_ddp", "auto", "SoloDDP: DDP with sound multi-device defaults"),
+    ("solo_ddp_notebook", "fork", "SoloDDP with the fork launcher, for Jupyter/IPython"),
+):
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, SoloDDP, description=_description, start_method=_start_method)
 
 __all__ = ["Decision", "SoloCheckpointIO", "SoloDDP", "SoloFSDP", "__version__", "resolve_ckpt_path"]

@@ -170,17 +170,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
             return super()._configure_launcher()
         self._launcher = SoloLauncher(self, start_method=self._start_method)  # the parent gets the fit's state back
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry) -> None:
-        # Only our own names: the inherited method would re-register "ddp" and raise.
-        for name, start_method, description in (
-            ("solo_ddp", "auto", "SoloDDP: DDP with sound multi-device defaults"),
-            ("solo_ddp_notebook", "fork", "SoloDDP with the fork launcher, for Jupyter/IPython"),
-        ):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
-
     @override
     def setup_environment(self) -> None:
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
