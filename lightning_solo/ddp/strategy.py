@@ -398,7 +398,14 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def teardown(self) -> None:
         state = getattr(self._attached_trainer, "state", None)
         if state is not None and (state.fn, state.status) == (TrainerFn.FITTING, TrainerStatus.RUNNING):
-            self._end_fit()  # completed, not INTERRUPTED by an exception
+            # A completed fit (not INTERRUPTED), every rank here: the collectives in flight settle, results final.
+            self._sigterm.close()
+            self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
+            self._unused.finish(self._wrapped)
+            self._keep(self._unused.decision, self._compile.finish(), self._compile.fallback)
+            if isinstance(self.model, DistributedDataParallel):
+                self.advice = ddp_advice(self.model, self._unused)
+                rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
         self._rewrap_listeners = []
         self._hooks = StepHooks()
         self._watchdog.teardown()
@@ -409,16 +416,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
             super().teardown()  # unwraps DDP, reverts SyncBN with the plugin setup chose
         self._patches.close()
         cpu_malloc.restore()
-
-    def _end_fit(self) -> None:
-        """The fit completed on every rank: the collectives in flight settle, the decisions and advice are final."""
-        self._sigterm.close()
-        self._watchdog.stop()  # "done" at once: no peer takes this rank's exit for a death
-        self._unused.finish(self._wrapped)
-        self._keep(self._unused.decision, self._compile.finish(), self._compile.fallback)
-        if isinstance(self.model, DistributedDataParallel):
-            self.advice = ddp_advice(self.model, self._unused)
-            rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
 
     def _keep(self, *decisions: Decision | None) -> None:
         for decision in decisions:
