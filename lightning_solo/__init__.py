@@ -7,10 +7,8 @@ well as ``Trainer(strategy=SoloDDP())``.
 
 import gc
 
-# Importing Lightning (torch, torchmetrics, torchvision) makes about a million objects and none of them is garbage,
-# yet the cyclic collector walks them again and again while they load. Paused for these imports, a process starts
-# with 12 % less CPU, ~1 s here (benchmarks/bench_startup.py); every rank is such a process. The caller's setting
-# comes back.
+# The cyclic collector paused while Lightning loads (a million objects, no garbage): 12 % less CPU per process start
+# (benchmarks/bench_startup.py). The caller's setting comes back.
 _collecting = gc.isenabled()
 gc.disable()
 try:
@@ -19,25 +17,17 @@ try:
     from lightning_solo._version import __version__
     from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
     from lightning_solo.core.decision import Decision
-    from lightning_solo.ddp.comm.hooks import CommHook
-    from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
     from lightning_solo.ddp.strategy import SoloDDP
-    from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
     from lightning_solo.fsdp.strategy import SoloFSDP
 finally:
     if _collecting:
         gc.enable()
 
-SoloDDP.register_strategies(StrategyRegistry)
+for _name, _start_method, _description in (
+    ("solo_ddp", "auto", "SoloDDP: DDP with sound multi-device defaults"),
+    ("solo_ddp_notebook", "fork", "SoloDDP with the fork launcher, for Jupyter/IPython"),
+):
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, SoloDDP, description=_description, start_method=_start_method)
 
-__all__ = [
-    "CommHook",
-    "Decision",
-    "SoloCheckpointIO",
-    "SoloDDP",
-    "SoloFSDP",
-    "SoloMixedPrecision",
-    "SoloSyncBatchNorm",
-    "__version__",
-    "resolve_ckpt_path",
-]
+__all__ = ["Decision", "SoloCheckpointIO", "SoloDDP", "SoloFSDP", "__version__", "resolve_ckpt_path"]

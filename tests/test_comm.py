@@ -229,7 +229,7 @@ def _recorder(out: Path) -> RankRecorder:
         on_fit_end={
             "decisions": "decisions",
             "final": "params",
-            "hook_state": lambda trainer, module: trainer.strategy._comm.state_dict(),
+            "hook_state": lambda trainer, module: trainer.strategy.comm_hook.state_dict(),
         },
         suffix=".pt",
     )
@@ -453,4 +453,4 @@ def test_hydra_parallelism_group_reaches_the_hook(tmp_path):
     overrides = ["++parallelism.strategy.comm_hook=powersgd", "++parallelism.strategy.powersgd_rank=4"]
     with composed(overrides, tmp_path) as cfg:
         strategy = hydra.utils.instantiate(cfg.parallelism.strategy)
-    assert (strategy._comm.name, strategy._comm.powersgd_rank) == ("powersgd", 4)
+    assert (strategy.comm_hook.name, strategy.comm_hook.powersgd_rank) == ("powersgd", 4)

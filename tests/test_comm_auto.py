@@ -116,7 +116,7 @@ class HooksSeen(L.Callback):
             self.path,
             trainer.global_rank,
             {"seen": self.seen, "value": decision.value, "reason": decision.reason,
-             "measured": strategy._comm.measured_ms, "doctor": self.doctor.report},
+             "measured": strategy.comm_hook.measured_ms, "doctor": self.doctor.report},
         )  # fmt: skip
 
 
@@ -178,7 +178,7 @@ def _fit_auto(out, max_steps, ckpt_path=None, every=None):
             on_train_batch_end={"params": "params", "hook": _ddp_hook, "step": "global_step"},
             on_fit_end={
                 "decisions": "decisions",
-                "measured": lambda trainer, module: trainer.strategy._comm.measured_ms,
+                "measured": lambda trainer, module: trainer.strategy.comm_hook.measured_ms,
             },
             suffix=".pt",
         )

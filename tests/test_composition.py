@@ -62,8 +62,5 @@ def test_every_fit_reads_the_trainers_sync_batchnorm_request_and_teardown_hands_
 def test_the_public_seams():
     strategy = SoloDDP(comm_hook="fp16", sync_batchnorm_threshold=8)
     assert strategy.comm_hook.name == "fp16" and strategy.sync_batchnorm_threshold == 8
-    assert strategy.side_group is None and strategy.barrier_group is None  # made by the first setup
-    strategy.record(decision := strategy.decisions["start_method"])
-    other = SoloDDP()
-    other.load_state_dict(strategy.state_dict())
-    assert other.decisions["start_method"] is decision and other.advice == []
+    assert strategy.side_group is None  # made by the first setup
+    assert strategy.decisions["start_method"].value in ("popen", "fork") and strategy.advice == []

@@ -48,7 +48,7 @@ def test_set_timeout_with_mocked_init_process_group():
     assert kwargs["rank"] == strategy.cluster_environment.global_rank()
     assert kwargs["world_size"] == strategy.cluster_environment.world_size()
     # Nothing that needs a live group was made; it is made by the first setup that has one.
-    assert strategy.barrier_group is None and not strategy._groups.made
+    assert strategy.side_group is None and not strategy._groups.made
     assert "barrier" not in strategy.decisions
     assert strategy.decisions["precision"].value == "32-true"
 

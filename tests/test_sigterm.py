@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_solo._compat.patch import Patches
 from lightning_solo.checkpoint import read_manifest, verify
 from lightning_solo.ddp.sigterm import SigtermAgreement
 from tests.helpers import REPO
@@ -123,7 +124,8 @@ class _Slow(Dataset):
 def test_loader_workers_leave_a_sigterm_from_outside_to_their_rank():
     # torch's worker handler dies of any SIGTERM but its rank's, which fails the rank ("DataLoader worker (pid ...)
     # is killed by signal: Terminated"). Shielded, the workers read on; the rank still ends them (quietly).
-    agreement = SigtermAgreement(None)
+    patches = Patches()
+    agreement = SigtermAgreement(None, patches)
     loader = agreement.shield_workers(DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
     batches = iter(loader)
     for worker in batches._workers:  # at once, from outside the job's processes, as SLURM's
@@ -138,5 +140,5 @@ def test_loader_workers_leave_a_sigterm_from_outside_to_their_rank():
         worker.join(10)
     assert [worker.exitcode for worker in batches._workers] == [0, 0]
     del batches
-    agreement.uninstall()
+    patches.close()
     assert loader.worker_init_fn is None and "_get_iterator" not in vars(loader)

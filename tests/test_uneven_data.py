@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_solo import SoloDDP
+from lightning_solo._compat.patch import Patches
 from lightning_solo.ddp.agreed_end import AgreedEnd
 from lightning_solo.ddp.uneven import _agree_length, check_policy
 
@@ -244,12 +245,12 @@ def test_an_agreed_length_is_the_loaders_own_again_after_the_run():
         """A user's subclass."""
 
     loader = Loader(list(range(40)), batch_size=4)
-    _agree_length(loader, 7)
-    assert len(loader) == 7 and isinstance(loader, Loader) and type(loader).__name__ == "Loader"
-    assert len(list(loader)) == 10, "the iterator is the loader's own: Lightning stops it at the agreed length"
-    _agree_length(loader, 5)  # a later setup agrees again
-    assert len(loader) == 5 and type(loader).__base__ is Loader
-    _agree_length(loader, None)
+    with Patches() as patches:
+        _agree_length(loader, 7, patches)
+        assert len(loader) == 7 and isinstance(loader, Loader) and type(loader).__name__ == "Loader"
+        assert len(list(loader)) == 10, "the iterator is the loader's own: Lightning stops it at the agreed length"
+        _agree_length(loader, 5, patches)  # agreed again
+        assert len(loader) == 5 and type(loader).__base__ is Loader
     assert type(loader) is Loader and len(loader) == 10 and "_solo_agreed_len" not in vars(loader)
 
 

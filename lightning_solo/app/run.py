@@ -142,7 +142,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if isinstance(trainer.strategy, DecisionLog):
         for decision in (restart, _run_dir_decision):
             if decision is not None:
-                trainer.strategy.record(decision)
+                trainer.strategy.decisions[decision.setting] = decision
     ckpt_path = (
         "auto"
         if resume == "auto" and isinstance(trainer.strategy, SoloDDP)

@@ -1,9 +1,5 @@
-"""The record of a choice lightning_solo made on the user's behalf.
-
-Every automatic choice (unused parameters, SyncBN, precision, lr scale, comm hook, ...) is made in one
-function that returns a :class:`Decision`; the strategy and callbacks keep them, and the run summary
-prints them. Nothing is decided silently, nothing twice.
-"""
+"""The record of a choice lightning_solo made on the user's behalf: each automatic choice is one function
+returning a :class:`Decision`; the strategy and callbacks keep them, and the run summary prints them."""
 
 from __future__ import annotations
 
@@ -27,17 +23,11 @@ class Decision:
 
 
 class DecisionLog:
-    """Mixin for the objects that choose on the user's behalf (strategy, precision plugin, callbacks):
-    ``self.decisions`` maps each setting to its latest :class:`Decision`; the run summary reads it."""
+    """Mixin for the objects that choose on the user's behalf: ``decisions`` maps each setting to its latest
+    :class:`Decision` (a choice made elsewhere, e.g. in a notebook's workers, goes into it directly)."""
 
     decisions: dict[str, Decision]
 
     def _decide(self, decision: Decision) -> Decision:
-        self.decisions[decision.setting] = decision
-        return decision
-
-    def record(self, decision: Decision) -> Decision:
-        """Keep ``decision``, made on this owner's behalf elsewhere (the runner's restart resume, a notebook's
-        forked fit), for the run summary; quietly, where an owner's ``_decide`` also announces its own choices."""
         self.decisions[decision.setting] = decision
         return decision

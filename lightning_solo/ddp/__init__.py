@@ -1,1 +1,2 @@
-"""SoloDDP and its components: the unused-parameter policy, gradient communication, SyncBN, precision, exact resume, evaluation, SIGTERM agreement, uneven data, launchers."""
+"""SoloDDP and its components: unused parameters, gradient communication, SyncBN, precision, exact resume,
+evaluation, SIGTERM agreement, uneven data, launchers."""

@@ -1,12 +1,5 @@
-"""End-of-fit advice from DDP's own logging data: unused parameters, ``static_graph``, comm hook, buckets.
-
-Example::
-
-    ddp = trainer.strategy.model                 # while fitting, e.g. in on_train_end
-    for line in ddp_advice(ddp):
-        print("-", line)
-
-See docs/diagnostics.md."""
+"""End-of-fit advice from DDP's own logging data (unused parameters, ``static_graph``, comm hook, buckets), and
+the words added to DDP's reducer errors. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

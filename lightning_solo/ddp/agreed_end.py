@@ -1,12 +1,5 @@
 """Every rank's iterator ends at the same item, the first rank's end, agreed at each item without a blocking
-collective: the mechanism of :mod:`lightning_solo.ddp.uneven`.
-
-Example::
-
-    for batch in AgreedEnd(iter(loader), gloo_group):   # on every rank: the same number of batches
-        ...
-
-See docs/ranks.md."""
+collective: the mechanism of :mod:`lightning_solo.ddp.uneven` (docs/ranks.md)."""
 
 from __future__ import annotations
 
@@ -24,13 +17,8 @@ AHEAD = 1
 
 
 class AgreedEnd(Iterator):
-    """An iterator that ends where the first rank's ``iterator`` ends, on every rank at the same item (see the
-    module docstring); every rank must call ``next`` at the same points, as Lightning's loops do.
-
-    Args:
-        iterator: this rank's iterator (a ``DataLoader``'s).
-        group: the gloo group of every rank.
-    """
+    """This rank's ``iterator`` (a ``DataLoader``'s), ending where the first rank's ends, agreed on the gloo
+    ``group``; every rank calls ``next`` at the same points, as Lightning's loops do."""
 
     def __init__(self, iterator: Any, group: Any) -> None:
         self.iterator = iterator
@@ -63,8 +51,6 @@ class AgreedEnd(Iterator):
             self._agreement.settle_value()  # this item's, which every rank started here
             self._ended = True
             raise StopIteration
-        if not self._ahead:  # the agreement knows every rank's end one item before: never here
-            raise RuntimeError(f"uneven data: this rank's loader ended at item {self._given} unannounced")
         self._given += 1
         return self._ahead.popleft()
 

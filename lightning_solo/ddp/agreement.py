@@ -1,18 +1,5 @@
-"""Any rank flagged, all stop: the one agreement behind the stops a signal asks for on some ranks only (SIGTERM in
-:mod:`lightning_solo.ddp.sigterm`, SLURM's requeue signal in :mod:`lightning_solo.callbacks.requeue`), and behind the
-end of uneven data (:mod:`lightning_solo.ddp.uneven`: the first end any rank's loader knows, a MIN of numbers).
-
-Example::
-
-    agreement = Agreement(group)        # a gloo group of every rank; None: one rank, nothing to agree
-    if agreement.check(flagged):        # at each batch, on every rank alike
-        ...                             # every rank is here, at the same batch: stop together
-    agreement.settle()                  # where every rank ends normally: the check still in flight
-
-    ends = Agreement(group, op=dist.ReduceOp.MIN)
-    agreed = ends.exchange(known_end)   # a number; the previous check's MIN over the ranks (None: no check before)
-
-See docs/sigterm.md."""
+"""Any rank flagged, all stop: an asynchronous all-reduce on a gloo group, read one check later, behind the SIGTERM
+agreement, SLURM's requeue and the end of uneven data (MIN of a number). See docs/sigterm.md."""
 
 from __future__ import annotations
 
@@ -23,12 +10,8 @@ import torch.distributed as dist
 
 
 class Agreement:
-    """Whether any rank raised its flag, agreed asynchronously one check later (see the module docstring).
-
-    Args:
-        group: the gloo group of every rank the checks run on; ``None``: one rank, whose own flag is the answer.
-        op: the reduction; MAX (a flag: any rank), MIN for :meth:`exchange` of a number every rank bounds.
-    """
+    """Whether any rank raised its flag, agreed one check later, on ``group`` (``None``: one rank, whose own flag is
+    the answer); ``op``: MAX for a flag, MIN for :meth:`exchange` of a number every rank bounds."""
 
     def __init__(self, group: Any, op: Any = dist.ReduceOp.MAX) -> None:
         self.group = group

@@ -1,4 +1,4 @@
-"""What may cross from a worker process back to the notebook parent: plain CPU data, and the guard on it.
+"""What may cross from a worker process back to the notebook parent: plain CPU data.
 
 See docs/notebooks.md."""
 
@@ -25,30 +25,14 @@ class NotPlain(TypeError):
 #: What :func:`unpack` returns for a value that did not come back.
 LEFT_BEHIND = object()
 
-_ATOMS = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    Enum,
-    PurePath,
-    range,
-    slice,
-    torch.dtype,
-    torch.device,
-)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, PurePath, range, slice, torch.dtype, torch.device)
 
 
 def pack(value: Any, what: str) -> bytes | None:
-    """``value`` as plain CPU data (:func:`plain`), checked (:func:`check_plain`) and pickled; ``None`` (logged)
-    when it is not data or does not pickle (a class defined inside a function, say)."""
+    """``value`` as plain CPU data (:func:`plain`), pickled; ``None`` (logged) when it is not data or does not
+    pickle (a class defined inside a function, say)."""
     try:
-        copied = plain(value)
-        check_plain(copied, what)
-        return pickle.dumps(copied)
+        return pickle.dumps(plain(value))
     except Exception as err:  # noqa: BLE001 - anything that is not plain data stays behind
         log.debug("not sent back to the parent: %s (%s)", what, err)
         return None
@@ -59,8 +43,7 @@ def unpack(blob: bytes | None, what: str) -> Any:
     if blob is None:
         return LEFT_BEHIND
     try:
-        # Our own worker's bytes, checked by pack() to hold plain CPU data only.
-        return pickle.loads(blob)
+        return pickle.loads(blob)  # our own worker's bytes, plain CPU data only (pack)
     except Exception as err:  # noqa: BLE001 - one value lost, not the whole result
         rank_zero_warn(f"could not bring {what} back from the worker process: {err!r}")
         return LEFT_BEHIND
@@ -69,25 +52,6 @@ def unpack(blob: bytes | None, what: str) -> Any:
 def is_plain_tensor(value: torch.Tensor) -> bool:
     """A plain ``torch.Tensor`` (no subclass) whose data is on the CPU."""
     return type(value) is torch.Tensor and value.device.type == "cpu" and not value.is_cuda
-
-
-def check_plain(value: Any, what: str = "value", depth: int = 0) -> None:
-    """The guard: raise :class:`NotPlain` naming where ``value`` holds a tensor that is not a plain CPU tensor."""
-    if depth > 32:
-        raise NotPlain(f"{what}: nested too deeply")
-    if isinstance(value, torch.Tensor):
-        if not is_plain_tensor(value):
-            raise NotPlain(f"{what}: a {type(value).__name__} on {value.device} is not a plain CPU tensor")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_plain(key, f"{what} key", depth + 1)
-            check_plain(item, f"{what}[{key!r}]", depth + 1)
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{what}[{i}]", depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            check_plain(getattr(value, field.name), f"{what}.{field.name}", depth + 1)
 
 
 def plain(value: Any, depth: int = 0) -> Any:

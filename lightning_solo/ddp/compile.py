@@ -138,7 +138,7 @@ class CompiledSteps:
         """At every batch start, on every rank alike: "auto"'s trial starts once no re-wrap is pending
         (``strategy.settled``) and the DDP wrapper's buckets are ordered, and decides at its end."""
         if (fallback := self._check_fallback()) is not None:
-            strategy.record(fallback)
+            strategy._decide(fallback)
         if self._state == _WAITING and strategy.settled and not self._orders_buckets(strategy.model):
             left, trial = _planned(strategy) - self._steps, len(self._trial.schedule)
             if left < trial:  # every rank alike: the same steps done and planned
@@ -148,13 +148,13 @@ class CompiledSteps:
                     "to measure or pay back a compile -> eager",
                 )  # fmt: skip
                 self._restore(uncompile=True)
-                strategy.record(self.decision)
+                strategy._decide(self.decision)
                 return
             self._state = _TRIAL
             if not lightning_compat.compiled_by_user(self._module):
                 self._compile(self._module)
         if self._state == _TRIAL and self._trial.batch_start(strategy.root_device) and self._trial.done:
-            strategy.record(self._decide(strategy))
+            strategy._decide(self._decide(strategy))
 
     @contextlib.contextmanager
     def step_context(self, wrapper: Any = None) -> Iterator[None]:

@@ -1,14 +1,5 @@
-"""Compiled submodules' checkpoint keys. A compiled submodule (``self.net = torch.compile(Net())``) is torch's
-``OptimizedModule`` holding the net as ``_orig_mod``, so its weights are ``net._orig_mod.weight``, where the eager
-module has ``net.weight``.
-
-Example::
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())
-    trainer.fit(model)              # model.net = torch.compile(Net()): "net._orig_mod.weight", as stock
-    eager_trainer.fit(eager_model, ckpt_path="last.ckpt")     # loads into the eager module ("net.weight")
-    SoloDDP(strip_compiled_prefix=True)                       # saves "net.weight"
-
+"""Compiled submodules' checkpoint keys: ``torch.compile(Net())`` holds the net as ``_orig_mod``
+(``net._orig_mod.weight`` where the eager module has ``net.weight``); a checkpoint loads with either spelling.
 See docs/compile.md."""
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ _CHILD = torch_compat.COMPILED_CHILD
 
 
 class CompiledKeys:
-    """The ``strip_compiled_prefix=`` component of :class:`~lightning_solo.SoloDDP` (see the module docstring)."""
+    """SoloDDP's ``strip_compiled_prefix=``: save the eager module's keys."""
 
     def __init__(self, strip: bool = False) -> None:
         self.strip = check_bool("strip_compiled_prefix", strip)

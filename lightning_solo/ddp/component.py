@@ -1,23 +1,6 @@
-"""The moments of a training step at which SoloDDP calls its features, and the lists it calls.
-
-A feature takes part in a moment by returning it from ``step_hooks()``, as a mapping ``{moment: callable}``;
-SoloDDP calls, at each moment, the callables of the features taking part, in the order it lists the features. A feature that is off (``watchdog=False``, ``compile=False``, ``comm_hook=None`` ...),
-or that is done (``comm_hook="auto"`` once decided), returns nothing and costs no call. The unused-parameter
-policy, always on, is called by the strategy itself.
-
-=================  ===================================================  ============================================
-moment             when                                                 callable
-=================  ===================================================  ============================================
-``batch``          a training batch arrives (``batch_to_device``)       ``fn(trainer)``
-``boundary``       a training batch starts                              ``fn(strategy) -> bool`` (True: re-wrap DDP)
-``batch_start``    then, after any re-wrap                              ``fn(strategy)``
-``step``           around ``training_step``                             ``fn(strategy)`` -> a context manager
-``backward``       around the backward                                  ``fn()`` -> a context manager
-``optimizer_step`` around the optimizer step (its closure: the above)   ``fn()`` -> a context manager
-``after_step``     after the optimizer step                             ``fn(strategy, optimizer)``
-``collective``     around the strategy's collectives                    ``fn(name)`` -> a context manager
-=================  ===================================================  ============================================
-"""
+"""The moments of a training step at which SoloDDP calls its features: a feature takes part by returning
+``{moment: callable}`` from ``step_hooks()``; one that is off or done returns nothing and costs no call
+(docs/soloddp.md, "Per-step moments")."""
 
 from __future__ import annotations
 
@@ -25,16 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-MOMENTS = (
-    "batch",
-    "boundary",
-    "batch_start",
-    "step",
-    "backward",
-    "optimizer_step",
-    "after_step",
-    "collective",
-)
+MOMENTS = ("batch", "boundary", "batch_start", "step", "backward", "optimizer_step", "after_step", "collective")
 
 
 class Component(Protocol):

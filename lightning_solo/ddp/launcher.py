@@ -1,14 +1,5 @@
-"""SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process.
-
-Example::
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP())   # in Jupyter: fork, SoloLauncher
-    trainer.fit(model, datamodule)
-    trainer.global_step, trainer.checkpoint_callback.best_model_score      # the workers' values
-    trainer.fit_loop.max_epochs += 2
-    trainer.fit(model, datamodule)                                          # two more epochs
-
-See docs/notebooks.md."""
+"""SoloLauncher: Lightning's fork/spawn launcher, with the fit's state brought back to the parent process, which
+can fit again. See docs/notebooks.md."""
 
 from __future__ import annotations
 
@@ -17,7 +8,7 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import lightning as L
 import torch
@@ -41,35 +32,29 @@ class _Carried(Protocol):
     which imports this module)."""
 
     comm_hook: Any
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    decisions: dict[str, Decision]
+    advice: list[str]
 
 
 _STATE_KEY = "lightning_solo_state"
 
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 
 def in_notebook() -> bool:
     """True inside IPython/Jupyter (or ``python -i``), where only a fork launcher can work."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or ("IPython" in sys.modules and _ipython_active())
-
-
-def _ipython_active() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return get_ipython() is not None
+    ipython = sys.modules.get("IPython")
+    return (
+        hasattr(sys, "ps1")
+        or bool(sys.flags.interactive)
+        or getattr(ipython, "get_ipython", lambda: None)() is not None
+    )
 
 
 def decide_start_method(start_method: str) -> Decision:
     """``"auto"`` means fork inside a notebook (spawn and popen cannot work there) and popen elsewhere."""
-    check_choice("start_method", start_method, _START_METHODS)
+    check_choice("start_method", start_method, get_args(StartMethod))
     if start_method != "auto":
         return Decision("start_method", start_method, "set by the user")
     if in_notebook():
@@ -82,9 +67,7 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
-        # Lightning refuses a second fit on one Trainer because its parent kept none of the first fit's
-        # state; this parent keeps it (see the module docstring), so the second fit continues correctly.
-        self._already_fit = False
+        self._already_fit = False  # Lightning refuses a second fit: its parent kept no state; this one does
         if self._start_method == "fork" and torch.cuda.is_initialized():
             raise RuntimeError(
                 "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
@@ -107,9 +90,8 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
-        # Bytes (the queue's pickler would share tensors through memory that dies with this process), in a file:
-        # Lightning's parent joins the workers before it reads the queue, so a result larger than the pipe's
-        # buffer (64 KiB) would block rank 0 forever. Only the path goes through the queue, as for the weights.
+        # Bytes in a file (the queue's pickler would share tensors through memory that dies with this process, and a
+        # result over the pipe's 64 KiB would block rank 0: the parent joins before it reads); its path in the queue.
         state = pickle.dumps({**capture(trainer), "training_state": _training_state(trainer, self)})
         fd, path = tempfile.mkstemp(prefix="lightning_solo_state_", suffix=".pkl")
         with os.fdopen(fd, "wb") as file:
@@ -136,19 +118,18 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        if _STATE_KEY in extra:
-            path = extra[_STATE_KEY]
-            try:
-                with open(path, "rb") as file:
-                    state = pickle.load(file)  # our own file, written by rank 0 just now: a structure of bytes
-            finally:
-                os.remove(path)
-            restore(trainer, state)
+        path = extra[_STATE_KEY]
+        try:
+            with open(path, "rb") as file:
+                state = pickle.load(file)  # our own file, written by rank 0 just now: a structure of bytes
+        finally:
+            os.remove(path)
+        restore(trainer, state)
 
 
 def capture(trainer: L.Trainer) -> dict[str, Any]:
-    """What rank 0 holds after the run that an in-process run would leave in the parent: state_dicts and
-    decisions, each packed on its own (plain CPU data, checked), so that one that cannot come back loses only itself."""
+    """What rank 0 holds after the run that an in-process run would leave in the parent, each value packed on its
+    own (plain CPU data), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
     return {
@@ -173,10 +154,11 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
         ]
         if fitting
         else [],
-        "strategy": {  # what the fit decided and advised (SoloDDP's state_dict)
-            name: pack(value, f"strategy.{name}")
-            for name, value in (trainer.strategy.state_dict() if isinstance(trainer.strategy, _Carried) else {}).items()
-        },
+        "strategy": {  # what the fit decided and advised
+            name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in ("decisions", "advice")
+        }
+        if isinstance(trainer.strategy, _Carried)
+        else {},
         "loggers": [
             {name: pack(getattr(logger, name, None), f"logger.{name}") for name in lightning_compat.LOGGER_ATTRIBUTES}
             for logger in trainer.loggers
@@ -271,8 +253,9 @@ def restore(trainer: L.Trainer, state: dict[str, Any]) -> None:
     if state.get("optimizers"):
         _restore_optimizers(trainer, state["optimizers"], state["lr_schedulers"])
     if isinstance(trainer.strategy, _Carried):
-        results = {name: unpack(blob, f"strategy.{name}") for name, blob in state["strategy"].items()}
-        trainer.strategy.load_state_dict({k: v for k, v in results.items() if v is not LEFT_BEHIND})
+        for name, blob in state["strategy"].items():
+            if (value := unpack(blob, f"strategy.{name}")) is not LEFT_BEHIND:
+                setattr(trainer.strategy, name, value)
     for logger, packed in zip(trainer.loggers, state["loggers"]):
         for name, blob in packed.items():
             if (value := unpack(blob, f"{type(logger).__name__}.{name}")) is not LEFT_BEHIND:
@@ -309,10 +292,8 @@ def _restore_optimizers(trainer: L.Trainer, optimizers: list[bytes | None], sche
                 owner.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - e.g. param groups a callback added during the fit (BackboneFinetuning)
         rank_zero_warn(f"the optimizers' state stays in the worker processes: it does not load here ({err!r})")
-        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = (
-            [],
-            [],
-        )  # none, rather than fresh ones
+        trainer.strategy.optimizers = []  # none, rather than fresh ones
+        trainer.strategy.lr_scheduler_configs = []
 
 
 def _restore_progress(loop: lightning_compat.Loop, state: dict[str, Any], prefix: str = "") -> None:
@@ -348,5 +329,4 @@ def _restore_callbacks(callbacks: list[L.Callback], captured: list[tuple[str, by
                 rank_zero_warn(f"{name}.load_state_dict() failed in the parent after the fit ({err!r})")
         decisions = unpack(packed_decisions, f"{name}.decisions")
         if isinstance(callback, DecisionLog) and isinstance(decisions, dict):
-            for decision in decisions.values():
-                callback.record(decision)
+            callback.decisions.update(decisions)  # quietly: announced where they were made

@@ -1,7 +1,5 @@
 """SIGTERM noticed on any rank stops every rank at the same batch, with no collective on the training stream, and
-saves a checkpoint the run resumes from.
-
-See docs/sigterm.md."""
+saves a checkpoint the run resumes from. See docs/sigterm.md."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
+from lightning_solo._compat.patch import Patches
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.select import checkpoint_dir
 from lightning_solo.core.checks import check_bool
@@ -35,50 +34,32 @@ _LOCAL_STOPS = (("fit_loop.epoch_loop", "on_advance_end", True), ("fit_loop", "o
 
 
 class SigtermAgreement:
-    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training,
-    :meth:`uninstall` at teardown.
+    """Installed on one trainer by :meth:`install`, on every rank; :meth:`close` at the normal end of training.
+    ``group``: the gloo group the ranks agree on (``None``: one rank); ``checkpoint``: save ``on_sigterm.ckpt`` on
+    an agreed stop; ``patches``: the run's, which undo what this sets on the trainer and the loaders."""
 
-    Args:
-        group: the gloo group the ranks agree on; ``None``: one rank, nothing to agree.
-        checkpoint: save ``on_sigterm.ckpt`` on an agreed stop (see the module docstring).
-    """
-
-    def __init__(self, group: Any, checkpoint: bool = True) -> None:
+    def __init__(self, group: Any, patches: Patches, checkpoint: bool = True) -> None:
         self.group = group
         self.checkpoint = bool(checkpoint)
         self.noted = False
-        self.checkpoint_path: str | None = None  # what the agreed stop saved
         self._agreement = Agreement(group)
+        self._patches = patches
         self._stopping = False
         self._pid = os.getpid()
-        self._owners: list[tuple[Any, str]] = []
-        self._shielded: list[tuple[DataLoader, Any]] = []
 
     def install(self, trainer: Any) -> Decision:
         """Take over ``trainer``'s per-batch check, its SIGTERM notifier and its stops on one rank; before its
         signal handlers are registered (``Strategy.setup`` is)."""
         self._trainer = trainer
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-        stops = [(functools.reduce(getattr, path.split("."), trainer), name, here) for path, name, here in _LOCAL_STOPS]
-        if not (
-            hasattr(loop, "_broadcast_sigterm_tensor")
-            and hasattr(connector, "_sigterm_notifier_fn")
-            and all(hasattr(owner, name) for owner, name, _ in stops)
-        ):
-            return Decision("sigterm_check", "lightning", "this Lightning has no per-batch SIGTERM broadcast")
-        # Instance attributes: this trainer only, taken back by uninstall().
-        loop._broadcast_sigterm_tensor = self.check
-        connector._sigterm_notifier_fn = self.note
-        self._owners = [(loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")]
-        for owner, name, here in stops:
-            setattr(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
-            self._owners.append((owner, name))
+        # Instance attributes: this trainer only, for this run.
+        self._patches.set(loop, "_broadcast_sigterm_tensor", self.check)
+        self._patches.set(connector, "_sigterm_notifier_fn", self.note)
+        for path, name, here in _LOCAL_STOPS:
+            owner = functools.reduce(getattr, path.split("."), trainer)
+            self._patches.set(owner, name, self._deferred(getattr(owner, name), stop_here=here and self.group is None))
         if self.group is None:
-            return Decision(
-                "sigterm_check",
-                "one rank",
-                "the rank stops after the batch the signal came in, with a checkpoint",
-            )
+            return Decision("sigterm_check", "one rank", "the rank stops after the batch the signal came in")
         return Decision(
             "sigterm_check",
             "any rank, asynchronous",
@@ -89,8 +70,6 @@ class SigtermAgreement:
 
     def checkpoint_decision(self) -> Decision:
         """Where an agreed stop saves, for the run summary (after :meth:`install`)."""
-        if not self._owners:
-            return Decision("sigterm_checkpoint", False, "Lightning's own SIGTERM handling: no save")
         if not self.checkpoint:
             return Decision("sigterm_checkpoint", False, "sigterm_checkpoint=False: the stop saves nothing")
         if (directory := checkpoint_dir(self._trainer)) is None:
@@ -138,7 +117,6 @@ class SigtermAgreement:
         except Exception:  # the stop goes on; the newest regular checkpoint remains
             log.exception("SIGTERM: saving %s failed", path)
             return
-        self.checkpoint_path = path
         rank_zero_info(f"SIGTERM: every rank stopped at global step {trainer.global_step}; saved {path}")
 
     def _deferred(self, method: Any, stop_here: bool) -> Any:
@@ -163,28 +141,15 @@ class SigtermAgreement:
         """Give ``dataloader``'s workers the signal handling of :func:`leave_signals_to_the_rank`, through its
         ``worker_init_fn``; its workers start with SIGTERM blocked (the thread that starts them blocks it
         meanwhile), so that no thread of theirs takes it before (a spawned worker has threads from its imports).
-        :meth:`uninstall` puts both back. Returns ``dataloader``."""
+        Both until the run's patches close. Returns ``dataloader``."""
         if (
             isinstance(dataloader, DataLoader)
             and dataloader.num_workers > 0
             and not isinstance(dataloader.worker_init_fn, _ShieldedWorkerInit)
         ):
-            self._shielded.append((dataloader, dataloader.worker_init_fn))
-            dataloader.worker_init_fn = _ShieldedWorkerInit(dataloader.worker_init_fn)
-            start = functools.partial(_start_blocked, dataloader._get_iterator)
-            dataloader._get_iterator = start  # type: ignore[method-assign]  # undone by uninstall()
+            self._patches.set(dataloader, "worker_init_fn", _ShieldedWorkerInit(dataloader.worker_init_fn))
+            self._patches.set(dataloader, "_get_iterator", functools.partial(_start_blocked, dataloader._get_iterator))
         return dataloader
-
-    def uninstall(self) -> None:
-        """Give the trainer Lightning's check, notifier and stops back (a later ``validate`` on it uses them), and
-        the loaders their own ``worker_init_fn``."""
-        for owner, name in self._owners:
-            vars(owner).pop(name, None)
-        self._owners = []
-        for dataloader, worker_init_fn in self._shielded:
-            dataloader.worker_init_fn = worker_init_fn
-            vars(dataloader).pop("_get_iterator", None)
-        self._shielded = []
 
     def close(self) -> None:
         """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
@@ -219,16 +184,9 @@ class _ShieldedWorkerInit:
 
 
 def leave_signals_to_the_rank(rank_pid: int) -> None:
-    """In a loader worker: a SIGTERM from the worker's rank ends it quietly, as torch's handler does; one from
-    anyone else (SLURM, ``kill`` of the process group) is left to the rank, which stops with the other ranks and
-    then ends its workers. SIGTERM is blocked in the worker's threads and taken by a thread of its own, which reads
-    the sender (a Python handler cannot). SLURM's requeue signals (USR1, USR2) reach every process too: a Python
-    handler the worker inherited from its rank (Lightning's saves a checkpoint, a collective) is the rank's, so
-    the worker ignores them.
-
-    Exact where the workers are forked from the rank (the default on Linux). A spawned or fork-server worker may
-    have threads of its own before this runs (its imports start some), and one of them may take a SIGTERM first,
-    with torch's handler; the rank's own SIGTERM ends the worker either way."""
+    """In a loader worker: a SIGTERM from the worker's rank ends it quietly; one from anyone else is left to the
+    rank, read by a thread of the worker's own (docs/sigterm.md, "Loader workers"). SLURM's requeue signals, whose
+    inherited handlers are the rank's, are ignored."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started after this inherit the mask
     for signum in (signal.SIGUSR1, signal.SIGUSR2):
         if callable(signal.getsignal(signum)):
@@ -251,7 +209,9 @@ class SigtermSetting:
         self.checkpoint = check_bool("sigterm_checkpoint", checkpoint)
         self.agreement: SigtermAgreement | None = None
 
-    def install(self, trainer: Any, side_group: Callable[[], Any], decide: Callable[[Decision], Any]) -> None:
+    def install(
+        self, trainer: Any, side_group: Callable[[], Any], decide: Callable[[Decision], Any], patches: Patches
+    ) -> None:
         """A fit's setup, every rank alike, before Lightning registers its signal handlers: the agreement on the
         gloo group ``side_group()`` makes (asked for with several ranks only). Every decision goes to ``decide``."""
         if not self.enabled:
@@ -261,7 +221,7 @@ class SigtermSetting:
         if trainer.world_size > 1 and group is None:
             decide(Decision("sigterm_check", "lightning", "no gloo group: Lightning's per-batch broadcast"))
             return
-        self.agreement = SigtermAgreement(group, checkpoint=self.checkpoint)
+        self.agreement = SigtermAgreement(group, patches, checkpoint=self.checkpoint)
         decide(self.agreement.install(trainer))
         decide(self.agreement.checkpoint_decision())
 
@@ -272,7 +232,5 @@ class SigtermSetting:
         if self.agreement is not None:
             self.agreement.close()
 
-    def uninstall(self) -> None:
-        if self.agreement is not None:
-            self.agreement.uninstall()
-            self.agreement = None
+    def teardown(self) -> None:
+        self.agreement = None  # the run's patches undo what it set

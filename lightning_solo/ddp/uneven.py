@@ -1,15 +1,6 @@
 """Uneven data cannot hang: when the ranks' loaders of an ``IterableDataset`` run out at different batches, every rank
 ends its epoch (or evaluation) at the batch where the first rank runs out, agreed at each batch without a blocking
-collective.
-
-Example::
-
-    uneven = UnevenData("shortest")
-    decision = uneven.setup(world_size=2, group=gloo_group)     # each run, on every rank
-    loader = uneven.on_dataloader(loader, trainer)              # every loader the strategy processes
-    uneven.uninstall()                                          # at teardown
-
-See docs/ranks.md."""
+collective. See docs/ranks.md."""
 
 from __future__ import annotations
 
@@ -20,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_solo._compat.patch import Patches
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.agreed_end import AgreedEnd
 
@@ -36,22 +28,19 @@ def check_policy(policy: Any) -> Policy:
 
 
 class UnevenData:
-    """The uneven-data policy of one strategy: :meth:`setup` each run, :meth:`on_dataloader` for each loader,
-    :meth:`uninstall` at teardown.
-
-    Args:
-        policy: ``"shortest"``: every rank ends at the first rank's end; ``False``: stock Lightning.
-    """
+    """The uneven-data policy of one strategy (``"shortest"`` or ``False``: stock): :meth:`setup` each run,
+    :meth:`on_dataloader` for each loader."""
 
     def __init__(self, policy: Any = "shortest") -> None:
         self.policy = check_policy(policy)
         self._group: Any = None
+        self._patches = Patches()
         self._wrapped: list[DataLoader] = []
-        self._capped: list[DataLoader] = []
 
-    def setup(self, world_size: int, group: Any) -> Decision:
-        """This run's group (the gloo side group; ``None`` where there is none) and what the policy does."""
+    def setup(self, world_size: int, group: Any, patches: Patches) -> Decision:
+        """This run's gloo group (``None``: none) and patches (undone at its end); returns what the policy does."""
         self._group = group if self.policy and world_size > 1 else None
+        self._patches, self._wrapped = patches, []
         if not self.policy:
             return Decision("uneven_data", False, "uneven_data=False: as stock (uneven data hangs or fails)")
         if world_size == 1:
@@ -70,21 +59,16 @@ class UnevenData:
         )
 
     def on_dataloader(self, dataloader: Any, trainer: Any) -> Any:
-        """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s ``DataLoader``, while
-        the policy runs) and its length the shortest rank's where the ranks' lengths differ and Lightning would
-        part them (see the module's docstring); any other as it is. Through its ``_get_iterator`` and its class
-        (:func:`_agree_length`), which :meth:`uninstall` gives back. A batch limit (``limit_train_batches=7``, ...)
-        at or below every rank's length keeps the ranks together by itself."""
+        """``dataloader`` with its iterators read ahead and agreed (an ``IterableDataset``'s), and its length the
+        shortest rank's where the ranks' lengths differ and Lightning would part them; any other as it is."""
         if self._group is None or not isinstance(dataloader, DataLoader):
             return dataloader
         training = trainer is not None and trainer.training
         iterable = isinstance(dataloader.dataset, IterableDataset)
         if (iterable or training) and len(set(limited := _limited(self._lengths(dataloader), trainer))) > 1:
-            _agree_length(dataloader, int(min(limited)))
-            self._capped.append(dataloader)
+            _agree_length(dataloader, int(min(limited)), self._patches)
         if iterable and not any(dataloader is wrapped for wrapped in self._wrapped):
-            agreed = _AgreedIterators(dataloader._get_iterator, self._group)
-            dataloader._get_iterator = agreed  # type: ignore[method-assign,assignment]  # undone by uninstall()
+            self._patches.set(dataloader, "_get_iterator", _AgreedIterators(dataloader._get_iterator, self._group))
             self._wrapped.append(dataloader)
         return dataloader
 
@@ -97,14 +81,6 @@ class UnevenData:
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._group))]
         dist.all_gather(gathered, torch.tensor([length]), group=self._group)
         return [int(t.item()) for t in gathered]
-
-    def uninstall(self) -> None:
-        """Give the loaders their own iterators and lengths back (a later run decides again)."""
-        for dataloader in self._wrapped:
-            vars(dataloader).pop("_get_iterator", None)
-        for dataloader in self._capped:
-            _agree_length(dataloader, None)
-        self._wrapped, self._capped = [], []
 
 
 def _limited(lengths: list[int], trainer: Any) -> list[float]:
@@ -128,22 +104,18 @@ def _agreed_len(dataloader: Any) -> int:
 _AGREED_CLASSES: dict[type, type] = {}  # a loader's own class -> its subclass with the agreed ``__len__``
 
 
-def _agree_length(dataloader: DataLoader, length: int | None) -> None:
-    """``len(dataloader)`` is ``length`` from now on, or its own again (``None``). The loader stays the user's
-    object, of a subclass of its own class named as it: ``trainer.train_dataloader.dataset``, ``isinstance`` and
-    its iterators are as they were (``DataLoader`` refuses a new sampler once built, and rebuilding it would call a
-    subclass's ``__init__`` again)."""
+def _agree_length(dataloader: DataLoader, length: int, patches: Patches) -> None:
+    """``len(dataloader)`` is ``length`` until ``patches`` close. The loader stays the user's object, of a subclass
+    of its own class named as it: ``trainer.train_dataloader.dataset``, ``isinstance`` and its iterators are as
+    they were (``DataLoader`` refuses a new sampler once built, and rebuilding it would call a subclass's
+    ``__init__`` again)."""
     agreed_now = type(dataloader) in _AGREED_CLASSES.values()
     own: type = type(dataloader).__mro__[1] if agreed_now else type(dataloader)
-    if length is None:
-        vars(dataloader).pop("_solo_agreed_len", None)
-        dataloader.__class__ = own
-        return
     if (agreed := _AGREED_CLASSES.get(own)) is None:
         names = {"__len__": _agreed_len, "__qualname__": own.__qualname__, "__module__": own.__module__}
         agreed = _AGREED_CLASSES[own] = type(own.__name__, (own,), {**names, "__doc__": own.__doc__})
-    dataloader._solo_agreed_len = length  # type: ignore[attr-defined]
-    dataloader.__class__ = agreed
+    patches.set(dataloader, "_solo_agreed_len", length)
+    patches.set(dataloader, "__class__", agreed)
 
 
 class _AgreedIterators:
