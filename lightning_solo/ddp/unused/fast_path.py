@@ -1,7 +1,7 @@
 """``find_unused_parameters="auto"``'s fast path kept exact: the step completed as ``True`` would when a gradient
-did not arrive (:class:`FastPathStep`), with collectives apart from DDP's: which gradients arrived in the
-synchronised backward and the step's usage map (:class:`_Arrivals`), and an ``all_gather`` whose backward
-all-reduces on a side group (:func:`all_gather_grad_on`)."""
+did not arrive (:class:`FastPathStep`), which gradients arrived and the step's usage row (:class:`_Arrivals`), and
+an ``all_gather`` whose backward all-reduces on a side group (:func:`all_gather_grad_on`).
+See docs/unused-parameters.md."""
 
 from __future__ import annotations
 
@@ -20,22 +20,27 @@ from lightning_solo._compat import torch as torch_compat
 class FastPathStep:
     """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step.
 
+    The usage row (one value per parameter, our indices) is 2 for a parameter this rank missed and never got a
+    gradient for, 1 for one it missed with a gradient from an earlier micro-batch or an excluded one that got a
+    gradient, 0 otherwise; summed over ranks, ``2 * world`` means no rank used it. It travels as the gradient of
+    ``sentinel`` (one value per parameter, in DDP's last bucket), or over the gloo ``group`` without one.
+
     Args:
         named: the trainable ``(name, parameter)`` pairs at bind time ("our" indices).
         synced: our indices of the parameters DDP synchronises, in the reducer's order.
         ignored: our indices of the parameters excluded from synchronisation.
         group: a gloo group apart from DDP's.
-        signal_early: every event shows by the end of backward (nothing excluded): signal as soon as the last
-            synchronised gradient arrives, so DDP's last bucket leaves on time.
+        signal_early: nothing excluded: feed the sentinel as soon as the last synchronised gradient arrives, and
+            read it one step late unless this rank missed a parameter.
         ddp, sentinel_index: the wrapper and the sentinel's reducer index, when there is a sentinel.
-
-    See docs/unused-parameters.md."""
+    """
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], ignored: list[int], group: Any,
                  *, signal_early: bool, sentinel: Parameter | None = None, ddp: DistributedDataParallel | None = None,
                  sentinel_index: int = -1) -> None:  # fmt: skip
         self.named, self.synced, self.ignored, self.sentinel = named, synced, ignored, sentinel
         self.arrivals = arrivals = _Arrivals(named, synced, group)
+        self.late = _LateRead(sentinel) if signal_early and sentinel is not None else None
         if sentinel is not None and ddp is None:
             raise ValueError("FastPathStep: a sentinel is marked ready in its DDP wrapper: pass `ddp`")
         if signal_early:
@@ -52,43 +57,59 @@ class FastPathStep:
         self.arrivals.remove()
         self.arrivals.on_last = None  # it may hold the DDP wrapper, which a re-wrap is about to drop
 
-    def complete(self, ddp: DistributedDataParallel, step: int) -> list[str]:
-        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the names of
-        the parameters that went without a gradient on some rank (empty: nothing happened)."""
+    def complete(self, ddp: DistributedDataParallel, step: int) -> tuple[int, list[str]] | None:
+        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the step and the
+        names of the parameters that went without a gradient on some rank, as every rank learns them alike: this
+        step's, or on the late path the previous step's (``None``: no event)."""
         arrivals = self.arrivals
+        earlier = self.pending()
         missing = [i for i in self.synced if not arrivals.seen[i]]
         dropped = [i for i in self.ignored if self.named[i][1].grad is not None]
         if missing or dropped:
-            arrivals.map[2, dropped] = 1
-            arrivals.flag = 1.0
-        self._release(missing, arrivals.map, feed_sentinel=arrivals.on_last is None, step=step)
+            arrivals.map[dropped] = 1
+            arrivals.flag = True
+        self._release(missing, feed_sentinel=arrivals.on_last is None, step=step)
+        world = ddp.process_group.size()
         if self.sentinel is not None:
             # Every rank feeds the sentinel in backward, and DDP's last bucket reduces it: never None here.
-            if self.sentinel.grad is None:
+            grad, self.sentinel.grad = self.sentinel.grad, None
+            if grad is None:
                 raise RuntimeError(f"SoloDDP: step {step}: the unused-parameter sentinel got no gradient")
-            anyone = bool(self.sentinel.grad.item() > 0)  # the ranks' flags, averaged by DDP
-            self.sentinel.grad = None
-            if not anyone:
-                arrivals.armed = False
-                return []
-        counts = arrivals.receive()
-        if not counts.any():
-            return []
-        world = ddp.process_group.size()
-        for i in (counts[1] == world).nonzero().flatten().tolist():
-            self.named[i][1].grad = None  # no rank used it: leave it alone, as True does
-        for i in counts[2].nonzero().flatten().tolist():  # same order on every rank
-            param = self.named[i][1]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=ddp.process_group)
-            param.grad = grad.div_(world)
-        events = ((counts[0] > 0) | (counts[2] > 0)).nonzero().flatten().tolist()
-        return [self.named[i][0] for i in events]
+            if self.late is not None:
+                self.late.start(grad, step)
+                if not arrivals.flag:  # every parameter got its gradient here: none can be unused on every rank
+                    arrivals.armed = False
+                    return earlier
+            counts = grad.mul(world).round_().to("cpu", torch.int32)  # the ranks' rows, averaged by DDP
+            arrivals.armed = False
+        else:
+            counts = arrivals.receive()
+        self._fix(ddp, counts, world)
+        if self.late is not None:
+            return earlier  # this step's events come with the late read, alike on every rank
+        return _events(self.named, counts, step) or earlier
 
-    def _release(self, missing: list[int], usage: torch.Tensor, feed_sentinel: bool, step: int) -> None:
+    def pending(self) -> tuple[int, list[str]] | None:
+        """The late read not yet taken: the previous step's events (also at the end of fit)."""
+        taken = self.late.take() if self.late is not None else None
+        return None if taken is None else _events(self.named, taken[1], taken[0])
+
+    def _fix(self, ddp: DistributedDataParallel, counts: torch.Tensor, world: int) -> None:
+        values = counts.tolist()
+        for i in self.synced:
+            if values[i] == 2 * world:
+                self.named[i][1].grad = None  # no rank used it: leave it alone, as True does
+        for i in self.ignored:  # same order on every rank
+            if values[i] > 0:
+                param = self.named[i][1]
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                dist.all_reduce(grad, group=ddp.process_group)
+                param.grad = grad.div_(world)
+
+    def _release(self, missing: list[int], feed_sentinel: bool, step: int) -> None:
         """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
         the held-back buckets all-reduce in order, and the reduction finishes (``feed_sentinel``: with the
-        sentinel, held back on every rank, given this rank's event flag)."""
+        sentinel, held back on every rank, given this rank's usage row)."""
         if not missing and not feed_sentinel:
             return
         params = [self.named[i][1] for i in missing]
@@ -101,33 +122,67 @@ class FastPathStep:
                 "re-wraps DDP there."
             )
         for i, p in zip(missing, params):
-            usage[0, i] = 1
-            usage[1, i] = int(p.grad is None)
+            self.arrivals.map[i] = 1 + int(p.grad is None)
         grads = [torch.zeros_like(p) for p in params]
         if self.sentinel is not None and feed_sentinel:
             params.append(self.sentinel)
-            grads.append(torch.full_like(self.sentinel, self.arrivals.flag))
+            grads.append(self._row(self.sentinel))
         if params:
             torch.autograd.backward(params, grads)
 
+    def _row(self, sentinel: Parameter) -> torch.Tensor:
+        # All zeros on a step without an event: made on the device, nothing copied from the host.
+        if not self.arrivals.flag:
+            return torch.zeros_like(sentinel)
+        return self.arrivals.map.to(sentinel.device, sentinel.dtype)
+
     def _signal(self, ddp: DistributedDataParallel, sentinel: Parameter, index: int) -> None:
-        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
+        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's row
         # and mark it ready, as its own gradient hook would.
-        sentinel.grad = torch.full_like(sentinel, self.arrivals.flag)
+        sentinel.grad = self._row(sentinel)
         torch_compat.mark_ready(ddp, index)
 
 
+def _events(named: tuple[tuple[str, Parameter], ...], counts: torch.Tensor, step: int) -> tuple[int, list[str]] | None:
+    names = [named[i][0] for i in counts.nonzero().flatten().tolist()]
+    return (step, names) if names else None
+
+
+class _LateRead:
+    """The sentinel's reduced row, copied to the host without waiting, and read one step later."""
+
+    def __init__(self, sentinel: Parameter) -> None:
+        cuda = sentinel.is_cuda
+        self.host = torch.empty(sentinel.shape, dtype=sentinel.dtype, pin_memory=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+        self.step: int | None = None
+
+    def start(self, grad: torch.Tensor, step: int) -> None:
+        self.host.copy_(grad, non_blocking=True)  # into pinned memory on a GPU
+        if self.ready is not None:
+            self.ready.record()
+        self.step = step
+
+    def take(self) -> tuple[int, torch.Tensor] | None:
+        if self.step is None:
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()  # recorded a whole step ago
+        step, self.step = self.step, None
+        return step, self.host
+
+
 class _Arrivals:
-    """Fast path: whose gradients arrived in the synchronised backward, this rank's event flag, and the
-    step's usage map ``[missing | unused | dropped]``, all-reduced on ``group`` (:meth:`send`, :meth:`receive`).
-    ``on_last`` runs in the hook of the last synchronised gradient to arrive."""
+    """Fast path: whose gradients arrived in the synchronised backward, whether this rank had an event, and its
+    usage row, all-reduced on ``group`` (:meth:`send`, :meth:`receive`) when there is no sentinel. ``on_last``
+    runs in the hook of the last synchronised gradient to arrive."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], group: Any):
         self.seen = bytearray(len(named))
-        self.map = torch.zeros(3, len(named), dtype=torch.int32)
+        self.map = torch.zeros(len(named), dtype=torch.int32)
         self.group, self.synced = group, set(synced)
         self.on_last: Callable[[], None] | None = None
-        self.left, self.armed, self.flag = 0, False, 0.0
+        self.left, self.armed, self.flag = 0, False, False
         self.work: Any = None
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
 
@@ -147,7 +202,7 @@ class _Arrivals:
     def arm(self) -> None:
         self.seen[:] = bytes(len(self.seen))
         self.map.zero_()
-        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, 0.0
+        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, False
 
     def send(self) -> None:
         self.work = dist.all_reduce(self.map, group=self.group, async_op=True)

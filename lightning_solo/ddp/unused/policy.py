@@ -44,7 +44,7 @@ from lightning_solo.ddp.unused.surgery import (
     trainable,
     unwrap_excluding,
 )
-from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
+from lightning_solo.ddp.unused.watch import quiet_search_note, search_safe_checkpointing, watch_collectives
 from lightning_solo.ddp.unused.window import UsageWindow
 
 FindUnused = bool | Literal["auto"]
@@ -117,6 +117,7 @@ class UnusedParameters:
         self._evidence = UsageWindow(window)
         self._backward_collective: str | None = None  # why collectives run inside backward, once known
         self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
+        self._probe = False  # the window's wrapper holds the probe parameter
 
     def fresh(self) -> UnusedParameters:
         """A policy with the same settings and no evidence: every fit decides from its own steps."""
@@ -157,10 +158,7 @@ class UnusedParameters:
         self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
         self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)]
-        if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
-            more = ", ..." if len(found) > 3 else ""
-            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
-            self._search(f"{self._backward_collective} communicate inside backward")
+        self._check_layers(ddp.module)
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
             self._fast = FastPathStep(
                 self._named,
@@ -186,9 +184,11 @@ class UnusedParameters:
         or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
         if self.phase is Phase.WINDOW:
             return self.wrap(module, build, group, probe=exact_allreduce)
+        if self.phase is Phase.SEARCHING:
+            quiet_search_note(group)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
             return self.bind(build(module), group)
-        new, sentinel, params = build_with_sentinel(module, build)
+        new, sentinel, params = build_with_sentinel(module, build, len(trainable(module)))
         return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
 
     def wrap(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
@@ -199,7 +199,11 @@ class UnusedParameters:
         the user did not choose). The probe is not the model's: never in its state_dict or optimizer. Like the
         fast path's sentinel, only with ``probe`` (no comm hook: PowerSGD keys its state to the model's
         parameters)."""
-        if self.phase is not Phase.WINDOW or not probe:
+        self._check_layers(module)  # SyncBN found: on True for good, built without the probe
+        self._probe = self.phase is Phase.WINDOW and probe
+        if self.phase is Phase.SEARCHING and probe:
+            quiet_search_note(group)
+        if not self._probe:
             return self.bind(build(module), group)
         new, _, params = build_with_sentinel(module, build)
         return self.bind(new, group, reducer_parameters=params)
@@ -223,14 +227,8 @@ class UnusedParameters:
         self.steps += 1
         if self.phase is Phase.WINDOW:
             self._evidence.add(ddp, self._to_ours, len(self._named))
-        elif self._fast is not None and (names := self._fast.complete(ddp, self.steps - 1)):
-            self.varying_names = sorted(set(self.varying_names) | set(names))
-            if self._switch is None:
-                self._switch = (
-                    f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
-                    f"step {self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
-                )
-                rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
+        elif self._fast is not None:
+            self._note_event(self._fast.complete(ddp, self.steps - 1))
 
     def at_boundary(self, ddp: Module) -> bool:
         """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
@@ -241,7 +239,7 @@ class UnusedParameters:
             self._trainable_set_changed(ddp.module)
             return True
         if self.phase is Phase.WINDOW and self._evidence.full:
-            return self._decide()
+            return self._decide() or self._probe  # the probe leaves DDP whatever the decision
         if self._switch is not None:
             self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
             self._switch = None
@@ -262,6 +260,8 @@ class UnusedParameters:
     def finish(self, ddp: Module) -> None:
         """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the
         module back its own DDP ignore list."""
+        if self._fast is not None:
+            self._note_event(self._fast.pending())
         self._remove_hooks()
         if self._user_ignore is not None:
             restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
@@ -283,6 +283,24 @@ class UnusedParameters:
     def stop(self) -> None:
         """Remove the per-parameter hooks (an exception ended the fit)."""
         self._remove_hooks()
+
+    def _note_event(self, event: tuple[int, list[str]] | None) -> None:
+        if event is None:
+            return
+        step, names = event
+        self.varying_names = sorted(set(self.varying_names) | set(names))
+        if self._switch is None:
+            self._switch = (
+                f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
+                f"step {step} ({', '.join(names)}); that step was completed as True would have"
+            )
+            rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
+
+    def _check_layers(self, module: Module) -> None:
+        if self.phase is Phase.WINDOW and (found := backward_collectives(module)):
+            more = ", ..." if len(found) > 3 else ""
+            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            self._search(f"{self._backward_collective} communicate inside backward")
 
     def _remove_hooks(self) -> None:
         if self._fast is not None:
@@ -316,16 +334,16 @@ class UnusedParameters:
             self.decision = Decision(
                 "find_unused_parameters", False,
                 f"every parameter got a gradient on every rank in {steps}: DDP's fast path (a per-step check "
-                "completes any later step exactly as True would, then switches; it reads one value after each "
-                "backward, a host sync per step on GPUs that exactness before optimizer.step() needs: "
-                "find_unused_parameters=False skips the check)",
+                "completes any later step exactly as True would, then switches at the next batch; no host sync "
+                "on a step where this rank got every gradient: find_unused_parameters=False skips the check)",
             )  # fmt: skip
             return True
         self.phase = Phase.EXCLUDING
         self.decision = Decision(
             "find_unused_parameters", False,
             f"{len(never)} parameters ({self.unused_bytes / 2**20:.2f} MiB) got no gradient on any rank in "
-            f"{steps}: excluded from synchronisation, fast path for the rest",
+            f"{steps}: excluded from synchronisation, fast path for the rest (its check reads one value after "
+            "each backward, a host sync per step on GPUs)",
         )  # fmt: skip
         rank_zero_warn(
             f"SoloDDP: these parameters received no gradient in {steps} and are excluded from DDP's "

@@ -75,11 +75,11 @@ def restore_ignore_list(module: Module, user_ignore: list[str]) -> None:
 
 
 def build_with_sentinel(
-    module: Module, build: Callable[[Module], DistributedDataParallel]
+    module: Module, build: Callable[[Module], DistributedDataParallel], size: int = 1
 ) -> tuple[DistributedDataParallel, Parameter, list[Parameter]]:
-    """``build(module)`` with a one-element sentinel parameter that lands in DDP's last bucket (registered last,
-    and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
-    sentinel = Parameter(torch.zeros(1, device=next(module.parameters()).device))
+    """``build(module)`` with a sentinel parameter of ``size`` values that lands in DDP's last bucket (registered
+    last, and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
+    sentinel = Parameter(torch.zeros(size, device=next(module.parameters()).device))
     # Registered only while DDP collects its parameters: never in the module's state_dict or optimizer.
     module.register_parameter(SENTINEL, sentinel)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -98,3 +99,34 @@ def _from_comm_hook() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+_NOTE = b"did not find any unused parameters"
+_noted = False
+
+
+def quiet_search_note(group: Any) -> None:
+    """Once per process, on every rank of the gloo ``group``: let DDP print its one note that
+    ``find_unused_parameters=True`` found nothing unused (a C++ warning, once per process) from a one-parameter
+    CPU wrapper, with this process's stderr held meanwhile and given back without that note. "auto" chose
+    ``True`` there, not the user, and its probe parameter, which kept DDP quiet in the window, is gone."""
+    global _noted
+    if _noted or group is None:
+        return
+    _noted = True
+    tiny = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(1, 1), process_group=group, find_unused_parameters=True, init_sync=False
+    )
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            tiny(torch.zeros(1, 1))  # the search runs at the end of forward; no backward needed
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        kept = b"".join(line for line in held.read().splitlines(keepends=True) if _NOTE not in line)
+    if kept:
+        os.write(2, kept)
