@@ -15,6 +15,7 @@ import torch
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo.app.run import instantiate_group, make_trainer
 from lightning_solo.app.run_summary import RunSummary
+from lightning_solo.diagnostics.doctor.training_doctor import decide_sample_rate
 from lightning_solo.testing import HostSyncRecorder
 from tests.helpers import composed
 
@@ -58,6 +59,12 @@ def test_recorder_without_watch_counts_every_tensor_as_the_devices():
     with HostSyncRecorder() as recorder:
         torch.ones(2).sum().item()
     assert recorder.syncs == ["item"]
+
+
+@pytest.mark.parametrize(("requested", "device", "rate"), [(None, "cpu", 1), (None, "cuda", 100), (5, "cuda", 5)])
+def test_training_doctor_leaves_ddps_sample_rate_on_cuda(requested, device, rate):
+    # DDP's CUDA timer waits on its events at each sampled iteration: the doctor samples no more often there.
+    assert decide_sample_rate(requested, torch.device(device)).value == rate
 
 
 class _RecordSyncs(L.Callback):

@@ -48,14 +48,13 @@ _RSS_EVERY = 64  # steps between RSS samples on CPU (psutil: 50-200 µs)
 
 
 def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
-    """How often DDP's reducer times an iteration. DDP samples 1 in 100; the doctor needs every window
-    covered: every iteration on CPU (host timestamps, free), every 10th on CUDA, where DDP's timer waits for
-    the previous backward's events at each sampled forward."""
+    """How often DDP's reducer times an iteration: every one on CPU (host timestamps, free); DDP's own 1 in 100
+    on CUDA, where its timer waits for the previous backward's events at each sampled iteration (a host sync)."""
     if requested is not None:
         return Decision("ddp_runtime_logging_sample_rate", requested, "given to TrainingDoctor")
-    rate = 10 if device.type == "cuda" else 1
-    why = "every 10th iteration: DDP's CUDA timer waits on its events" if rate > 1 else "every iteration"
-    return Decision("ddp_runtime_logging_sample_rate", rate, f"DDP times {why} (its default: every 100th)")
+    if device.type == "cuda":
+        return Decision("ddp_runtime_logging_sample_rate", 100, "DDP's default, every 100th: its CUDA timer syncs")
+    return Decision("ddp_runtime_logging_sample_rate", 1, "DDP times every iteration (its default: every 100th)")
 
 
 class TrainingDoctor(DecisionLog, L.Callback):
@@ -67,7 +66,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         warmup_steps: optimizer steps left out first (DDP's bucket rebuild, loader start-up, allocator
             warm-up); at most a quarter of the run.
         reference_throughput: samples/s of the same training on one process, for the scaling efficiency.
-        ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, every 10th on CUDA.
+        ddp_sample_rate: DDP's runtime-stats sampling rate; ``None``: every iteration on CPU, DDP's 100 on CUDA.
         filename, chart: the report and chart file names in ``trainer.default_root_dir`` (the run directory).
         loss_watch: the loss watch (NaN/Inf stop on every rank, spike and rank-spread advice): ``True`` (default)
             a :class:`~lightning_solo.callbacks.LossWatch` with its defaults, or your own, or ``False``. Left to a
