@@ -20,20 +20,12 @@ from lightning_solo._compat import torch as torch_compat
 class FastPathStep:
     """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step.
 
-    The usage row (one value per parameter, our indices) is 2 for a parameter this rank missed and never got a
-    gradient for, 1 for one it missed with a gradient from an earlier micro-batch or an excluded one that got a
-    gradient, 0 otherwise; summed over ranks, ``2 * world`` means no rank used it. It travels as the gradient of
-    ``sentinel`` (one value per parameter, in DDP's last bucket), or over the gloo ``group`` without one.
-
-    Args:
-        named: the trainable ``(name, parameter)`` pairs at bind time ("our" indices).
-        synced: our indices of the parameters DDP synchronises, in the reducer's order.
-        ignored: our indices of the parameters excluded from synchronisation.
-        group: a gloo group apart from DDP's.
-        signal_early: nothing excluded: feed the sentinel as soon as the last synchronised gradient arrives, and
-            read it one step late unless this rank missed a parameter.
-        ddp, sentinel_index: the wrapper and the sentinel's reducer index, when there is a sentinel.
-    """
+    The usage row has a value per parameter (``named``'s order): 2 for one this rank missed with no gradient, 1 for
+    one missed with a gradient from an earlier micro-batch or an excluded one (``ignored``) that got a gradient;
+    summed over ranks, ``2 * world`` means no rank used it. It travels as the gradient of ``sentinel`` in DDP's last
+    bucket (at ``sentinel_index`` of ``ddp``'s reducer), or over the gloo ``group`` without one. ``signal_early``:
+    nothing excluded, so the sentinel is fed as the last ``synced`` gradient arrives and, unless this rank missed a
+    parameter, read one step late."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], ignored: list[int], group: Any,
                  *, signal_early: bool, sentinel: Parameter | None = None, ddp: DistributedDataParallel | None = None,
@@ -41,8 +33,6 @@ class FastPathStep:
         self.named, self.synced, self.ignored, self.sentinel = named, synced, ignored, sentinel
         self.arrivals = arrivals = _Arrivals(named, synced, group)
         self.late = _LateRead(sentinel) if signal_early and sentinel is not None else None
-        if sentinel is not None and ddp is None:
-            raise ValueError("FastPathStep: a sentinel is marked ready in its DDP wrapper: pass `ddp`")
         if signal_early:
             arrivals.on_last = (
                 arrivals.send
@@ -107,9 +97,8 @@ class FastPathStep:
                 param.grad = grad.div_(world)
 
     def _release(self, missing: list[int], feed_sentinel: bool, step: int) -> None:
-        """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
-        the held-back buckets all-reduce in order, and the reduction finishes (``feed_sentinel``: with the
-        sentinel, held back on every rank, given this rank's usage row)."""
+        """Feed zero gradients to the parameters this rank missed, so DDP's held-back buckets all-reduce in order
+        (``feed_sentinel``: the sentinel too, with this rank's row)."""
         if not missing and not feed_sentinel:
             return
         params = [self.named[i][1] for i in missing]
@@ -137,8 +126,7 @@ class FastPathStep:
         return self.arrivals.map.to(sentinel.device, sentinel.dtype)
 
     def _signal(self, ddp: DistributedDataParallel, sentinel: Parameter, index: int) -> None:
-        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's row
-        # and mark it ready, as its own gradient hook would.
+        # Inside backward: the sentinel gets this rank's row and is marked ready, as its own hook would
         sentinel.grad = self._row(sentinel)
         torch_compat.mark_ready(ddp, index)
 
@@ -173,9 +161,8 @@ class _LateRead:
 
 
 class _Arrivals:
-    """Fast path: whose gradients arrived in the synchronised backward, whether this rank had an event, and its
-    usage row, all-reduced on ``group`` (:meth:`send`, :meth:`receive`) when there is no sentinel. ``on_last``
-    runs in the hook of the last synchronised gradient to arrive."""
+    """Whose gradients arrived in the synchronised backward, whether this rank had an event, and its usage row
+    (all-reduced on ``group`` without a sentinel). ``on_last``: called as the last synchronised gradient arrives."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], group: Any):
         self.seen = bytearray(len(named))
