@@ -88,17 +88,13 @@ def _decide(
         return Decision(
             "sync_batchnorm", False, "per-device batch size unknown; pass sync_batchnorm=True to synchronise"
         )
-    if per_device_batch < threshold:
+    if per_device_batch >= threshold:
         return Decision(
-            "sync_batchnorm",
-            True,
-            f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy; "
-            f"statistics over the global batch of {per_device_batch * world_size}",
+            "sync_batchnorm", False, f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice"
         )
+    why = f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy"
     return Decision(
-        "sync_batchnorm",
-        False,
-        f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice",
+        "sync_batchnorm", True, f"{why}; statistics over the global batch of {per_device_batch * world_size}"
     )
 
 

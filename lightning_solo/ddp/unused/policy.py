@@ -83,7 +83,7 @@ class UnusedParameters:
         self._user_ignore: list[str] | None = None
         self._group: Any = None
         self._fast: FastPathStep | None = None  # on the fast path: its per-step completion
-        self._evidence = UsageWindow(window)
+        self._evidence = UsageWindow()
         self._backward_collective: str | None = None  # why collectives run inside backward, once known
         self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
         self._probe = False  # the window's wrapper holds the probe parameter
@@ -195,7 +195,7 @@ class UnusedParameters:
         if any(p.requires_grad is not was for p, was in self._trainable_flags):
             self._trainable_set_changed(ddp.module)
             return True
-        if self.phase is Phase.WINDOW and self._evidence.full:
+        if self.phase is Phase.WINDOW and self._evidence.steps >= self.window:
             return self._decide() or self._probe  # the probe leaves DDP whatever the decision
         if self._switch is not None:
             self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
@@ -219,7 +219,7 @@ class UnusedParameters:
         self.stop()
         if self._user_ignore is not None:
             restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
-        if self.phase is Phase.WINDOW and self._evidence.started:
+        if self.phase is Phase.WINDOW and self._evidence.steps:
             self.decision = Decision(
                 "find_unused_parameters", True,
                 f"the fit ended within the evidence window ({self._evidence.steps} of {self.window} steps): True throughout",
@@ -320,7 +320,7 @@ class UnusedParameters:
             )  # fmt: skip
             return
         self.phase, self.find_unused = Phase.WINDOW, True
-        self._evidence = UsageWindow(self.window)
+        self._evidence = UsageWindow()
         self.decision = Decision(
             "find_unused_parameters", "auto",
             f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "

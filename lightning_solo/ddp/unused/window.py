@@ -10,21 +10,12 @@ from lightning_solo._compat import torch as torch_compat
 
 
 class UsageWindow:
-    """``size`` synchronised steps of evidence about the parameters, indexed in the policy's order."""
+    """Synchronised steps of evidence about the parameters (``steps`` of them), indexed in the policy's order."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self) -> None:
         self.steps = 0
         self._never: torch.Tensor | None = None  # unused on every rank at every step so far
         self._varying: torch.Tensor | None = None  # unused on some rank at some step
-
-    @property
-    def started(self) -> bool:
-        return self._never is not None
-
-    @property
-    def full(self) -> bool:
-        return self.steps >= self.size
 
     def add(self, ddp: DistributedDataParallel, to_ours: list[int], params: int) -> None:
         """Read this step's usage map; ``to_ours[reducer_index]``: the policy's index (of ``params``), -1: none."""
