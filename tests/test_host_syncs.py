@@ -38,6 +38,7 @@ def _events(work) -> list[tuple[str, str]]:
         (lambda m, h: m.weight.tolist(), [("read", "tolist")]),
         (lambda m, h: m.weight.cpu().sum().item(), [("read", "cpu")]),  # the host copy is the host's
         (lambda m, h: m.weight.to("cpu"), [("read", "to('cpu')")]),
+        (lambda m, h: m.weight.to("cpu", torch.int32).tolist(), [("read", "to('cpu')")]),  # then the host's
         (lambda m, h: m.weight.nonzero(), [("read", "aten::nonzero")]),
         (lambda m, h: h.copy_(m.bias[:1]), [("read", "aten::copy_")]),
         (lambda m, h: h.copy_(m.bias[:1], non_blocking=True), []),  # into pinned memory: the host goes on
