@@ -214,8 +214,11 @@ class _DispatchSide(DispatchMode):
 def _host_copy(rec: HostSyncRecorder, source: Any, result: Any) -> Any:
     """On a GPU a read returns a new host tensor; on the CPU torch may return ``source`` itself: copy it, so that
     reading the host copy later counts as nothing, as it would on a GPU."""
+    import torch
+
     if result is source:  # called inside the function mode's handler: the mode is off here
         result = source.clone()
+    if isinstance(result, torch.Tensor):  # a host tensor now, whatever op made it
         rec._device_tensors.pop(result, None)
     return result
 

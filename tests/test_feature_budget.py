@@ -21,7 +21,14 @@ from lightning_solo import SoloDDP
 PACKAGE = str(Path(__import__("lightning_solo").__file__).parent) + "/"
 FIRST, STEPS = 6, 8  # steady steps: after the unused policy's evidence window and a re-wrap
 OFF = dict(compile=False, comm_hook=None, uneven_data=False, watchdog=False, exact_resume=False)
-BASE = {"ddp/strategy.py", "ddp/unused", "_compat/torch.py", "ddp/sigterm.py", "ddp/agreement.py"}
+BASE = {
+    "ddp/strategy.py",
+    "ddp/unused",
+    "_compat/torch.py",
+    "_compat/patch.py",
+    "ddp/sigterm.py",
+    "ddp/agreement.py",
+}  # _compat/patch.py: the unused policy's patches while it searches
 
 
 class _CountCalls(L.Callback):

@@ -234,9 +234,9 @@ STEPS, TOL, STEPS_LATE = eq.STEPS, eq.TOL, 24
 CASES = {
     # name: (variant, step -> ranks whose batch leaves the branch unused, steps, DDP wrappers used)
     "static_head": ("head", {}, STEPS, 2),  # the window on True, then the fast path without the head
-    "branch_off_in_window": ("branch", {1: (0, 1)}, STEPS, 1),  # stays on True: no re-wrap
-    # The fast path from step 4; step 6 leaves the branch unused on rank 1 only (completed exactly), True from
-    # step 7; at step 20 no rank uses it.
+    "branch_off_in_window": ("branch", {1: (0, 1)}, STEPS, 2),  # stays on True, re-wrapped without the probe
+    # The fast path from step 4; step 6 leaves the branch unused on rank 1 only (completed exactly; every rank
+    # learns it at step 7, still on the fast path), True from step 8; at step 20 no rank uses it.
     "branch_off_after_window": ("branch", {6: (1,), 20: (0, 1)}, STEPS_LATE, 3),
 }
 
@@ -263,7 +263,7 @@ def test_unused_parameters_train_like_one_process_under_solo_ddp(tmp_path, case)
         assert records[0]["ddp"]["find_unused_parameters"] is True
         assert len(warnings) == 1 and "branch.weight, branch.bias" in warnings[0]
     else:
-        assert decision["value"] is True and "switched to find_unused_parameters=True from step 7" in decision["reason"]
+        assert decision["value"] is True and "switched to find_unused_parameters=True from step 8" in decision["reason"]
         assert records[0]["ddp"]["find_unused_parameters"] is True
         assert len(warnings) == 1 and "switching" in warnings[0] and "branch.weight, branch.bias" in warnings[0]
     assert records[1]["warnings"] == []  # rank zero only

@@ -36,6 +36,7 @@ PATCHED: dict[Any, tuple[str, ...]] = {
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
         "gather", "scatter", "barrier", "send", "recv", "isend", "irecv",
     ),  # watched while the unused policy's evidence window is open
+    dist.distributed_c10d: ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv"),  # the same, where torch defines them
 }  # fmt: skip
 
 

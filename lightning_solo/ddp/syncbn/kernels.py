@@ -1,14 +1,5 @@
-"""The five batch-norm kernels SoloSyncBatchNorm is built from: torch's native CUDA ones, and the same five
-written with CPU-capable ops, with the same signatures, dtypes and arithmetic, for every other device.
-
-torch's ``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``,
-``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt`` (what ``torch.nn.SyncBatchNorm`` uses) exist on
-CUDA only. :data:`NATIVE` is them; :data:`PORTABLE` does on any device what their CUDA source does
-(aten/src/ATen/native/cuda/Normalization.cuh, torch 2.14): statistics in the accumulation dtype (fp32 for
-fp16/bf16/fp32 inputs, fp64 for fp64), outputs in the input's dtype rounded once. One autograd function calls
-either through :func:`for_device`, so the CPU tests run the CUDA path's code with only the kernels swapped;
-``benchmarks/gpu_check.py`` compares the two sets on CUDA tensors.
-"""
+"""The five batch-norm kernels SoloSyncBatchNorm is built from: torch's CUDA ones (:data:`NATIVE`), and the same
+five from CPU-capable ops with the CUDA source's dtypes and arithmetic (:data:`PORTABLE`). See docs/syncbn.md."""
 
 from __future__ import annotations
 
@@ -40,16 +31,14 @@ def _view(t: Tensor, x: Tensor) -> Tensor:
 def _stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Per-channel mean and 1/sqrt(biased var + eps), in the accumulation dtype."""
     channels, acc = x.shape[1], acc_dtype(x)
-    # Scratch running buffers (momentum 0) make the CPU kernel return fp32 statistics of fp16/bf16 input
-    # (without them it rounds them to the input's dtype).
+    # Scratch running buffers: fp32 statistics of fp16/bf16 input (without them, rounded to the input's dtype)
     mean, var = torch.batch_norm_update_stats(x, x.new_zeros(channels, dtype=acc), x.new_ones(channels, dtype=acc), 0.0)
     return mean, var.add_(eps).rsqrt_()
 
 
 def _gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
-    """Mean and invstd of the union of the rows' batches (row j: ``counts[j]`` values), and the running
-    statistics updated in place with the unbiased variance. The CUDA kernel merges the rows one by one (a
-    leading row of count 0 gives NaN there); SoloSyncBatchNorm passes one row, whose count is positive."""
+    """Mean and invstd of the union of the rows' batches (row j: ``counts[j]`` values); the running statistics
+    updated in place with the unbiased variance."""
     counts = counts.to(mean_all.dtype).unsqueeze(1)
     n = counts.sum(0)
     mean = (mean_all * counts).sum(0) / n
@@ -62,9 +51,8 @@ def _gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var
 
 
 def _elemt(x, weight, bias, mean, invstd, eps):
-    """(x - mean)·invstd·weight + bias: batch_norm in eval mode with var = invstd⁻² and an eps of float32's
-    smallest normal (torch 2.11 refuses 0; var + it is var) is that, one fused CPU kernel computing in fp32 for
-    fp16/bf16 input, output in x's dtype."""
+    """(x - mean)·invstd·weight + bias: eval-mode batch_norm with var = invstd⁻² and eps float32's smallest normal
+    (torch 2.11 refuses 0), one fused kernel."""
     return F.batch_norm(x, mean, invstd.pow(-2), weight, bias, False, 0.0, _TINY)
 
 
@@ -87,14 +75,12 @@ def _backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
 
 
 def _backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-    """(dy - Σdy/n - (x - mean)·invstd²·Σdy(x-mean)/n)·invstd·weight, n = Σcount: computed in the accumulation
-    dtype from the low-precision dy and x and rounded once, as the CUDA kernel does. Two separately rounded
-    fp16/bf16 terms would lose the result when they nearly cancel, and overflow fp16 under a GradScaler."""
+    """(dy - Σdy/n - (x - mean)·invstd²·Σdy(x-mean)/n)·invstd·weight, n = Σcount, in the accumulation dtype and
+    rounded once, as the CUDA kernel does (docs/syncbn.md, Precision)."""
     norm = count.sum().to(mean.dtype).reciprocal()
     proj = invstd.square() * sum_dy_xmu * norm
     scale = invstd if weight is None else invstd * weight
-    # As dy·scale + x·a + c with per-channel a and c: two passes over the activations, in x's layout; the
-    # first makes a new tensor of the accumulation dtype (type promotion), the second adds to it in place.
+    # dy·scale + x·a + c (per-channel a, c): two passes, the first into a new accumulation-dtype tensor
     a, c = -proj * scale, (mean * proj - sum_dy * norm) * scale
     grad = torch.addcmul(_view(c, x), x, _view(a, x))
     return grad.addcmul_(dy, _view(scale, x)).to(x.dtype)

@@ -1,18 +1,5 @@
-"""SoloSyncBatchNorm: BatchNorm synchronised over any process-group backend (gloo on CPU, nccl on GPU),
-:func:`sync_batch_norm` (its functional form), and :func:`convert` / :func:`revert`, which swap a model's
-BatchNorm layers to it and back to their original classes.
-
-* :class:`SoloSyncBatchNorm`: statistics all-reduced over the global batch in forward (one all-reduce
-  of ``2C + 1`` float64 values), exact gradients in backward (one all-reduce of ``2C`` values in the
-  statistics' dtype), running statistics identical to BatchNorm over the concatenated batch, uneven or empty
-  per-rank batches weighted by their element counts, no communication in eval mode. No host sync, no copy of
-  fp16/bf16 activations, same collectives on every rank whatever its autocast dtype. On CUDA it runs torch's
-  fused SyncBN kernels; elsewhere the same arithmetic from CPU-capable ops (:mod:`.kernels`).
-* :func:`convert` / :func:`revert`: in place, same objects, same state-dict keys, so checkpoints stay
-  torchvision-compatible. A converted layer keeps its class too: it becomes an instance of a class made from
-  its own with the synchronising forward beneath it (:func:`synced_class`), so ``isinstance``, the class's
-  ``forward`` (one that calls ``super().forward``) and its attributes hold during the fit.
-"""
+"""SoloSyncBatchNorm (BatchNorm over the batch of every rank, any backend), :func:`sync_batch_norm`, and
+:func:`convert` / :func:`revert`, which swap a model's BatchNorm layers to it and back. See docs/syncbn.md."""
 
 from __future__ import annotations
 
@@ -34,7 +21,6 @@ from lightning_solo.core import ranks
 from lightning_solo.ddp.syncbn import kernels
 from lightning_solo.ddp.syncbn.wait import SYNCBN_WAIT
 
-# Set on a converted layer: the class to restore at revert.
 _ORIGINAL_CLS = "_solo_original_cls"
 _FLOAT = (torch.float32, torch.float64)
 
@@ -54,12 +40,8 @@ def _all_reduce(t: Tensor, group: Any) -> None:
 
 
 def _check_count(stats: Tensor, local: int) -> None:
-    """Native BatchNorm's error for a batch of one value per channel, raised by every rank alike.
-
-    A rank with more than one value knows the global count is too (no read). Only ranks with at most one read
-    the all-reduced count, and when it is too small every rank is such a rank, so all of them raise. A
-    device-side assert instead would kill the CUDA context with a message that names no layer.
-    """
+    """Native BatchNorm's error for one value per channel, raised by every rank alike: only a rank with at most
+    one value reads the all-reduced count (when it is too small, every rank is such a rank)."""
     if local <= 1 and (total := int(stats[-1].item())) <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {total} over all ranks (this rank: {local})"
@@ -67,9 +49,8 @@ def _check_count(stats: Tensor, local: int) -> None:
 
 
 def _update_running(k, x, stats, mean_invstd, running_mean, running_var, factor, eps) -> None:
-    """Running statistics from the global ones: torch's kernel when it can take them (a float momentum,
-    fp32/fp64 buffers of the statistics' dtype), else the same update with ``lerp_``, which also takes the
-    device-side factor of ``momentum=None``."""
+    """Running statistics from the global ones: torch's kernel when it takes them, else ``lerp_`` (which also
+    takes ``momentum=None``'s device-side factor)."""
     if running_mean is None or running_var is None:
         return
     total, dtype = stats[-1:], running_mean.dtype
@@ -90,18 +71,8 @@ def _moments(stats: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Batch-norm over the batch of all ranks in ``group``; each rank holds its own slice of it.
-
-    The same code runs on every device; only the five kernels differ (:mod:`.kernels`). It keeps three
-    properties a GPU run needs:
-
-    * no host sync: the global count stays a device tensor (shapes alone choose the branches), read only by a
-      rank with at most one value per channel (:func:`_check_count`);
-    * no copy of the activations in another dtype: the kernels take fp16/bf16 activations with fp32
-      statistics and parameters, compute in fp32 and round once;
-    * every rank sends the same collectives, whatever its batch (empty included) or autocast dtype:
-      ``2C + 1`` float64 values forward, ``2C`` of the statistics' dtype backward.
-    """
+    """Batch-norm over the batch of all ranks in ``group``, each holding its slice: no host sync, no copy of the
+    activations in another dtype, the same collectives on every rank (docs/syncbn.md)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
@@ -114,8 +85,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 mean, invstd = k.stats(x, eps)
             else:  # an empty slice still takes part in the collectives, with a count of 0
                 mean, invstd = x.new_zeros(channels, dtype=acc), x.new_ones(channels, dtype=acc)
-            # Combined as float64 sums (n·mean, n·(var + mean²), n): exact even far from zero, one all-reduce of
-            # a fixed size and dtype whatever the world size, and uneven batches weighted by their counts.
+            # float64 sums (n·mean, n·(var + mean²), n): one all-reduce of a fixed size, uneven batches weighted
             stats = torch.cat([mean, invstd, invstd.new_ones(1)]).double()
             stats[channels:-1].pow_(-2).sub_(eps).addcmul_(stats[:channels], stats[:channels])  # var + mean²
             stats.mul_(count)
@@ -149,14 +119,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 sum_dy = sum_dy_xmu = mean.new_zeros(mean.numel())
                 grad_w = grad_b = mean.new_zeros(mean.numel()) if w is not None else None
             grad_x = None
-            # Every rank has the same graph, so either all of them or none take part in this all-reduce.
-            # Weight/bias gradients stay local: DDP averages them like any other parameter's.
+            # Every rank has the same graph: all or none take part. Weight/bias gradients: DDP averages them.
             if need_x:
                 sums = torch.cat([sum_dy, sum_dy_xmu])
                 _all_reduce(sums, ctx.group)
                 sum_dy, sum_dy_xmu = sums.view(2, -1)
-                # d/dx of the loss of all ranks (the batch statistics couple every rank's inputs), computed in
-                # the statistics' dtype and rounded once to x's.
+                # d/dx of the loss of all ranks, in the statistics' dtype, rounded once to x's
                 grad_x = (
                     k.backward_elemt(dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, total)
                     if x.numel()
@@ -177,31 +145,15 @@ def sync_batch_norm(
     factor: float | Tensor,
     group: Any = None,
 ) -> Tensor:
-    """Training-mode batch norm over the batch of every rank of ``group``, whatever its size (one included).
-
-    ``factor`` is the running statistics' update weight: the momentum, or a device tensor (``momentum=None``'s
-    1/num_batches_tracked, read without a host sync). What :class:`SoloSyncBatchNorm` calls in training with
-    more than one rank; ``benchmarks/gpu_check.py`` calls it on a one-rank NCCL group.
-    """
+    """Training-mode batch norm over the batch of every rank of ``group``. ``factor``: the running statistics'
+    update weight, the momentum or a device tensor (``momentum=None``'s 1/num_batches_tracked)."""
     return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps, factor, group)
 
 
 class SoloSyncBatchNorm(BatchNormBase):
-    """BatchNorm whose training statistics are those of the global batch, on any backend.
-
-    Same arguments, parameters, buffers and state-dict keys as ``torch.nn.BatchNorm{1,2,3}d``; accepts
-    inputs of any rank ≥ 2 (a layer made by :func:`convert` keeps its original class's input check).
-    Without an initialised process group, or with a world of one, it is plain BatchNorm; in eval mode
-    it uses the running statistics and never communicates.
-
-    Example::
-
-        bn = SoloSyncBatchNorm(64)                    # or syncbn.convert(model) for a whole model
-        y = bn(torch.randn(8, 64, 16, 16))            # statistics over the batch of every rank
-
-    Args:
-        process_group: the ranks whose batches form the global batch (default: all).
-    """
+    """BatchNorm whose training statistics are those of the global batch, on any backend; the arguments, buffers
+    and state-dict keys of ``torch.nn.BatchNorm{1,2,3}d``, plus ``process_group`` (default: all). Plain BatchNorm
+    with one rank or in eval mode."""
 
     # Read by find_unused_parameters="auto" (lightning_solo.ddp.unused.policy): its backward all-reduces.
     communicates_in_backward = True
@@ -232,8 +184,7 @@ class SoloSyncBatchNorm(BatchNormBase):
         if input.shape[1] == 0:
             raise ValueError("SoloSyncBatchNorm number of input channels should be non-zero")
         group = getattr(self, "process_group", None)
-        # Like torch's SyncBatchNorm, only training-mode statistics are synchronised: eval mode never
-        # communicates (with track_running_stats=False it normalises with the local batch's statistics).
+        # As torch's SyncBatchNorm: eval mode never communicates.
         synced = self.training and ranks.world_size(group) > 1
         factor: float | Tensor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -242,7 +193,6 @@ class SoloSyncBatchNorm(BatchNormBase):
                 tracked = self.num_batches_tracked
                 factor = tracked.reciprocal() if synced else 1.0 / float(tracked)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        # Buffers are read in eval mode and updated in training mode only when tracked.
         pass_buffers = not self.training or self.track_running_stats
         running_mean = self.running_mean if pass_buffers else None
         running_var = self.running_var if pass_buffers else None
@@ -267,17 +217,8 @@ _MADE: dict[tuple[type, type], type | str] = {}  # synced_class's answers, one p
 
 
 def synced_class(cls: type, target: type[nn.Module] = SoloSyncBatchNorm) -> type | str:
-    """The class a layer of ``cls`` takes while synchronised by ``target``'s forward, or why there is none.
-
-    Made once per class as ``class cls'(cls, target)``: ``target`` sits beneath ``cls`` and above torch's
-    ``_BatchNorm`` in the MRO, so ``isinstance`` holds for ``cls`` and its bases, ``cls``'s own methods run,
-    and a ``forward`` of ``cls`` that calls ``super().forward`` reaches the synchronising one. It keeps
-    ``cls``'s ``__name__``, ``__qualname__`` and ``__module__``; pickled, it is made again from ``cls``. A
-    ``SyncBatchNorm`` (torch's or ours) with no ``forward`` above it gets ``target``'s. Where a ``forward`` of
-    ``cls`` would never reach ``target``'s (it calls no ``super().forward``, or reaches a SyncBatchNorm's), or
-    ``cls`` refuses the subclass, the reason instead (a ``str``). A forward that calls ``super().forward`` on
-    some ranks only would leave the others waiting in the all-reduce, as with torch's SyncBatchNorm.
-    """
+    """The class a layer of ``cls`` takes while synchronised by ``target``'s forward (``class cls'(cls, target)``,
+    made once, named as ``cls``), or why there is none (a ``str``). See docs/syncbn.md (Conversion)."""
     if (cls, target) not in _MADE:
         _MADE[cls, target] = _make(cls, target)
     return _MADE[cls, target]
@@ -328,16 +269,9 @@ def _is_convertible(module: nn.Module, target: type) -> bool:
 
 
 def convert(model: nn.Module, native: bool = False, process_group: Any = None) -> nn.Module:
-    """Make every BatchNorm layer of ``model`` synchronised, in place; returns ``model``.
-
-    The layers keep their identity, parameters, buffers, hooks and state-dict keys, and their class: each
-    becomes an instance of :func:`synced_class` of its own (with :class:`SoloSyncBatchNorm` beneath, or
-    ``torch.nn.SyncBatchNorm`` with ``native=True``, which works on CUDA only), and the original class is
-    remembered for :func:`revert`. Swapping the class rather than building new modules keeps references held
-    elsewhere (optimizers, EMA copies, hooks) valid. Layers that cannot be synchronised (:func:`left_alone`)
-    stay as they are. A torch ``SyncBatchNorm`` on the CPU becomes a plain :class:`SoloSyncBatchNorm` for the
-    fit: DDP refuses any ``SyncBatchNorm`` instance there (stock cannot run it on the CPU at all).
-    """
+    """Make every BatchNorm layer of ``model`` synchronised, in place (same objects, parameters, hooks and keys;
+    their class :func:`synced_class` of their own, ``torch.nn.SyncBatchNorm`` beneath with ``native=True``);
+    returns ``model``. Layers :func:`left_alone` stay as they are."""
     target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
     for module in model.modules():
         if not _is_convertible(module, target) or isinstance(made := synced_class(type(module), target), str):

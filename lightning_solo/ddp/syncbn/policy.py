@@ -45,14 +45,9 @@ def decide(
     trainer_flag: bool = False,
     left_alone: Sequence[str] = (),
 ) -> Decision:
-    """Whether to synchronise BatchNorm, and why.
-
-    ``"auto"`` turns it on when the model has BatchNorm, there is more than one process and the
-    per-device batch is below ``threshold`` (its statistics are then noisy). When the per-device batch is
-    unknown, auto keeps plain BatchNorm (what DDP does) and says so. ``Trainer(sync_batchnorm=True)``
-    (``trainer_flag``) counts as ``True``. ``has_batchnorm``: layers SyncBN can take; ``left_alone``: those it
-    cannot (they run as under DDP, and ``True`` or ``"auto"`` says so; with no other layer it is off).
-    """
+    """Whether to synchronise BatchNorm, and why: "auto" turns it on with BatchNorm, several processes and a known
+    per-device batch below ``threshold``. ``trainer_flag``: ``Trainer(sync_batchnorm=True)``, as ``True``;
+    ``left_alone``: layers SyncBN cannot take (named in the decision)."""
     decision = _decide(option, has_batchnorm or bool(left_alone), world_size, per_device_batch, threshold,
                        trainer_flag)  # fmt: skip
     if not (decision.value and left_alone):
@@ -93,31 +88,19 @@ def _decide(
         return Decision(
             "sync_batchnorm", False, "per-device batch size unknown; pass sync_batchnorm=True to synchronise"
         )
-    if per_device_batch < threshold:
+    if per_device_batch >= threshold:
         return Decision(
-            "sync_batchnorm",
-            True,
-            f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy; "
-            f"statistics over the global batch of {per_device_batch * world_size}",
+            "sync_batchnorm", False, f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice"
         )
+    why = f"per-device batch {per_device_batch} < {threshold}: per-device statistics would be noisy"
     return Decision(
-        "sync_batchnorm",
-        False,
-        f"per-device batch {per_device_batch} >= {threshold}: local statistics suffice",
+        "sync_batchnorm", True, f"{why}; statistics over the global batch of {per_device_batch * world_size}"
     )
 
 
 def sync_group(timeout: timedelta | None = None) -> Any:
-    """The group SoloSyncBatchNorm's collectives use in a SoloDDP fit: on NCCL a group of their own, else the
-    world (``None``).
-
-    On one NCCL communicator, SyncBN's backward all-reduce would queue behind every DDP bucket launched before
-    it: backward stalls until they finish (the overlap DDP exists for is lost), and when ranks' graphs differ a
-    SyncBN buffer can pair with a bucket. Its own communicator has its own stream (high priority: backward waits
-    on it), so it runs at once and can only ever pair with SyncBN's. The price: one more NCCL communicator's
-    buffers on each GPU. Made once per default group, at setup, by every rank alike (``new_group`` is a
-    collective over the world). On gloo the world is kept: see docs/design.md (SyncBN) for why.
-    """
+    """The group SoloSyncBatchNorm's collectives use in a SoloDDP fit: on NCCL one of their own (high-priority
+    stream, made once per default group by every rank alike), else the world (``None``). See docs/syncbn.md."""
     if not _nccl_world():
         return None
 
@@ -160,13 +143,7 @@ def decide_layer_sync(
     trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
 ) -> tuple[Decision, LayerSync | None]:
     """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).
-
-    ``requested`` is what Lightning's connector put on the strategy: ``TorchSyncBatchNorm`` for
-    ``Trainer(sync_batchnorm=True)`` (replaced by ours: torch's refuses CPU), a custom ``LayerSync``
-    plugin (kept as is), or ``None``. :class:`SoloSyncBatchNorm` is used on every device and backend:
-    torch's ``SyncBatchNorm`` syncs the host once per layer and step and, under autocast, sends half-precision
-    zeros from an empty rank while the others send fp32 (NCCL then hangs or corrupts memory).
-    """
+    ``requested``: the connector's plugin (``TorchSyncBatchNorm``, replaced by ours; a custom one, kept)."""
     if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
         return Decision(
             "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
@@ -190,10 +167,8 @@ def decide_layer_sync(
 
 
 class LayerSyncChoice:
-    """Lightning's ``_layer_sync`` across a strategy's fits. Its connector puts ``Trainer(sync_batchnorm=...)``'s
-    plugin (or ``None``) there, and its TorchSyncBatchNorm fails on CPU: :meth:`choose` reads that request once and
-    puts the plugin chosen for each fit there, for DDPStrategy's setup (which converts) and teardown (which
-    reverts); :meth:`around_teardown` puts the request back after."""
+    """Lightning's ``_layer_sync`` across a strategy's fits: the request read once, the plugin chosen for each fit
+    put there for DDPStrategy's setup and teardown, and the request put back after teardown."""
 
     def __init__(self, option: SyncOption, threshold: int) -> None:
         validate(option, threshold)

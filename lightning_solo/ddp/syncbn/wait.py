@@ -1,17 +1,6 @@
-"""How long SoloSyncBatchNorm's collectives hold this process's step up, for TrainingDoctor.
-
-SyncBN's all-reduces run inside forward and backward, so a step timer sees their wait as compute. DDP's own
-timings do not cover them. Each all-reduce is timed here instead, and the doctor's timer
-(:mod:`lightning_solo.diagnostics.doctor.timing`) moves the total from compute to communication:
-
-* on CPU, the host clock around the blocking all-reduce;
-* on CUDA, two events on the current stream around it. The stream waits for the collective between them,
-  so their interval is that wait, whether the collective ran late or waited for another rank. The events
-  are read back a bin later with the timer's own, never in the step.
-
-Nothing is timed unless a reader listens (the doctor listens from its first batch to the end of fit): the cost is
-then one check per collective.
-"""
+"""How long SoloSyncBatchNorm's collectives hold this process's step up, for TrainingDoctor: the host clock on
+CPU, two CUDA events around each collective on CUDA (read back later), nothing unless a reader listens.
+See docs/syncbn.md (TrainingDoctor)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``find_unused_parameters="auto"``'s fast path kept exact: the step completed as ``True`` would when a gradient
-did not arrive (:class:`FastPathStep`), with collectives apart from DDP's: which gradients arrived in the
-synchronised backward and the step's usage map (:class:`_Arrivals`), and an ``all_gather`` whose backward
-all-reduces on a side group (:func:`all_gather_grad_on`)."""
+did not arrive (:class:`FastPathStep`), and an ``all_gather`` whose backward all-reduces on a side group
+(:func:`all_gather_grad_on`). See docs/unused-parameters.md."""
 
 from __future__ import annotations
 
@@ -20,75 +19,111 @@ from lightning_solo._compat import torch as torch_compat
 class FastPathStep:
     """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step.
 
-    Args:
-        named: the trainable ``(name, parameter)`` pairs at bind time ("our" indices).
-        synced: our indices of the parameters DDP synchronises, in the reducer's order.
-        ignored: our indices of the parameters excluded from synchronisation.
-        group: a gloo group apart from DDP's.
-        signal_early: every event shows by the end of backward (nothing excluded): signal as soon as the last
-            synchronised gradient arrives, so DDP's last bucket leaves on time.
-        ddp, sentinel_index: the wrapper and the sentinel's reducer index, when there is a sentinel.
-
-    See docs/unused-parameters.md."""
+    The usage row has a value per parameter (``named``'s order): 2 for one this rank missed with no gradient, 1 for
+    one missed with a gradient from an earlier micro-batch or an excluded one (``ignored``) that got a gradient;
+    summed over ranks, ``2 * world`` means no rank used it. It travels as the gradient of ``sentinel`` in DDP's last
+    bucket (at ``sentinel_index`` of ``ddp``'s reducer), or over the gloo ``group`` without one. ``signal_early``:
+    nothing excluded, so the sentinel is fed as the last ``synced`` gradient arrives and, unless this rank missed a
+    parameter, read one step late (copied to the host without waiting, read after the next backward)."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], ignored: list[int], group: Any,
                  *, signal_early: bool, sentinel: Parameter | None = None, ddp: DistributedDataParallel | None = None,
                  sentinel_index: int = -1) -> None:  # fmt: skip
-        self.named, self.synced, self.ignored, self.sentinel = named, synced, ignored, sentinel
-        self.arrivals = arrivals = _Arrivals(named, synced, group)
-        if sentinel is not None and ddp is None:
-            raise ValueError("FastPathStep: a sentinel is marked ready in its DDP wrapper: pass `ddp`")
+        self.named, self.synced, self.ignored, self.sentinel, self.group = named, synced, ignored, sentinel, group
+        self.seen, self.row = bytearray(len(named)), torch.zeros(len(named), dtype=torch.int32)
+        self.left, self.armed, self.flag = 0, False, False
+        self.work: Any = None
+        self.on_last: Callable[[], None] | None = None  # called as the last synchronised gradient arrives
         if signal_early:
-            arrivals.on_last = (
-                arrivals.send
-                if sentinel is None or ddp is None
-                else functools.partial(self._signal, ddp, sentinel, sentinel_index)
-            )
+            self.on_last = self._send if sentinel is None else functools.partial(self._signal, ddp, sentinel_index)
+        self.late = signal_early and sentinel is not None
+        if sentinel is not None and self.late:
+            self.host = torch.empty(sentinel.shape, dtype=sentinel.dtype, pin_memory=sentinel.is_cuda)
+            self.ready = torch.cuda.Event() if sentinel.is_cuda else None
+        self.late_step: int | None = None
+        synced_set = set(synced)
+        self.handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._arrived, i, i in synced_set))
+            for i, (_, p) in enumerate(named)
+        ]
+
+    def _arrived(self, i: int, synced: bool, _: Parameter) -> None:
+        if self.armed and not self.seen[i]:
+            self.seen[i] = 1
+            if synced:
+                self.left -= 1
+                if self.left == 0 and self.on_last is not None:
+                    self.on_last()
 
     def arm(self) -> None:
-        self.arrivals.arm()
+        self.seen[:] = bytes(len(self.seen))
+        self.row.zero_()
+        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, False
 
     def remove(self) -> None:
-        self.arrivals.remove()
-        self.arrivals.on_last = None  # it may hold the DDP wrapper, which a re-wrap is about to drop
+        for handle in self.handles:
+            handle.remove()
+        self.on_last = None  # it may hold the DDP wrapper, which a re-wrap is about to drop
 
-    def complete(self, ddp: DistributedDataParallel, step: int) -> list[str]:
-        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the names of
-        the parameters that went without a gradient on some rank (empty: nothing happened)."""
-        arrivals = self.arrivals
-        missing = [i for i in self.synced if not arrivals.seen[i]]
+    def complete(self, ddp: DistributedDataParallel, step: int) -> tuple[int, list[str]] | None:
+        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the step and the
+        names of the parameters that went without a gradient on some rank, as every rank learns them alike: this
+        step's, or on the late path the previous step's (``None``: no event)."""
+        earlier = self.pending()
+        missing = [i for i in self.synced if not self.seen[i]]
         dropped = [i for i in self.ignored if self.named[i][1].grad is not None]
         if missing or dropped:
-            arrivals.map[2, dropped] = 1
-            arrivals.flag = 1.0
-        self._release(missing, arrivals.map, feed_sentinel=arrivals.on_last is None, step=step)
+            self.row[dropped] = 1
+            self.flag = True
+        self._release(missing, feed_sentinel=self.on_last is None, step=step)
+        world = ddp.process_group.size()
+        self.armed = False
         if self.sentinel is not None:
             # Every rank feeds the sentinel in backward, and DDP's last bucket reduces it: never None here.
-            if self.sentinel.grad is None:
+            grad, self.sentinel.grad = self.sentinel.grad, None
+            if grad is None:
                 raise RuntimeError(f"SoloDDP: step {step}: the unused-parameter sentinel got no gradient")
-            anyone = bool(self.sentinel.grad.item() > 0)  # the ranks' flags, averaged by DDP
-            self.sentinel.grad = None
-            if not anyone:
-                arrivals.armed = False
-                return []
-        counts = arrivals.receive()
-        if not counts.any():
-            return []
-        world = ddp.process_group.size()
-        for i in (counts[1] == world).nonzero().flatten().tolist():
-            self.named[i][1].grad = None  # no rank used it: leave it alone, as True does
-        for i in counts[2].nonzero().flatten().tolist():  # same order on every rank
-            param = self.named[i][1]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=ddp.process_group)
-            param.grad = grad.div_(world)
-        events = ((counts[0] > 0) | (counts[2] > 0)).nonzero().flatten().tolist()
-        return [self.named[i][0] for i in events]
+            if self.late:
+                self.host.copy_(grad, non_blocking=True)  # into pinned memory on a GPU
+                if self.ready is not None:
+                    self.ready.record()
+                self.late_step = step
+                if not self.flag:  # every parameter got its gradient here: none can be unused on every rank
+                    return earlier
+            counts = grad.mul(world).round_().to("cpu", torch.int32)  # the ranks' rows, averaged by DDP
+        else:
+            if self.work is None:
+                self._send()
+            self.work.wait()
+            counts, self.work = self.row, None
+        self._fix(ddp, counts.tolist(), world)
+        if self.late:
+            return earlier  # this step's events come with the late read, alike on every rank
+        return _events(self.named, counts, step) or earlier
 
-    def _release(self, missing: list[int], usage: torch.Tensor, feed_sentinel: bool, step: int) -> None:
-        """Feed zero gradients to the parameters whose gradient did not arrive on this rank: DDP's hooks fire,
-        the held-back buckets all-reduce in order, and the reduction finishes (``feed_sentinel``: with the
-        sentinel, held back on every rank, given this rank's event flag)."""
+    def pending(self) -> tuple[int, list[str]] | None:
+        """The late read not yet taken: the previous step's events (also at the end of fit)."""
+        if self.late_step is None:
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()  # recorded a whole step ago
+        step, self.late_step = self.late_step, None
+        return _events(self.named, self.host, step)
+
+    def _fix(self, ddp: DistributedDataParallel, counts: list[int], world: int) -> None:
+        for i in self.synced:
+            if counts[i] == 2 * world:
+                self.named[i][1].grad = None  # no rank used it: leave it alone, as True does
+        for i in self.ignored:  # same order on every rank
+            if counts[i] > 0:
+                param = self.named[i][1]
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                dist.all_reduce(grad, group=ddp.process_group)
+                param.grad = grad.div_(world)
+
+    def _release(self, missing: list[int], feed_sentinel: bool, step: int) -> None:
+        """Feed zero gradients to the parameters this rank missed, so DDP's held-back buckets all-reduce in order
+        (``feed_sentinel``: the sentinel too, with this rank's row)."""
         if not missing and not feed_sentinel:
             return
         params = [self.named[i][1] for i in missing]
@@ -101,67 +136,31 @@ class FastPathStep:
                 "re-wraps DDP there."
             )
         for i, p in zip(missing, params):
-            usage[0, i] = 1
-            usage[1, i] = int(p.grad is None)
+            self.row[i] = 1 + int(p.grad is None)
         grads = [torch.zeros_like(p) for p in params]
         if self.sentinel is not None and feed_sentinel:
             params.append(self.sentinel)
-            grads.append(torch.full_like(self.sentinel, self.arrivals.flag))
+            grads.append(self._sentinel_row(self.sentinel))
         if params:
             torch.autograd.backward(params, grads)
 
-    def _signal(self, ddp: DistributedDataParallel, sentinel: Parameter, index: int) -> None:
-        # Inside backward, from the hook of the last gradient to arrive: give the sentinel this rank's flag
-        # and mark it ready, as its own gradient hook would.
-        sentinel.grad = torch.full_like(sentinel, self.arrivals.flag)
+    def _sentinel_row(self, sentinel: Parameter) -> torch.Tensor:
+        # All zeros on a step without an event: made on the device, nothing copied from the host.
+        return self.row.to(sentinel.device, sentinel.dtype) if self.flag else torch.zeros_like(sentinel)
+
+    def _send(self) -> None:
+        self.work = dist.all_reduce(self.row, group=self.group, async_op=True)
+
+    def _signal(self, ddp: Any, index: int) -> None:
+        # Inside backward: the sentinel gets this rank's row and is marked ready, as its own hook would
+        assert self.sentinel is not None
+        self.sentinel.grad = self._sentinel_row(self.sentinel)
         torch_compat.mark_ready(ddp, index)
 
 
-class _Arrivals:
-    """Fast path: whose gradients arrived in the synchronised backward, this rank's event flag, and the
-    step's usage map ``[missing | unused | dropped]``, all-reduced on ``group`` (:meth:`send`, :meth:`receive`).
-    ``on_last`` runs in the hook of the last synchronised gradient to arrive."""
-
-    def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], group: Any):
-        self.seen = bytearray(len(named))
-        self.map = torch.zeros(3, len(named), dtype=torch.int32)
-        self.group, self.synced = group, set(synced)
-        self.on_last: Callable[[], None] | None = None
-        self.left, self.armed, self.flag = 0, False, 0.0
-        self.work: Any = None
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
-
-    def _hook(self, i: int):
-        synced = i in self.synced
-
-        def arrived(_: Parameter) -> None:
-            if self.armed and not self.seen[i]:
-                self.seen[i] = 1
-                if synced:
-                    self.left -= 1
-                    if self.left == 0 and self.on_last is not None:
-                        self.on_last()
-
-        return arrived
-
-    def arm(self) -> None:
-        self.seen[:] = bytes(len(self.seen))
-        self.map.zero_()
-        self.left, self.armed, self.work, self.flag = len(self.synced), True, None, 0.0
-
-    def send(self) -> None:
-        self.work = dist.all_reduce(self.map, group=self.group, async_op=True)
-
-    def receive(self) -> torch.Tensor:
-        if self.work is None:
-            self.send()
-        self.work.wait()
-        self.armed, self.work = False, None
-        return self.map
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+def _events(named: tuple[tuple[str, Parameter], ...], counts: torch.Tensor, step: int) -> tuple[int, list[str]] | None:
+    names = [named[i][0] for i in counts.nonzero().flatten().tolist()]
+    return (step, names) if names else None
 
 
 def all_gather_grad_on(tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:

@@ -1,25 +1,6 @@
 """``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
 ``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
-
-Example::
-
-    policy = UnusedParameters("auto")
-    group = torch.distributed.new_group(backend="gloo")  # apart from DDP's
-    ddp = policy.bind(DistributedDataParallel(model, find_unused_parameters=policy.initial), group)
-    for step, batch in enumerate(loader):
-        if policy.at_boundary(ddp):                      # re-wrap decided (same on every rank)
-            build = lambda m: DistributedDataParallel(m, find_unused_parameters=policy.find_unused, init_sync=False)
-            module = policy.unwrap(ddp)
-            del ddp                                      # its reducer's buckets go before the next ones come
-            ddp = policy.rebuild(module, build, group)   # (policy.rewrap: the two in one call)
-        policy.before_backward(ddp)
-        ddp(batch).sum().backward()
-        policy.after_backward(ddp)                       # before optimizer.step()
-        optimizer.step(); optimizer.zero_grad()
-    policy.finish(ddp)                                   # every rank, at the end
-    print(policy.decision)
-
-See docs/unused-parameters.md."""
+See docs/unused-parameters.md (with an example on a bare DDP)."""
 
 from __future__ import annotations
 
@@ -44,7 +25,7 @@ from lightning_solo.ddp.unused.surgery import (
     trainable,
     unwrap_excluding,
 )
-from lightning_solo.ddp.unused.watch import search_safe_checkpointing, watch_collectives
+from lightning_solo.ddp.unused.watch import quiet_search_note, search_safe_checkpointing, watch_collectives
 from lightning_solo.ddp.unused.window import UsageWindow
 
 FindUnused = bool | Literal["auto"]
@@ -65,22 +46,10 @@ def check_find_unused(value: Any) -> FindUnused:
     return check_choice("find_unused_parameters", value, FIND_UNUSED_VALUES, hint)
 
 
-def _position(params: list[Parameter], param: Parameter | None) -> int:
-    """``param``'s index in ``params`` by identity (-1: absent). Not ``list.index``: it compares tensors with
-    ``==``, which fails on a multi-element parameter before it (one defined on the LightningModule itself) and
-    matches a one-element parameter that merely equals it."""
-    return next((i for i, p in enumerate(params) if p is param), -1)
-
-
 class UnusedParameters:
-    """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP` (see the module docstring).
-
-    Args:
-        setting: ``"auto"``, ``True`` or ``False`` (the user's choice, then left alone).
-        window: synchronised backward passes of evidence before deciding.
-        static_graph: the user's DDP ``static_graph``; DDP then tracks a fixed unused set itself and "auto"
-            stays out of the way.
-    """
+    """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP`: ``setting`` ("auto", True or
+    False), ``window`` (synchronised backward passes of evidence), ``static_graph`` (the user's; "auto" then stays
+    out of the way)."""
 
     def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
         self.setting = check_find_unused(setting)
@@ -114,9 +83,10 @@ class UnusedParameters:
         self._user_ignore: list[str] | None = None
         self._group: Any = None
         self._fast: FastPathStep | None = None  # on the fast path: its per-step completion
-        self._evidence = UsageWindow(window)
+        self._evidence = UsageWindow()
         self._backward_collective: str | None = None  # why collectives run inside backward, once known
         self._switch: str | None = None  # why the fast path must end: switch to True at the next boundary
+        self._probe = False  # the window's wrapper holds the probe parameter
 
     def fresh(self) -> UnusedParameters:
         """A policy with the same settings and no evidence: every fit decides from its own steps."""
@@ -138,8 +108,7 @@ class UnusedParameters:
         return self.phase in (Phase.FAST, Phase.EXCLUDING)
 
     def step_context(self, note_reentrant: Callable[[], None]) -> contextlib.AbstractContextManager[Any]:
-        """Around a training step: while "auto" has DDP searching, reentrant checkpointing (which the search
-        cannot follow) runs non-reentrant, and ``note_reentrant`` is told (:mod:`~lightning_solo.ddp.unused.watch`)."""
+        """Around a training step: while "auto" has DDP searching, reentrant checkpointing runs non-reentrant."""
         return search_safe_checkpointing(note_reentrant) if self.searching else contextlib.nullcontext()
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -150,17 +119,16 @@ class UnusedParameters:
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
              reducer_parameters: list[Parameter] | None = None) -> DistributedDataParallel:  # fmt: skip
         """Call on every new DDP wrapper (:meth:`wrap` and :meth:`rebuild` do). ``group``: a gloo group apart from
-        DDP's (``None``: there is none, so "auto" stays on ``True``)."""
-        self._remove_hooks()
+        DDP's (``None``: "auto" stays on ``True``)."""
+        self.stop()
         self._group = group
         self._named = trainable(ddp.module)
         self._trainable_flags = [(p, p.requires_grad) for p in ddp.module.parameters()]  # checked every batch
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
         self._to_ours = [index.get(id(p), -1) for p in reducer_parameters or ddp_surgery.reducer_parameters(ddp)]
-        if self.phase is Phase.WINDOW and (found := backward_collectives(ddp.module)):
-            more = ", ..." if len(found) > 3 else ""
-            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
-            self._search(f"{self._backward_collective} communicate inside backward")
+        self._check_layers(ddp.module)
+        if self.phase is Phase.SEARCHING:
+            quiet_search_note(group)
         if self.phase in (Phase.FAST, Phase.EXCLUDING):
             self._fast = FastPathStep(
                 self._named,
@@ -171,42 +139,36 @@ class UnusedParameters:
                 signal_early=self.phase is Phase.FAST,
                 sentinel=sentinel,
                 ddp=ddp,
-                sentinel_index=_position(reducer_parameters or [], sentinel),
+                # by identity: list.index compares tensors with ==
+                sentinel_index=next((i for i, p in enumerate(reducer_parameters or []) if p is sentinel), -1),
             )
         return ddp
 
     def rebuild(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
                 exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """``build`` the next wrapper of ``module`` (as :meth:`unwrap` left it) with
-        ``find_unused_parameters=self.find_unused``, and bind it.
-
-        ``exact_allreduce`` (no comm hook): on the fast path a one-element sentinel parameter rides in DDP's
-        last bucket. Every rank feeds it 1 if it had an event, 0 if not, so the averaged value tells every
-        rank, with no collective of its own, whether the step needs the usage map. A comm hook may compress
-        or skip that all-reduce; with one, the map goes out on ``group`` every step instead."""
+        """``build`` the next wrapper of ``module`` (as :meth:`unwrap` left it) and bind it; on the fast path with
+        ``exact_allreduce`` (no comm hook, which may compress it) with the usage sentinel in DDP's last bucket."""
         if self.phase is Phase.WINDOW:
             return self.wrap(module, build, group, probe=exact_allreduce)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
             return self.bind(build(module), group)
-        new, sentinel, params = build_with_sentinel(module, build)
+        new, sentinel, params = build_with_sentinel(module, build, len(trainable(module)))
         return self.bind(new, group, sentinel=sentinel, reducer_parameters=params)
 
     def wrap(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
              probe: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """``build(module)`` and bind it. In the evidence window DDP gets a one-element probe parameter that no
-        forward uses: DDP's search then always finds an unused parameter, and so never prints its warning that
-        find_unused_parameters=True found none (the window's expected outcome, on every rank, naming a setting
-        the user did not choose). The probe is not the model's: never in its state_dict or optimizer. Like the
-        fast path's sentinel, only with ``probe`` (no comm hook: PowerSGD keys its state to the model's
-        parameters)."""
-        if self.phase is not Phase.WINDOW or not probe:
+        """``build(module)`` and bind it; in the evidence window (and ``probe``: no comm hook) with a probe parameter
+        no forward uses, so that DDP's search never notes that it found nothing unused. Never the model's."""
+        self._check_layers(module)  # SyncBN found: on True for good, built without the probe
+        self._probe = self.phase is Phase.WINDOW and probe
+        if not self._probe:
             return self.bind(build(module), group)
         new, _, params = build_with_sentinel(module, build)
         return self.bind(new, group, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
-        """A collective will run inside this step's backward (e.g. a gradient-carrying ``all_gather``). Called
-        on every rank alike; on the fast path "auto" moves to ``True`` at the next batch boundary."""
+        """A collective will run inside this step's backward, on every rank alike: on the fast path "auto" moves
+        to ``True`` at the next batch boundary."""
         if self._backward_collective is None and self.phase is not Phase.USER:
             self._backward_collective = what
             if self.phase in (Phase.FAST, Phase.EXCLUDING) and self._switch is None:
@@ -223,25 +185,18 @@ class UnusedParameters:
         self.steps += 1
         if self.phase is Phase.WINDOW:
             self._evidence.add(ddp, self._to_ours, len(self._named))
-        elif self._fast is not None and (names := self._fast.complete(ddp, self.steps - 1)):
-            self.varying_names = sorted(set(self.varying_names) | set(names))
-            if self._switch is None:
-                self._switch = (
-                    f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
-                    f"step {self.steps - 1} ({', '.join(names)}); that step was completed as True would have"
-                )
-                rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
+        elif self._fast is not None:
+            self._note_event(self._fast.complete(ddp, self.steps - 1))
 
     def at_boundary(self, ddp: Module) -> bool:
-        """At a batch boundary (after an optimizer step), on every rank. True: re-wrap now with
-        :meth:`unwrap`, then :meth:`rebuild`."""
+        """At a batch boundary, on every rank. True: re-wrap now (:meth:`unwrap`, then :meth:`rebuild`)."""
         if not isinstance(ddp, DistributedDataParallel):
             return False
         if any(p.requires_grad is not was for p, was in self._trainable_flags):
             self._trainable_set_changed(ddp.module)
             return True
-        if self.phase is Phase.WINDOW and self._evidence.full:
-            return self._decide()
+        if self.phase is Phase.WINDOW and self._evidence.steps >= self.window:
+            return self._decide() or self._probe  # the probe leaves DDP whatever the decision
         if self._switch is not None:
             self._search(f"{self._switch}: switched to find_unused_parameters=True from step {self.steps}")
             self._switch = None
@@ -249,23 +204,22 @@ class UnusedParameters:
         return False
 
     def unwrap(self, ddp: DistributedDataParallel, keep_grads: bool = False) -> Module:
-        """Detach ``ddp`` from its module and mark the parameters to exclude; returns the bare module.
-
-        Gradients alias the old wrapper's buckets (``gradient_as_bucket_view``). After an optimizer step they
-        are spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
-        optimization may accumulate across batches)."""
-        self._remove_hooks()
+        """Detach ``ddp`` from its module, marking the parameters to exclude; returns the bare module
+        (:func:`~lightning_solo.ddp.unused.surgery.unwrap_excluding`)."""
+        self.stop()
         if self._user_ignore is None:
             self._user_ignore = ddp_ignore_list(ddp.module)
         return unwrap_excluding(ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads)
 
     def finish(self, ddp: Module) -> None:
-        """At the end of fit, on every rank: report an unfinished window, remove the hooks and give the
-        module back its own DDP ignore list."""
-        self._remove_hooks()
+        """At the end of fit, on every rank: the late read and an unfinished window reported, hooks removed, the
+        user's DDP ignore list back."""
+        if self._fast is not None:
+            self._note_event(self._fast.pending())
+        self.stop()
         if self._user_ignore is not None:
             restore_ignore_list(getattr(ddp, "module", ddp), self._user_ignore)
-        if self.phase is Phase.WINDOW and self._evidence.started:
+        if self.phase is Phase.WINDOW and self._evidence.steps:
             self.decision = Decision(
                 "find_unused_parameters", True,
                 f"the fit ended within the evidence window ({self._evidence.steps} of {self.window} steps): True throughout",
@@ -280,11 +234,26 @@ class UnusedParameters:
         ours = self._to_ours[index] if 0 <= index < len(self._to_ours) else -1
         return self._named[ours][0] if ours >= 0 else None
 
-    def stop(self) -> None:
-        """Remove the per-parameter hooks (an exception ended the fit)."""
-        self._remove_hooks()
+    def _note_event(self, event: tuple[int, list[str]] | None) -> None:
+        if event is None:
+            return
+        step, names = event
+        self.varying_names = sorted(set(self.varying_names) | set(names))
+        if self._switch is None:
+            self._switch = (
+                f"after the evidence window, {len(names)} parameters went without a gradient on some rank at "
+                f"step {step} ({', '.join(names)}); that step was completed as True would have"
+            )
+            rank_zero_warn(f"SoloDDP: {self._switch}; switching to find_unused_parameters=True")
 
-    def _remove_hooks(self) -> None:
+    def _check_layers(self, module: Module) -> None:
+        if self.phase is Phase.WINDOW and (found := backward_collectives(module)):
+            more = ", ..." if len(found) > 3 else ""
+            self._backward_collective = f"{len(found)} SyncBatchNorm-like layers ({', '.join(found[:3])}{more})"
+            self._search(f"{self._backward_collective} communicate inside backward")
+
+    def stop(self) -> None:
+        """Remove the per-parameter hooks (also when an exception ended the fit)."""
         if self._fast is not None:
             self._fast.remove()
             self._fast = None
@@ -316,16 +285,16 @@ class UnusedParameters:
             self.decision = Decision(
                 "find_unused_parameters", False,
                 f"every parameter got a gradient on every rank in {steps}: DDP's fast path (a per-step check "
-                "completes any later step exactly as True would, then switches; it reads one value after each "
-                "backward, a host sync per step on GPUs that exactness before optimizer.step() needs: "
-                "find_unused_parameters=False skips the check)",
+                "completes any later step exactly as True would, then switches at the next batch; no host sync "
+                "on a step where this rank got every gradient: find_unused_parameters=False skips the check)",
             )  # fmt: skip
             return True
         self.phase = Phase.EXCLUDING
         self.decision = Decision(
             "find_unused_parameters", False,
             f"{len(never)} parameters ({self.unused_bytes / 2**20:.2f} MiB) got no gradient on any rank in "
-            f"{steps}: excluded from synchronisation, fast path for the rest",
+            f"{steps}: excluded from synchronisation, fast path for the rest (its check reads one value after "
+            "each backward, a host sync per step on GPUs)",
         )  # fmt: skip
         rank_zero_warn(
             f"SoloDDP: these parameters received no gradient in {steps} and are excluded from DDP's "
@@ -351,7 +320,7 @@ class UnusedParameters:
             )  # fmt: skip
             return
         self.phase, self.find_unused = Phase.WINDOW, True
-        self._evidence = UsageWindow(self.window)
+        self._evidence = UsageWindow()
         self.decision = Decision(
             "find_unused_parameters", "auto",
             f"{change}: DDP re-wrapped so every trainable parameter is synchronised; deciding again from the "

@@ -1,13 +1,4 @@
 """Taking a DDP wrapper apart and building the next one: what ``find_unused_parameters="auto"`` needs to re-wrap.
-
-Example::
-
-    user_ignore = ddp_ignore_list(ddp.module)
-    module = unwrap_excluding(ddp, ["head.weight"], user_ignore)
-    ddp, sentinel, params = build_with_sentinel(module, lambda m: DistributedDataParallel(m))
-    ...
-    restore_ignore_list(ddp.module, user_ignore)      # at the end of fit
-
 See docs/unused-parameters.md."""
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ def trainable(module: Module) -> tuple[tuple[str, Parameter], ...]:
 
 def reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
     """``ddp``'s parameters in its reducer's order, so reducer indices map to parameters."""
-    # The order of DDP's `_build_params_for_reducer` (module by module, deduplicated). Its ignore test is
-    # f"{module_name}.{param_name}" ("." + name at the root), hence the same test here.
+    # DDP's `_build_params_for_reducer` order, and its ignore test ("." + name at the root)
     seen: set[int] = set()
     params = []
     for module_name, module in ddp.module.named_modules():
@@ -53,10 +43,7 @@ def unwrap_excluding(
     ddp: DistributedDataParallel, excluded: list[str], user_ignore: list[str], keep_grads: bool = False
 ) -> Module:
     """Detach ``ddp`` from its module and mark ``excluded`` (names) for the next wrapper to leave out; returns
-    the bare module.
-
-    Gradients alias the old wrapper's buckets (``gradient_as_bucket_view``). After an optimizer step they are
-    spent and are reset, which frees those buckets; ``keep_grads`` copies them out instead (manual
+    the bare module. Gradients (views of the old buckets) are reset, or copied out with ``keep_grads`` (manual
     optimization may accumulate across batches)."""
     module = ddp.module
     torch_compat.remove_autograd_hooks(ddp)
@@ -75,12 +62,12 @@ def restore_ignore_list(module: Module, user_ignore: list[str]) -> None:
 
 
 def build_with_sentinel(
-    module: Module, build: Callable[[Module], DistributedDataParallel]
+    module: Module, build: Callable[[Module], DistributedDataParallel], size: int = 1
 ) -> tuple[DistributedDataParallel, Parameter, list[Parameter]]:
-    """``build(module)`` with a one-element sentinel parameter that lands in DDP's last bucket (registered last,
-    and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
-    sentinel = Parameter(torch.zeros(1, device=next(module.parameters()).device))
-    # Registered only while DDP collects its parameters: never in the module's state_dict or optimizer.
+    """``build(module)`` with a sentinel parameter of ``size`` values that lands in DDP's last bucket (registered
+    last, and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
+    sentinel = Parameter(torch.zeros(size, device=next(module.parameters()).device))
+    # Registered only while DDP collects its parameters: never in the state_dict or optimizer
     module.register_parameter(SENTINEL, sentinel)
     try:
         ddp = build(module)

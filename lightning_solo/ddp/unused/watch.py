@@ -1,20 +1,13 @@
 """What DDP's unused-parameter search cannot see for itself, watched while ``find_unused_parameters="auto"``
-has it searching (``True``): reentrant activation checkpointing, and collectives inside backward.
-
-Example::
-
-    with search_safe_checkpointing(on_substitute=lambda: print("substituted")):
-        loss = ddp(batch).sum()       # the model calls checkpoint(block, x, use_reentrant=True) inside
-    with watch_collectives(lambda what: print(what, "inside backward")):
-        loss.backward()
-
-See docs/unused-parameters.md."""
+has it searching: reentrant activation checkpointing, collectives inside backward; and DDP's note that the
+search found nothing, kept quiet. See docs/unused-parameters.md."""
 
 from __future__ import annotations
 
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -24,14 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.utils import checkpoint as torch_checkpoint
 
+from lightning_solo._compat.patch import Patches
+
 _substitutions: list[Callable[[], None]] = []  # the active blocks' callbacks, innermost last
 
 
 def _search_safe_apply(
-    cls: type[torch_checkpoint.CheckpointFunction],
-    function: Callable[..., Any],
-    preserve_rng_state: bool,
-    *args: Any,
+    cls: type[torch_checkpoint.CheckpointFunction], function: Callable[..., Any], preserve_rng_state: bool, *args: Any
 ) -> Any:
     if _substitutions and torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args):
         _substitutions[-1]()
@@ -43,15 +35,14 @@ def _search_safe_apply(
 def search_safe_checkpointing(on_substitute: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Within the block, reentrant checkpoint calls with a grad-requiring input run non-reentrantly, and
     ``on_substitute`` is called at each. Restored on exit, whatever happens."""
-    if not _substitutions:  # a patch of torch's class for the block (ignored for mypy), undone on exit
-        torch_checkpoint.CheckpointFunction.apply = classmethod(_search_safe_apply)  # type: ignore[method-assign,assignment]
-    _substitutions.append(on_substitute)
-    try:
-        yield
-    finally:
-        _substitutions.pop()
-        if not _substitutions:  # torch.autograd.Function.apply, which the class inherits, is what it was
-            del torch_checkpoint.CheckpointFunction.apply
+    with Patches() as patches:
+        if not _substitutions:  # the outermost block patches torch's class
+            patches.set(torch_checkpoint.CheckpointFunction, "apply", classmethod(_search_safe_apply))
+        _substitutions.append(on_substitute)
+        try:
+            yield
+        finally:
+            _substitutions.pop()
 
 
 # Called through the module (`dist.all_reduce(...)`), as torch.distributed.nn and user code do.
@@ -66,8 +57,6 @@ COLLECTIVES = (
 def watch_collectives(note: Callable[[str], None]) -> Iterator[None]:
     """Within the block, each ``torch.distributed`` collective called through its module calls
     ``note("torch.distributed.<name>")`` first. Restored on exit, whatever happens."""
-    modules = (dist, dist.distributed_c10d)
-    originals = [(m, name, getattr(m, name)) for m in modules for name in COLLECTIVES if hasattr(m, name)]
 
     def watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(collective)
@@ -78,13 +67,12 @@ def watch_collectives(note: Callable[[str], None]) -> Iterator[None]:
 
         return call
 
-    for module, name, collective in originals:
-        setattr(module, name, watched(name, collective))
-    try:
+    with Patches() as patches:
+        for module in (dist, dist.distributed_c10d):
+            for name in COLLECTIVES:
+                if hasattr(module, name):
+                    patches.set(module, name, watched(name, getattr(module, name)))
         yield
-    finally:
-        for module, name, collective in originals:
-            setattr(module, name, collective)
 
 
 # DDP's comm hooks (torch's, the pack's ddp/comm/) are DDP's own bucket communication, issued in bucket order.
@@ -98,3 +86,33 @@ def _from_comm_hook() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+_NOTE = b"did not find any unused parameters"
+_noted = False
+
+
+def quiet_search_note(group: Any) -> None:
+    """Once per process, on every rank of the gloo ``group``: DDP's one note (a C++ warning, once per process)
+    that ``find_unused_parameters=True`` found nothing unused, given by a one-parameter CPU wrapper while stderr
+    is held, then written back without it. "auto" chose True, not the user, and the window's probe is gone."""
+    global _noted
+    if _noted or group is None:
+        return
+    _noted = True
+    tiny = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(1, 1), process_group=group, find_unused_parameters=True, init_sync=False
+    )
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            tiny(torch.zeros(1, 1))  # DDP searches at the end of forward
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        kept = b"".join(line for line in held.read().splitlines(keepends=True) if _NOTE not in line)
+    if kept:
+        os.write(2, kept)

@@ -1,13 +1,5 @@
 """The evidence window of ``find_unused_parameters="auto"``: which parameters went without a gradient while
-DDP ran on ``True``, read from the usage map DDP all-reduces every step (so every rank sees the same).
-
-Example::
-
-    window = UsageWindow(size=4)
-    window.add(ddp, to_ours, len(named))    # after each synchronised backward, on every rank
-    if window.full:
-        never, varying = window.never(), window.varying()
-"""
+DDP ran on ``True``, read from the usage map DDP all-reduces every step (the same on every rank)."""
 
 from __future__ import annotations
 
@@ -18,32 +10,22 @@ from lightning_solo._compat import torch as torch_compat
 
 
 class UsageWindow:
-    """``size`` synchronised steps of evidence about the parameters, indexed in the policy's order."""
+    """Synchronised steps of evidence about the parameters (``steps`` of them), indexed in the policy's order."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self) -> None:
         self.steps = 0
         self._never: torch.Tensor | None = None  # unused on every rank at every step so far
         self._varying: torch.Tensor | None = None  # unused on some rank at some step
 
-    @property
-    def started(self) -> bool:
-        return self._never is not None
-
-    @property
-    def full(self) -> bool:
-        return self.steps >= self.size
-
     def add(self, ddp: DistributedDataParallel, to_ours: list[int], params: int) -> None:
-        """Read this step's usage map; ``to_ours[reducer_index]`` is the policy's index (of ``params``) of the
-        reducer's parameter."""
+        """Read this step's usage map; ``to_ours[reducer_index]``: the policy's index (of ``params``), -1: none."""
         self.steps += 1
         counts = torch_compat.local_used_map(ddp).cpu()  # how many ranks used each parameter, reducer order
         world = ddp.process_group.size()
         never = torch.zeros(params, dtype=torch.bool)
         varying = torch.zeros(params, dtype=torch.bool)
         for reducer_index, ours in enumerate(to_ours):
-            if ours < 0:  # not the model's (the window's probe)
+            if ours < 0:
                 continue
             never[ours] = counts[reducer_index] == 0
             varying[ours] = counts[reducer_index] < world

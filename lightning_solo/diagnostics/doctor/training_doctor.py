@@ -38,14 +38,13 @@ _RSS_EVERY = 64  # steps between RSS samples on CPU (psutil: 50-200 µs)
 
 
 def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
-    """How often DDP's reducer times an iteration. DDP samples 1 in 100; the doctor needs every window
-    covered: every iteration on CPU (host timestamps, free), every 10th on CUDA, where DDP's timer waits for
-    the previous backward's events at each sampled forward."""
+    """How often DDP's reducer times an iteration: every one on CPU (host timestamps, free); DDP's own 1 in 100
+    on CUDA, where its timer waits for the previous backward's events at each sampled iteration (a host sync)."""
     if requested is not None:
         return Decision("ddp_runtime_logging_sample_rate", requested, "given to TrainingDoctor")
-    rate = 10 if device.type == "cuda" else 1
-    why = "every 10th iteration: DDP's CUDA timer waits on its events" if rate > 1 else "every iteration"
-    return Decision("ddp_runtime_logging_sample_rate", rate, f"DDP times {why} (its default: every 100th)")
+    if device.type == "cuda":
+        return Decision("ddp_runtime_logging_sample_rate", 100, "DDP's default, every 100th: its CUDA timer syncs")
+    return Decision("ddp_runtime_logging_sample_rate", 1, "DDP times every iteration (its default: every 100th)")
 
 
 class TrainingDoctor(DecisionLog, L.Callback):
