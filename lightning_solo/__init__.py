@@ -2,33 +2,55 @@
 
 The public API; the layout of the code is in docs/design.md. Importing the package registers the strategy
 names ``"solo_ddp"`` and ``"solo_ddp_notebook"`` with Lightning, so ``Trainer(strategy="solo_ddp")`` works as
-well as ``Trainer(strategy=SoloDDP())``.
+well as ``Trainer(strategy=SoloDDP())``. Under ``python -m lightning_solo.<command>`` the API (and Lightning) is
+imported at its first use instead, so that bad input fails first (docs/runner.md).
 """
 
 import gc
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
-# Importing Lightning (torch, torchmetrics, torchvision) makes about a million objects and none of them is garbage,
-# yet the cyclic collector walks them again and again while they load. Paused for these imports, a process starts
-# with 12 % less CPU, ~1 s here (benchmarks/bench_startup.py); every rank is such a process. The caller's setting
-# comes back.
-_collecting = gc.isenabled()
-gc.disable()
-try:
-    from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_solo._version import __version__
-    from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
-    from lightning_solo.core.decision import Decision
-    from lightning_solo.ddp.comm.hooks import CommHook
-    from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
-    from lightning_solo.ddp.strategy import SoloDDP
-    from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
-    from lightning_solo.fsdp.strategy import SoloFSDP
-finally:
-    if _collecting:
-        gc.enable()
+def _command() -> bool:
+    """Whether Python imports this package to run ``python -m lightning_solo.<command>`` (``sys.argv[0]`` is
+    ``"-m"`` meanwhile)."""
+    argv = sys.orig_argv
+    return sys.argv[:1] == ["-m"] and "-m" in argv[:-1] and argv[argv.index("-m") + 1].startswith("lightning_solo.")
 
-SoloDDP.register_strategies(StrategyRegistry)
+
+if TYPE_CHECKING or not _command():
+    # Importing Lightning (torch, torchmetrics, torchvision) makes about a million objects and none of them is garbage,
+    # yet the cyclic collector walks them again and again while they load. Paused for these imports, a process starts
+    # with 12 % less CPU, ~1 s here (benchmarks/bench_startup.py); every rank is such a process. The caller's setting
+    # comes back.
+    _collecting = gc.isenabled()
+    gc.disable()
+    try:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        from lightning_solo._version import __version__
+        from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path
+        from lightning_solo.core.decision import Decision
+        from lightning_solo.ddp.comm.hooks import CommHook
+        from lightning_solo.ddp.precision.plugin import SoloMixedPrecision
+        from lightning_solo.ddp.strategy import SoloDDP
+        from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
+        from lightning_solo.fsdp.strategy import SoloFSDP
+    finally:
+        if _collecting:
+            gc.enable()
+
+    SoloDDP.register_strategies(StrategyRegistry)
+else:
+
+    def __getattr__(name: str) -> Any:
+        """The API's first use under a command imports it: this module's body again, now in full."""
+        if name not in __all__:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        del globals()["__getattr__"]
+        return getattr(importlib.reload(sys.modules[__name__]), name)
+
 
 __all__ = [
     "CommHook",

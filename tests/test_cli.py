@@ -58,6 +58,29 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path):
     assert not list(tmp_path.rglob("train_ddp_process_*.log"))
 
 
+@pytest.mark.timeout(60)
+def test_a_bad_key_fails_before_torch_or_lightning_is_imported(tmp_path):
+    cmd = [sys.executable, "-X", "importtime", "-m", "lightning_solo.run", "badkey=1", "hydra.run.dir=run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert proc.returncode != 0 and "badkey" in proc.stderr, proc.stderr[-2000:]
+    assert "hydra" in imported and not imported & {"torch", "lightning"}
+
+
+@pytest.mark.timeout(60)
+def test_under_a_command_the_api_is_imported_and_registered_at_first_use(tmp_path):
+    # What Python does while it locates `python -m lightning_solo.run`: sys.argv[0] is "-m".
+    code = (
+        "import sys; sys.argv[:1] = ['-m']; sys.orig_argv = [sys.executable, '-m', 'lightning_solo.run']\n"
+        "import lightning_solo; sys.argv[0] = 'run.py'; lazy = 'lightning' not in sys.modules\n"
+        "from lightning_solo import SoloDDP\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print(lazy, SoloDDP.__name__, 'solo_ddp' in StrategyRegistry, hasattr(lightning_solo, 'nothing'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    assert proc.stdout.split() == ["True", "SoloDDP", "True", "False"], proc.stderr[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_multirun_with_relaunching_launcher_is_refused(tmp_path):
     proc = run_cli(["-m", "trainer.max_epochs=1,2", "hydra.sweep.dir=sweep"], cwd=tmp_path, timeout=100)

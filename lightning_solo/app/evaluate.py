@@ -1,37 +1,19 @@
 """The evaluation runner: ``python -m lightning_solo.evaluate ckpt=PATH|auto [ckpt_dir=DIR] [group=option ...]``.
 
-Example::
-
-    python -m lightning_solo.evaluate ckpt=auto ckpt_dir=outputs/train/2026-01-01_12-00-00
-    python -m lightning_solo.evaluate ckpt=outputs/train/<run>/checkpoints/last.ckpt stages=[test,predict]
-
-See docs/evaluation.md."""
+See docs/evaluation.md and docs/runner.md."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
-from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_solo.app.config_check import ConfigError, check_config
-from lightning_solo.app.run import (
-    check_run_config,
-    close_process_group,
-    config_path,
-    freeze_imported_objects,
-    make_trainer,
-    report_bad_input,
-    strategy_options,
-)
-from lightning_solo.checkpoint.select import decide_resume
-from lightning_solo.core.cluster import PreflightError
+from lightning_solo.app.run import check_run_config, close_process_group, hydra_command, make_trainer, task_overrides
 from lightning_solo.core.decision import Decision
 
 STAGES = ("validate", "test", "predict")
@@ -55,6 +37,8 @@ def decide_checkpoint(ckpt: str, ckpt_dir: str | None) -> Decision:
         directory = directory / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"ckpt_dir: no directory {ckpt_dir!r}")
+    from lightning_solo.checkpoint.select import decide_resume
+
     decision = decide_resume(directory)
     if decision.value is None:
         raise ConfigError(f"ckpt=auto: {decision.reason}")
@@ -108,10 +92,12 @@ def with_run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tup
     return cfg, Decision("eval_config", {"config": str(path), "from_run": taken}, reason)
 
 
-def check_checkpoint_fits(model: torch.nn.Module, ckpt_path: str, hint: str) -> None:
+def check_checkpoint_fits(model: Any, ckpt_path: str, hint: str) -> None:
     """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` strictly
     (as Lightning loads them): missing or unexpected keys, or a shape that differs. Sharded (directory)
     checkpoints and files that do not read as a Lightning checkpoint are left to Lightning."""
+    import torch
+
     path = Path(ckpt_path)
     if not path.is_file():
         return
@@ -153,12 +139,6 @@ def _fit_hint(run_config: Decision | None) -> str:
     return f"The run's config ({run_config.value['config']}) does not describe this checkpoint"
 
 
-def _task_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
 def _checkpoint(cfg: DictConfig) -> tuple[Decision, bool]:
     chosen = os.environ.get(_CHOSEN_ENV)
     if cfg.ckpt == "auto" and chosen:
@@ -172,6 +152,8 @@ def _checkpoint(cfg: DictConfig) -> tuple[Decision, bool]:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt`` as configured; returns the metrics of every stage and, on rank 0, what was written."""
+    from lightning.pytorch.utilities import rank_zero_info
+
     from lightning_solo.callbacks.predictions import OrderedPredictions
 
     check_run_config(cfg)
@@ -180,7 +162,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"stages: expected a non-empty list of {', '.join(STAGES)}, got {list(cfg.stages)}")
     run_config = None
     if (run_dir := find_run_dir(str(cfg.ckpt), cfg.get("ckpt_dir"))) is not None:
-        cfg, run_config = with_run_config(cfg, run_dir, _task_overrides())
+        cfg, run_config = with_run_config(cfg, run_dir, task_overrides())
         check_config(cfg)
     decision, chose = _checkpoint(cfg)
     try:
@@ -210,6 +192,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _report(trainer: Any, own: list[Decision], metrics: dict[str, float], predictions: Any) -> dict[str, Any]:
+    from lightning.pytorch.utilities import rank_zero_info
+
     decisions = [d.as_dict() for k, d in trainer.strategy.decisions.items() if k.startswith("exact_eval")]
     report = {
         "checkpoint": own[0].value,
@@ -227,21 +211,14 @@ def _report(trainer: Any, own: list[Decision], metrics: dict[str, float], predic
     return report
 
 
-@hydra.main(version_base="1.3", config_path=config_path(), config_name="evaluate")
-def _hydra_main(cfg: DictConfig) -> float | None:
-    try:
-        report = evaluate(cfg)
-    except (ConfigError, PreflightError) as err:
-        report_bad_input(err)
-    value = report["metrics"].get("val/acc", report["metrics"].get("test/acc"))
+def _evaluate_metric(cfg: DictConfig) -> float | None:
+    metrics = evaluate(cfg)["metrics"]
+    value = metrics.get("val/acc", metrics.get("test/acc"))
     return float(value) if value is not None else None
 
 
-def main() -> float | None:
-    """``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them."""
-    freeze_imported_objects()
-    sys.argv[1:] = strategy_options(sys.argv[1:])
-    return _hydra_main()
+#: ``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them.
+main = hydra_command("evaluate", _evaluate_metric)
 
 
 if __name__ == "__main__":
