@@ -1,5 +1,4 @@
 """The evaluation runner: ``python -m lightning_solo.evaluate ckpt=PATH|auto [ckpt_dir=DIR] [group=option ...]``.
-
 See docs/evaluation.md and docs/runner.md."""
 
 from __future__ import annotations
@@ -93,9 +92,8 @@ def with_run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tup
 
 
 def check_checkpoint_fits(model: Any, ckpt_path: str, hint: str) -> None:
-    """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` strictly
-    (as Lightning loads them): missing or unexpected keys, or a shape that differs. Sharded (directory)
-    checkpoints and files that do not read as a Lightning checkpoint are left to Lightning."""
+    """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` as Lightning
+    loads them (keys, shapes); a directory or a file that is not a Lightning checkpoint is left to Lightning."""
     import torch
 
     path = Path(ckpt_path)
@@ -117,14 +115,13 @@ def check_checkpoint_fits(model: Any, ckpt_path: str, hint: str) -> None:
         for k, v in own.items()
         if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
     ]
-    if not (missing or unexpected or shapes):
-        return
     found = [
-        f"{len(shapes)} shape(s) differ (first: {shapes[0]})" if shapes else "",
-        f"{len(missing)} key(s) missing (first: {missing[0]})" if missing else "",
-        f"{len(unexpected)} unexpected key(s) (first: {unexpected[0]})" if unexpected else "",
+        f"{len(items)} {what} (first: {items[0]})"
+        for items, what in ((shapes, "shape(s) differ"), (missing, "key(s) missing"), (unexpected, "unexpected key(s)"))
+        if items
     ]
-    raise ConfigError(f"ckpt: {path} does not fit the model: {'; '.join(f for f in found if f)}. {hint}")
+    if found:
+        raise ConfigError(f"ckpt: {path} does not fit the model: {'; '.join(found)}. {hint}")
 
 
 def _fit_hint(run_config: Decision | None) -> str:
@@ -169,9 +166,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         datamodule = hydra.utils.instantiate(cfg.data)
         model = hydra.utils.instantiate(cfg.model)
         check_checkpoint_fits(model, decision.value, _fit_hint(run_config))
-        for made in (decision, run_config):
-            if made is not None:
-                rank_zero_info(f"evaluate: {made}")
+        own = [d for d in (decision, run_config) if d is not None]
+        for made in own:
+            rank_zero_info(f"evaluate: {made}")
         predictions = OrderedPredictions(filename=cfg.predictions) if cfg.get("predictions") else None
         trainer = make_trainer(cfg, [predictions] if predictions else [])
         metrics: dict[str, float] = {}
@@ -183,7 +180,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 results = getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path)
                 metrics.update({k: float(v) for result in results for k, v in result.items()})
             ckpt_path = None
-        report = _report(trainer, [d for d in (decision, run_config) if d is not None], metrics, predictions)
+        report = _report(trainer, own, metrics, predictions)
         close_process_group()
         return report
     finally:

@@ -1,12 +1,4 @@
 """Where a library setting lives in the runner's config: the one map from what the diagnostics name to the keys.
-
-Example::
-
-    config_key("SoloDDP.comm_hook")                      # "parallelism.strategy.comm_hook"
-    config_override("DataLoader.pin_memory", True)       # "data.pin_memory=true"
-    with_config_keys("... set DataLoader(num_workers=3).")
-    # "... set DataLoader(num_workers=3). [runner: data.num_workers=3]"
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations

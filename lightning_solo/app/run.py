@@ -1,8 +1,5 @@
-"""The runner: ``python -m lightning_solo.run [group=option ...] [+experiment=NAME]``.
-
-``train(cfg)`` is a plain function; ``main`` the Hydra command around it, which imports torch and Lightning only
-once Hydra has composed the config. See docs/runner.md.
-"""
+"""The runner: ``python -m lightning_solo.run [group=option ...] [+experiment=NAME]``. ``train(cfg)`` is a plain
+function; ``main`` the Hydra command around it, which imports torch and Lightning once Hydra composed the config."""
 
 from __future__ import annotations
 
@@ -182,7 +179,6 @@ def hydra_command(config_name: str, task: Callable[[DictConfig], float | None]) 
     """The Hydra app of ``config_name`` running ``task(cfg)`` (bad input: :func:`report_bad_input`) on ``sys.argv``
     with the strategy options as ``++``."""
 
-    @hydra.main(version_base="1.3", config_path=config_path(), config_name=config_name)
     def app(cfg: DictConfig) -> float | None:
         freeze_imported_objects()
         try:
@@ -191,9 +187,12 @@ def hydra_command(config_name: str, task: Callable[[DictConfig], float | None]) 
             report_bad_input(err)
             return None
 
+    app.__module__ = task.__module__  # Hydra names the job (its log file) after it: "run", "evaluate"
+    hydra_app = hydra.main(version_base="1.3", config_path=config_path(), config_name=config_name)(app)
+
     def command() -> Any:
         sys.argv[1:] = strategy_options(sys.argv[1:])
-        return app()
+        return hydra_app()
 
     return command
 

@@ -1,11 +1,5 @@
-"""Checks that must pass before any worker starts: devices that exist, a world size that agrees with
-the launcher's environment, no Hydra multirun on top of a launcher that re-runs the command, and (a
-warning) gloo's network interface on a multi-node job.
-
-``python -m lightning_solo.preflight`` (``__main__.py``, :mod:`.machine`) checks a machine or every rank of an
-allocation before a long job, without training; the checks during a fit are the
-:class:`~lightning_solo.callbacks.Preflight` callback's.
-"""
+"""The runner's checks before any worker starts: devices that exist, a world size that agrees with the launcher's
+environment, no Hydra multirun on a launcher that re-runs the command. ``__main__``: ``python -m lightning_solo.preflight``."""
 
 from __future__ import annotations
 
@@ -52,7 +46,7 @@ def check_world_size_env(devices, num_nodes: int) -> None:
 
 
 def refuse_multirun_relaunch(trainer) -> None:
-    """Hydra multirun plus a launcher that re-runs ``sys.argv`` makes every child run its own sweep."""
+    """Refuse Hydra multirun on a launcher that re-runs ``sys.argv``: every child would run its own sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
