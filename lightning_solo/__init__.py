@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 
 def _command() -> bool:
-    """Whether Python imports this package to run ``python -m lightning_solo.<command>`` (``sys.argv[0]`` is
-    ``"-m"`` meanwhile)."""
+    """Whether this import starts ``python -m lightning_solo.<command>`` (``sys.argv[0]`` is "-m" meanwhile)."""
     argv = sys.orig_argv
     return sys.argv[:1] == ["-m"] and "-m" in argv[:-1] and argv[argv.index("-m") + 1].startswith("lightning_solo.")
 

@@ -81,7 +81,6 @@ def remedy_rows(remedies: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _literal(raw: str) -> str:
     """A value as the diagnostics print it (Python's repr) as the runner's override spells it."""
-    unquoted = raw[1:-1] if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"" else None
-    if unquoted is not None:
-        return unquoted
+    if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
     return {"True": "true", "False": "false", "None": "null"}.get(raw, raw)

@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 def config_path() -> str:
     """Where the configs are (the same for relaunched ranks): ``$LIGHTNING_SOLO_CONFIG_DIR``, else the checkout's
     ``conf/``, else the copy inside the wheel."""
-    env = os.environ.get("LIGHTNING_SOLO_CONFIG_DIR")
-    if env:
+    if env := os.environ.get("LIGHTNING_SOLO_CONFIG_DIR"):
         return str(Path(env).expanduser().resolve())
     checkout = Path(__file__).resolve().parents[2] / "conf"
     if (checkout / "config.yaml").is_file():
@@ -38,11 +37,8 @@ def config_path() -> str:
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Build every named entry with a ``_target_`` (``callbacks:``/``logger:`` dicts)."""
-    if not group:
-        return []
-    return [
-        hydra.utils.instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node
-    ]
+    nodes = (group or {}).values()
+    return [hydra.utils.instantiate(node) for node in nodes if isinstance(node, DictConfig) and "_target_" in node]
 
 
 _STRATEGY_OPTION = re.compile(r"parallelism\.strategy\.[A-Za-z_][\w.]*=")
