@@ -198,11 +198,13 @@ def freeze_imported_objects() -> None:
     1.4 s less CPU per rank (docs/runner.md). Process-wide, so only the commands' processes (and the tests) do it."""
     collecting = gc.isenabled()
     gc.disable()
-    import lightning_solo.ddp.strategy  # noqa: F401
+    try:
+        import lightning_solo.ddp.strategy  # noqa: F401
 
-    gc.freeze()
-    if collecting:
-        gc.enable()
+        gc.freeze()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _train_metric(cfg: DictConfig) -> float | None:
