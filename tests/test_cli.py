@@ -46,16 +46,41 @@ def _one_line_error(proc) -> str:
 
 @pytest.mark.timeout(120)
 def test_bad_input_fails_before_any_worker_starts(tmp_path):
-    # The other bad-input cases are checked in-process in test_configs.py; these show the CLI path.
+    # The other bad-input cases (and HYDRA_FULL_ERROR=1) are checked in-process in test_configs.py; this is the CLI.
     proc = run_cli(["+model.optimizer.momentm=0.9", "hydra.run.dir=run"], cwd=tmp_path, timeout=100, full_error=False)
     line = _one_line_error(proc)
     assert "model.optimizer.momentm" in line and "Did you mean 'momentum'?" in line
     assert not list(tmp_path.rglob("train_ddp_process_*.log"))
-    # HYDRA_FULL_ERROR=1 still shows where it was raised.
-    proc = run_cli(["trainer.max_epochs=abc", "hydra.run.dir=run"], cwd=tmp_path, timeout=100)
-    assert proc.returncode != 0
-    assert "Traceback" in proc.stderr and "ConfigError: trainer.max_epochs: expected int" in proc.stderr
-    assert not list(tmp_path.rglob("train_ddp_process_*.log"))
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_key_fails_before_torch_or_lightning_is_imported(tmp_path):
+    cmd = [sys.executable, "-X", "importtime", "-m", "lightning_solo.run", "badkey=1", "hydra.run.dir=run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert proc.returncode != 0 and "badkey" in proc.stderr, proc.stderr[-2000:]
+    assert "hydra" in imported and not imported & {"torch", "lightning"}
+
+
+@pytest.mark.timeout(60)
+def test_each_command_names_its_hydra_job_after_itself(tmp_path):  # the job's log file: run.log, evaluate.log
+    for module, name in (("lightning_solo.run", "run"), ("lightning_solo.evaluate", "evaluate")):
+        proc = run_cli(["--cfg", "hydra"], cwd=tmp_path, timeout=50, module=module)
+        assert f"\n    name: {name}\n" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_under_a_command_the_api_is_imported_and_registered_at_first_use(tmp_path):
+    # What Python does while it locates `python -m lightning_solo.run`: sys.argv[0] is "-m".
+    code = (
+        "import sys; sys.argv[:1] = ['-m']; sys.orig_argv = [sys.executable, '-m', 'lightning_solo.run']\n"
+        "import lightning_solo; sys.argv[0] = 'run.py'; lazy = 'lightning' not in sys.modules\n"
+        "from lightning_solo import SoloDDP\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print(lazy, SoloDDP.__name__, 'solo_ddp' in StrategyRegistry, hasattr(lightning_solo, 'nothing'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    assert proc.stdout.split() == ["True", "SoloDDP", "True", "False"], proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from omegaconf.errors import ConfigKeyError
 
 from lightning_solo.app.config_check import ConfigError, check_config
 from lightning_solo.app.preflight import check_devices, check_world_size_env
-from lightning_solo.app.run import check_run_config, progress_bar
+from lightning_solo.app.run import BAD_INPUT_EXIT, check_run_config, progress_bar, report_bad_input
 from lightning_solo.core.cluster import PreflightError
 from tests.helpers import CONF, composed
 
@@ -112,6 +112,20 @@ def test_every_group_option_composes(group, tmp_path):
 def test_bad_values_name_the_key(override, named, tmp_path):
     with composed([override], tmp_path) as cfg, pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         check_config(cfg)
+
+
+def test_bad_input_is_one_line_and_exit_2_or_with_hydra_full_error_the_exception(tmp_path, monkeypatch, capsys):
+    with composed(["trainer.max_epochs=abc"], tmp_path) as cfg, pytest.raises(ConfigError) as raised:
+        check_run_config(cfg)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        report_bad_input(raised.value)
+    assert exited.value.code == BAD_INPUT_EXIT == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightning_solo: error: trainer.max_epochs: expected int")
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError, match=r"trainer\.max_epochs: expected int"):
+        report_bad_input(raised.value)
 
 
 def test_misspelled_key_and_unknown_option_fail_at_composition(tmp_path):

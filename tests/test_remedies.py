@@ -12,7 +12,7 @@ import pytest
 from lightning_solo.app.config_check import check_config
 from lightning_solo.app.remedies import config_key, config_override, remedy_rows, with_config_keys
 from lightning_solo.app.run import strategy_options
-from lightning_solo.app.summary import format_summary
+from lightning_solo.app.run_summary import format_summary
 from lightning_solo.diagnostics.checks.setup_checks import TrainingSetup, check_setup
 from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose
 from tests.helpers import REPO, composed

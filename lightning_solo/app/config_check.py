@@ -1,9 +1,5 @@
-"""Check a composed config against the signatures of the classes it will build, before anything runs.
-
-Hydra already rejects ``trainer.max_epoch=3`` (not in struct) and unknown group options; this catches
-what gets past it: keys added with ``+``, values of the wrong type (``trainer.max_epochs=abc``), options
-a ``_target_`` does not accept. Each error names the full key and what is accepted.
-"""
+"""Check a composed config against the signatures of the classes it will build, before anything runs: keys added
+with ``+``, values of the wrong type, options a ``_target_`` does not accept (docs/runner.md)."""
 
 from __future__ import annotations
 
@@ -53,18 +49,16 @@ def _target_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
             yield from _target_nodes(value, f"{path}[{i}]")
 
 
-def _signature(target: str, path: str) -> tuple[Callable, dict[str, inspect.Parameter], dict[str, Any]]:
+def _signature(target: str, path: str) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
     try:
         obj = get_object(target)
     except Exception as err:  # ImportError, AttributeError, ... all mean "cannot find it"
         raise ConfigError(f"{path}._target_: cannot import {target!r} ({err})") from err
-    params, hints = _parameters(obj)
-    return obj, params, hints
+    return _parameters(obj)
 
 
 def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
-    """``obj``'s parameters and their type hints. A class whose ``__init__`` forwards ``**kwargs`` is checked
-    against where they go too (:func:`_kwargs_targets`)."""
+    """``obj``'s parameters and type hints, with those of where its ``**kwargs`` go (:func:`_kwargs_targets`)."""
     fn = obj.__init__ if inspect.isclass(obj) else obj
     try:
         params = dict(inspect.signature(obj).parameters)
@@ -86,10 +80,8 @@ def _parameters(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]
 
 
 def _kwargs_targets(obj: Any) -> list[Any]:
-    """Where ``obj`` passes its ``**kwargs``: a strategy built on Lightning's ``DDPStrategy`` (SoloDDP's
-    ``**ddp_kwargs``: ``bucket_cap_mb``, ``static_graph``, ...) to it and on to ``DistributedDataParallel``;
-    ``DDPStrategy`` itself to ``DistributedDataParallel``; a class of this package to its base (the datamodules'
-    loader options)."""
+    """Where ``obj`` passes its ``**kwargs``: a ``DDPStrategy`` subclass to it, ``DDPStrategy`` to
+    ``DistributedDataParallel``, a class of this package to its base (the datamodules' loader options)."""
     if not inspect.isclass(obj):
         return []
     from lightning.pytorch.strategies import DDPStrategy
@@ -104,39 +96,39 @@ def _kwargs_targets(obj: Any) -> list[Any]:
 
 
 def _check_node(path: str, node: dict) -> None:
-    _obj, params, hints = _signature(node["_target_"], path)
+    params, hints = _signature(node["_target_"], path)
     if not params:
         return
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for key, value in node.items():
-        if key.startswith("_") and key.endswith("_"):
-            continue
         full = f"{path}.{key}" if path else key
+        if (key.startswith("_") and key.endswith("_")) or (key not in params and takes_kwargs):
+            continue
         if key not in params:
-            if takes_kwargs:
-                continue
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{full}: {node['_target_']} has no option '{key}'.{hint} Accepted: {', '.join(names)}")
-        if key in hints and not _matches(value, hints[key]):
-            raise ConfigError(f"{full}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{full}: {node['_target_']} has no option '{key}'.{_accepted(key, names)}")
+        _check_type(full, value, hints.get(key))
 
 
 def _check_parallelism(par: dict) -> None:
-    allowed = {"accelerator", "devices", "num_nodes", "precision", "strategy"}
-    _, _, hints = _signature("lightning.pytorch.Trainer", "parallelism")
+    allowed = ["accelerator", "devices", "num_nodes", "precision", "strategy"]
+    _, hints = _signature("lightning.pytorch.Trainer", "parallelism")
     for key, value in par.items():
         if key not in allowed:
-            close = difflib.get_close_matches(key, sorted(allowed), n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"parallelism.{key}: unknown option.{hint} Accepted: {', '.join(sorted(allowed))}")
-        if key == "precision" and value == "auto":
-            continue  # SoloDDP's own rule (bf16 / fp16 / fp32 by device); the Trainer does not know "auto"
-        if key != "strategy" and key in hints and not _matches(value, hints[key]):
-            raise ConfigError(
-                f"parallelism.{key}: expected {_describe(hints[key])}, got {value!r} ({type(value).__name__})"
-            )
+            raise ConfigError(f"parallelism.{key}: unknown option.{_accepted(key, allowed)}")
+        # precision "auto" is SoloDDP's own rule (bf16 / fp16 / fp32 by device), unknown to the Trainer
+        if key != "strategy" and not (key == "precision" and value == "auto"):
+            _check_type(f"parallelism.{key}", value, hints.get(key))
+
+
+def _accepted(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    return (f" Did you mean '{close[0]}'?" if close else "") + f" Accepted: {', '.join(names)}"
+
+
+def _check_type(full: str, value: Any, hint: Any) -> None:
+    if hint is not None and not _matches(value, hint):
+        raise ConfigError(f"{full}: expected {_describe(hint)}, got {value!r} ({type(value).__name__})")
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -148,9 +140,7 @@ def _matches(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if isinstance(value, (bool, int, float, str)):
-            # A plain value must fit one of the plain members; a class member (Tensor, timedelta, ...)
-            # would otherwise accept anything.
+        if isinstance(value, (bool, int, float, str)):  # a plain value must fit a plain member, not a class
             plain = [a for a in args if _is_plain_type(a) or typing.get_origin(a) is typing.Literal or a is type(None)]
             if plain:
                 return any(_matches(value, a) for a in plain)
@@ -170,12 +160,11 @@ def _matches(value: Any, hint: Any) -> bool:
     if hint is str:
         return isinstance(value, str)
     base = origin or hint
-    if base in (list, tuple, Sequence, typing.Sequence) or base is set:
+    if base in (list, tuple, set, Sequence, typing.Sequence):
         return isinstance(value, (list, tuple))
     if base in (dict, Mapping, typing.Mapping):
         return isinstance(value, dict)
-    if inspect.isclass(base) and isinstance(value, (bool, int, float, str, list, dict)):
-        # A class-typed option given a plain value: fine only if the class is such a value.
+    if inspect.isclass(base) and isinstance(value, (bool, int, float, str, list, dict)):  # a class-typed option
         return isinstance(value, base) or base in (Callable,) or not _is_plain_type(base)
     return True
 

@@ -1,37 +1,18 @@
 """The evaluation runner: ``python -m lightning_solo.evaluate ckpt=PATH|auto [ckpt_dir=DIR] [group=option ...]``.
-
-Example::
-
-    python -m lightning_solo.evaluate ckpt=auto ckpt_dir=outputs/train/2026-01-01_12-00-00
-    python -m lightning_solo.evaluate ckpt=outputs/train/<run>/checkpoints/last.ckpt stages=[test,predict]
-
-See docs/evaluation.md."""
+See docs/evaluation.md and docs/runner.md."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
-from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_solo.app.config_check import ConfigError, check_config
-from lightning_solo.app.run import (
-    check_run_config,
-    close_process_group,
-    config_path,
-    freeze_imported_objects,
-    make_trainer,
-    report_bad_input,
-    strategy_options,
-)
-from lightning_solo.checkpoint.select import decide_resume
-from lightning_solo.core.cluster import PreflightError
+from lightning_solo.app.run import check_run_config, close_process_group, hydra_command, make_trainer, task_overrides
 from lightning_solo.core.decision import Decision
 
 STAGES = ("validate", "test", "predict")
@@ -55,6 +36,8 @@ def decide_checkpoint(ckpt: str, ckpt_dir: str | None) -> Decision:
         directory = directory / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"ckpt_dir: no directory {ckpt_dir!r}")
+    from lightning_solo.checkpoint.select import decide_resume
+
     decision = decide_resume(directory)
     if decision.value is None:
         raise ConfigError(f"ckpt=auto: {decision.reason}")
@@ -108,10 +91,11 @@ def with_run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tup
     return cfg, Decision("eval_config", {"config": str(path), "from_run": taken}, reason)
 
 
-def check_checkpoint_fits(model: torch.nn.Module, ckpt_path: str, hint: str) -> None:
-    """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` strictly
-    (as Lightning loads them): missing or unexpected keys, or a shape that differs. Sharded (directory)
-    checkpoints and files that do not read as a Lightning checkpoint are left to Lightning."""
+def check_checkpoint_fits(model: Any, ckpt_path: str, hint: str) -> None:
+    """Raise :class:`ConfigError` in one line when the checkpoint's weights do not load into ``model`` as Lightning
+    loads them (keys, shapes); a directory or a file that is not a Lightning checkpoint is left to Lightning."""
+    import torch
+
     path = Path(ckpt_path)
     if not path.is_file():
         return
@@ -131,14 +115,13 @@ def check_checkpoint_fits(model: torch.nn.Module, ckpt_path: str, hint: str) -> 
         for k, v in own.items()
         if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
     ]
-    if not (missing or unexpected or shapes):
-        return
     found = [
-        f"{len(shapes)} shape(s) differ (first: {shapes[0]})" if shapes else "",
-        f"{len(missing)} key(s) missing (first: {missing[0]})" if missing else "",
-        f"{len(unexpected)} unexpected key(s) (first: {unexpected[0]})" if unexpected else "",
+        f"{len(items)} {what} (first: {items[0]})"
+        for items, what in ((shapes, "shape(s) differ"), (missing, "key(s) missing"), (unexpected, "unexpected key(s)"))
+        if items
     ]
-    raise ConfigError(f"ckpt: {path} does not fit the model: {'; '.join(f for f in found if f)}. {hint}")
+    if found:
+        raise ConfigError(f"ckpt: {path} does not fit the model: {'; '.join(found)}. {hint}")
 
 
 def _fit_hint(run_config: Decision | None) -> str:
@@ -151,12 +134,6 @@ def _fit_hint(run_config: Decision | None) -> str:
     if chosen:
         return f"This command chose {' and '.join(chosen)} itself: leave that out to take the run's"
     return f"The run's config ({run_config.value['config']}) does not describe this checkpoint"
-
-
-def _task_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def _checkpoint(cfg: DictConfig) -> tuple[Decision, bool]:
@@ -172,6 +149,8 @@ def _checkpoint(cfg: DictConfig) -> tuple[Decision, bool]:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt`` as configured; returns the metrics of every stage and, on rank 0, what was written."""
+    from lightning.pytorch.utilities import rank_zero_info
+
     from lightning_solo.callbacks.predictions import OrderedPredictions
 
     check_run_config(cfg)
@@ -180,16 +159,16 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"stages: expected a non-empty list of {', '.join(STAGES)}, got {list(cfg.stages)}")
     run_config = None
     if (run_dir := find_run_dir(str(cfg.ckpt), cfg.get("ckpt_dir"))) is not None:
-        cfg, run_config = with_run_config(cfg, run_dir, _task_overrides())
+        cfg, run_config = with_run_config(cfg, run_dir, task_overrides())
         check_config(cfg)
     decision, chose = _checkpoint(cfg)
     try:
         datamodule = hydra.utils.instantiate(cfg.data)
         model = hydra.utils.instantiate(cfg.model)
         check_checkpoint_fits(model, decision.value, _fit_hint(run_config))
-        for made in (decision, run_config):
-            if made is not None:
-                rank_zero_info(f"evaluate: {made}")
+        own = [d for d in (decision, run_config) if d is not None]
+        for made in own:
+            rank_zero_info(f"evaluate: {made}")
         predictions = OrderedPredictions(filename=cfg.predictions) if cfg.get("predictions") else None
         trainer = make_trainer(cfg, [predictions] if predictions else [])
         metrics: dict[str, float] = {}
@@ -201,7 +180,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 results = getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path)
                 metrics.update({k: float(v) for result in results for k, v in result.items()})
             ckpt_path = None
-        report = _report(trainer, [d for d in (decision, run_config) if d is not None], metrics, predictions)
+        report = _report(trainer, own, metrics, predictions)
         close_process_group()
         return report
     finally:
@@ -210,6 +189,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _report(trainer: Any, own: list[Decision], metrics: dict[str, float], predictions: Any) -> dict[str, Any]:
+    from lightning.pytorch.utilities import rank_zero_info
+
     decisions = [d.as_dict() for k, d in trainer.strategy.decisions.items() if k.startswith("exact_eval")]
     report = {
         "checkpoint": own[0].value,
@@ -227,21 +208,14 @@ def _report(trainer: Any, own: list[Decision], metrics: dict[str, float], predic
     return report
 
 
-@hydra.main(version_base="1.3", config_path=config_path(), config_name="evaluate")
-def _hydra_main(cfg: DictConfig) -> float | None:
-    try:
-        report = evaluate(cfg)
-    except (ConfigError, PreflightError) as err:
-        report_bad_input(err)
-    value = report["metrics"].get("val/acc", report["metrics"].get("test/acc"))
+def _evaluate_metric(cfg: DictConfig) -> float | None:
+    metrics = evaluate(cfg)["metrics"]
+    value = metrics.get("val/acc", metrics.get("test/acc"))
     return float(value) if value is not None else None
 
 
-def main() -> float | None:
-    """``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them."""
-    freeze_imported_objects()
-    sys.argv[1:] = strategy_options(sys.argv[1:])
-    return _hydra_main()
+#: ``python -m lightning_solo.evaluate``: the Hydra app, strategy options set as the runner sets them.
+main = hydra_command("evaluate", _evaluate_metric)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,4 @@
-"""``python -m lightning_solo.export CKPT OUTDIR``: a training checkpoint as deployable artefacts.
-
-Example::
-
-    python -m lightning_solo.export outputs/checkpoints/last.ckpt exported/ --input-shape 3 32 32
-
-    net = torchvision.models.get_model("resnet18", num_classes=10)
-    net.load_state_dict(torch.load("exported/weights.pt", weights_only=True))
-
-See docs/checkpoints.md."""
+"""``python -m lightning_solo.export CKPT OUTDIR``: a training checkpoint as deployable artefacts (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -26,9 +17,6 @@ from torch import nn
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.ddp.compiled_keys import eager_key
 
-# DDP's wrapper prefixes parameter names (torch.compile's `_orig_mod` level is dropped wherever it is).
-_WRAPPER_PREFIXES = ("module.",)
-
 
 def plain_state_dict(state_dict: dict[str, Any], prefix: str | None = None) -> dict[str, torch.Tensor]:
     """``state_dict`` with wrapper prefixes removed and, if given, ``prefix`` (the attribute holding the
@@ -45,29 +33,11 @@ def plain_state_dict(state_dict: dict[str, Any], prefix: str | None = None) -> d
 
 
 def _strip_wrappers(key: str) -> str:
-    key = eager_key(key)  # a compiled module's level, outermost (fit(torch.compile(model))) or a submodule's
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, stripped = key[len(prefix) :], True
+    """``key`` without DDP's ``module.`` and torch.compile's ``_orig_mod.`` levels."""
+    key = eager_key(key)
+    while key.startswith("module."):
+        key = key[len("module.") :]
     return key
-
-
-def build_network(hparams: dict[str, Any]) -> nn.Module | None:
-    """The bare network an ImageClassifier checkpoint was trained with, or ``None`` for other modules."""
-    if "arch" not in hparams or "num_classes" not in hparams:
-        return None
-    from lightning_solo.app.models.classifier import build_backbone
-
-    return build_backbone(
-        hparams["arch"],
-        int(hparams["num_classes"]),
-        hparams.get("stem", "imagenet"),
-        weights=None,
-        in_channels=int(hparams.get("in_channels", 3)),
-    )
 
 
 def export_checkpoint(
@@ -97,23 +67,23 @@ def export_checkpoint(
         "load_weights": "net.load_state_dict(torch.load('weights.pt', weights_only=True))",
         "notes": [],
     }
-    net = build_network(hparams)
-    if net is None:
+    if "arch" not in hparams or "num_classes" not in hparams:  # not an ImageClassifier's checkpoint
         info["notes"].append("no arch/num_classes in hyper_parameters: exported the weights only")
     else:
+        from lightning_solo.app.models.classifier import LOCAL_ARCHS, build_backbone
+
+        arch, classes = hparams["arch"], int(hparams["num_classes"])
+        stem, in_channels = hparams.get("stem", "imagenet"), int(hparams.get("in_channels", 3))
+        net = build_backbone(arch, classes, stem, weights=None, in_channels=in_channels)
         net.load_state_dict(weights)  # strict: a mismatch here means the export is wrong, so fail loudly
         net.eval()
-        stem = hparams.get("stem", "imagenet")
         default_shape = (3, 32, 32) if stem == "cifar" else (3, 224, 224)
         shape = tuple(input_shape or getattr(net, "input_shape", None) or default_shape)
-        info.update(arch=hparams["arch"], num_classes=int(hparams["num_classes"]), stem=stem, input_shape=list(shape))
-        from lightning_solo.app.models.classifier import LOCAL_ARCHS
-
-        in_channels = int(hparams.get("in_channels", 3))
-        if stem != "imagenet" or in_channels != 3 or hparams["arch"] in LOCAL_ARCHS:
+        info.update(arch=arch, num_classes=classes, stem=stem, input_shape=list(shape))
+        if stem != "imagenet" or in_channels != 3 or arch in LOCAL_ARCHS:
             info["notes"].append(
                 "build the network with lightning_solo.app.models.classifier.build_backbone("
-                f"{hparams['arch']!r}, {int(hparams['num_classes'])}, {stem!r}, in_channels={in_channels})"
+                f"{arch!r}, {classes}, {stem!r}, in_channels={in_channels})"
             )
         example = torch.randn(2, *shape)
         program = torch.export.export(
@@ -133,7 +103,7 @@ def export_checkpoint(
 
 def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[str]) -> dict[str, str]:
     dynamo = importlib.util.find_spec("onnxscript") is not None
-    # The dynamo exporter (needs onnxscript) takes the batch dimension as a shape; the legacy one by axis name.
+    # The dynamo exporter (onnxscript) takes the batch dimension as a shape; the legacy one by axis name.
     batch = (
         {"dynamic_shapes": ({0: torch.export.Dim("batch", min=1, max=65536)},)}
         if dynamo
@@ -141,13 +111,7 @@ def _export_onnx(net: nn.Module, example: torch.Tensor, path: Path, notes: list[
     )
     try:
         torch.onnx.export(
-            net,
-            (example,),
-            str(path),
-            input_names=["images"],
-            output_names=["logits"],
-            dynamo=dynamo,
-            **batch,
+            net, (example,), str(path), input_names=["images"], output_names=["logits"], dynamo=dynamo, **batch
         )
     except Exception as err:  # noqa: BLE001 - the other artefacts are still good; say why this one is missing
         notes.append(f"ONNX export failed: {type(err).__name__}: {err}")
@@ -159,29 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_solo.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a Lightning checkpoint (.ckpt), verified before use")
     parser.add_argument("outdir", help="directory for weights.pt, model.pt2, model.onnx, export.json")
-    parser.add_argument(
-        "--input-shape",
-        type=int,
-        nargs="+",
-        metavar="N",
-        help="one sample's shape, e.g. 3 224 224 (default: 3 32 32 for stem=cifar, else 3 224 224)",
-    )
+    parser.add_argument("--input-shape", type=int, nargs="+", metavar="N", help="one sample's shape: 3 224 224")
     parser.add_argument("--prefix", default="model.", help="attribute path of the network in the LightningModule")
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX even when onnx is installed")
-    parser.add_argument(
-        "--unsafe-pickle",
-        action="store_true",
-        help="load with weights_only=False (only for checkpoints you trust)",
-    )
+    parser.add_argument("--unsafe-pickle", action="store_true", help="weights_only=False: for trusted checkpoints")
     args = parser.parse_args(argv)
-    info = export_checkpoint(
-        args.checkpoint,
-        args.outdir,
-        args.input_shape,
-        args.prefix,
-        onnx=False if args.no_onnx else None,
-        weights_only=not args.unsafe_pickle,
-    )
+    onnx = False if args.no_onnx else None
+    info = export_checkpoint(args.checkpoint, args.outdir, args.input_shape, args.prefix, onnx, not args.unsafe_pickle)
     for role, name in info["files"].items():
         print(f"{role:8s} {os.path.join(args.outdir, name)}")
     for note in info["notes"]:

@@ -1,9 +1,4 @@
 """RunProgressBar: Lightning's tqdm bar that shows metrics it reads only when it refreshes.
-
-Example::
-
-    trainer = L.Trainer(callbacks=[RunProgressBar(refresh_rate=10, show=("train/loss",))])
-
 See docs/runner.md."""
 
 from __future__ import annotations

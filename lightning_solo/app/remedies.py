@@ -1,12 +1,4 @@
 """Where a library setting lives in the runner's config: the one map from what the diagnostics name to the keys.
-
-Example::
-
-    config_key("SoloDDP.comm_hook")                      # "parallelism.strategy.comm_hook"
-    config_override("DataLoader.pin_memory", True)       # "data.pin_memory=true"
-    with_config_keys("... set DataLoader(num_workers=3).")
-    # "... set DataLoader(num_workers=3). [runner: data.num_workers=3]"
-
 See docs/diagnostics.md."""
 
 from __future__ import annotations
@@ -89,7 +81,6 @@ def remedy_rows(remedies: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _literal(raw: str) -> str:
     """A value as the diagnostics print it (Python's repr) as the runner's override spells it."""
-    unquoted = raw[1:-1] if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"" else None
-    if unquoted is not None:
-        return unquoted
+    if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
     return {"True": "true", "False": "false", "None": "null"}.get(raw, raw)

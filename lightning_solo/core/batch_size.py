@@ -1,6 +1,4 @@
-"""The per-device and global batch size, read one way for everyone: SyncBN's auto rule, WarmupScaledLR and the
-run summary; the per-device batch is written back in the same places by ``auto_batch_size``
-(:func:`set_per_device_batch_size`)."""
+"""The per-device and global batch size, read (and written by ``auto_batch_size``) one way for everyone."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from lightning_solo.core.decision import Decision
 
 
 def loader_batch_size(loader: Any) -> int | None:
-    """The batch size a train loader feeds each device: a DataLoader's (or its batch sampler's); for several
-    loaders (a ``CombinedLoader``, a dict or list of them), the smallest they declare; ``None`` when none does."""
+    """The batch size a train loader feeds each device (of several loaders, the smallest); ``None`` if none says."""
     if isinstance(loader, CombinedLoader):
         loader = loader.flattened
     if isinstance(loader, DataLoader):
@@ -46,10 +43,8 @@ def _declared_batch_size(obj: Any) -> int | None:
 
 
 def per_device_batch_size(trainer: pl.Trainer, given: int | None = None) -> int | None:
-    """The train loader's batch size as far as it is known when the strategy is set up (before Lightning
-    loads the loaders): a loaded loader, a loader passed to ``fit``, else ``given`` (the user's word for a
-    loader that does not say), else ``batch_size`` on the datamodule or LightningModule (attribute or hparam).
-    ``None`` when none of them says."""
+    """The train loader's batch size as known at the strategy's setup: a loaded loader's, one passed to ``fit``,
+    else ``given``, else ``batch_size`` on the datamodule or LightningModule (attribute or hparam), else ``None``."""
     loaded = loader_batch_size(trainer.train_dataloader)
     if loaded is not None:
         return loaded
@@ -92,8 +87,7 @@ class GlobalBatch:
 
 
 def global_batch(trainer: pl.Trainer, given_per_device: int | None = None) -> GlobalBatch | None:
-    """The run's global batch (``given_per_device``: see :func:`per_device_batch_size`); ``None`` when the
-    per-device batch is unknown."""
+    """The run's global batch; ``None`` when the per-device batch is unknown (:func:`per_device_batch_size`)."""
     per_device = per_device_batch_size(trainer, given_per_device)
     if per_device is None:
         return None
@@ -101,10 +95,8 @@ def global_batch(trainer: pl.Trainer, given_per_device: int | None = None) -> Gl
 
 
 def set_per_device_batch_size(trainer: pl.Trainer, value: int) -> None:
-    """Make ``value`` the per-device batch that the train loader will be built with and
-    :func:`per_device_batch_size` reads: ``batch_size`` on the datamodule and the LightningModule (attribute or
-    hparam, wherever it is: Lightning's ``lightning_setattr``). Raises ``ValueError`` where there is none, or
-    when loaders were passed to ``fit`` directly (they are built already)."""
+    """Set ``batch_size`` on the datamodule and LightningModule (``lightning_setattr``) to ``value``; raises
+    ``ValueError`` where there is none, or when loaders were passed to ``fit`` built already."""
     from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
     source = lightning_compat.fit_data_source(trainer)

@@ -1,12 +1,4 @@
-"""Checks of user-given arguments, with one wording for all of them: ``<name> must be <what>, got <value>``.
-
-Example::
-
-    self.window = check_int("window", window)                          # an integer >= 1
-    self.warmup = check_int("local_sgd_warmup", warmup, minimum=0)
-    check_number("exception_save_timeout_s", timeout)                  # a positive number
-    check_choice("sync_batchnorm", option, (True, False, "auto"))
-"""
+"""Checks of user-given arguments, with one wording for all of them: ``<name> must be <what>, got <value>``."""
 
 from __future__ import annotations
 
@@ -46,8 +38,8 @@ def check_number(
     what: str | None = None,
     error: type[Exception] = ValueError,
 ) -> Any:
-    """``value`` if it is a finite number, > 0 with ``positive`` (or ``None`` with ``optional``); raise otherwise.
-    ``what`` replaces the description of what is accepted in the message."""
+    """``value`` if it is a finite number, > 0 with ``positive`` (or ``None`` with ``optional``); raise otherwise
+    (``what``: the message's description of what is accepted)."""
     if optional and value is None:
         return value
     if not is_number(value) or not math.isfinite(value) or (positive and value <= 0):
@@ -57,8 +49,7 @@ def check_number(
 
 
 def check_choice(name: str, value: Any, choices: tuple, hint: str = "") -> Any:
-    """``value`` if it is one of ``choices``; raise ``ValueError`` otherwise. Compared by identity, or equality for
-    strings, so ``1`` is not ``True`` (and an unhashable value gets this message, not a ``TypeError``)."""
+    """``value`` if it is one of ``choices`` (by identity, or equality for strings: ``1`` is not ``True``)."""
     if not any(value is c or (isinstance(value, str) and value == c) for c in choices):
         raise ValueError(f"{name}={value!r} is not one of {choices}{hint}")
     return value

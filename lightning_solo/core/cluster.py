@@ -1,12 +1,5 @@
 """Runs started by an external launcher (torchrun, SLURM): which one, the run directory every rank of every node
-shares, and resuming after the launcher restarted or requeued the job.
-
-Example::
-
-    args, decision = decide_run_dir(sys.argv[1:])    # the runner's command line, before Hydra sees it
-    restart = decide_restart_resume(cfg.resume)      # resume=auto after torchrun restarted the workers
-
-See docs/multi-node.md."""
+shares, and resuming after the launcher restarted or requeued the job. See docs/multi-node.md."""
 
 from __future__ import annotations
 
@@ -28,11 +21,8 @@ class PreflightError(RuntimeError):
 
 
 def launcher(env: Mapping[str, str] = os.environ) -> str | None:
-    """``"torchrun"``, ``"slurm"`` or ``None`` (Lightning starts the processes, or there is only one).
-
-    torchrun first: under ``srun torchrun ...`` the processes are torchrun's, with its ranks. SLURM as
-    Lightning detects it: ``SLURM_NTASKS`` set and not an interactive ``bash`` / ``interactive`` job.
-    """
+    """``"torchrun"`` (first: under ``srun torchrun`` the ranks are torchrun's), ``"slurm"`` (as Lightning detects
+    it) or ``None`` (Lightning starts the processes, or there is only one)."""
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         return "torchrun"
     if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
@@ -55,11 +45,8 @@ def slurm_job_id(env: Mapping[str, str] = os.environ) -> str:
 
 
 def decide_run_dir(args: list[str], env: Mapping[str, str] = os.environ) -> tuple[list[str], Decision | None]:
-    """The runner's command line with the overrides that give every rank one run directory.
-
-    Unchanged without an external launcher (Lightning's popen launcher passes rank 0's ``hydra.run.dir`` to
-    its children itself). A ``hydra.run.dir=`` given by the user is kept.
-    """
+    """The runner's command line with the overrides that give every rank one run directory (a user's
+    ``hydra.run.dir=`` kept); unchanged without an external launcher (Lightning's passes rank 0's on itself)."""
     kind = launcher(env)
     if kind is None:
         return list(args), None
@@ -76,22 +63,16 @@ def decide_run_dir(args: list[str], env: Mapping[str, str] = os.environ) -> tupl
         extra.append(f"hydra.run.dir=${{paths.log_dir}}/${{task_name}}/{name}")
         decision = Decision("run_dir", name, why)
     if rank != 0:
-        # One .hydra/ and one log file per rank in the shared directory, as for Lightning's child processes.
         extra += ["hydra.output_subdir=null", f"hydra.job.name=train_ddp_process_{rank}"]
     return [*args, *extra], decision
 
 
 def _agreed_name(env: Mapping[str, str], rank: int) -> tuple[str, str]:
-    """Rank 0's timestamp, through the TCPStore torchrun's agent serves at ``MASTER_ADDR:MASTER_PORT`` (the key
-    outlives the workers, so the first attempt's value is kept when torchrun restarts them); without that store
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), the rendezvous id."""
+    """Rank 0's timestamp through torchrun's agent store (kept across restarts); without it, the rendezvous id."""
     run_id = env.get("TORCHELASTIC_RUN_ID", "none")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         if run_id != "none":
-            return (
-                f"torchrun-{run_id}",
-                "torchrun's rendezvous id (--rdzv-id): the same on every node and restart",
-            )
+            return f"torchrun-{run_id}", "torchrun's rendezvous id (--rdzv-id): the same on every node and restart"
         raise PreflightError(
             "under this torchrun rendezvous the ranks cannot agree on a run directory before training starts: "
             "pass hydra.run.dir=<a directory all nodes share>, or torchrun --rdzv-id=<job id>"
@@ -108,15 +89,8 @@ def _agreed_name(env: Mapping[str, str], rank: int) -> tuple[str, str]:
 
 
 def decide_restart_resume(resume: str | None, env: Mapping[str, str] = os.environ) -> Decision | None:
-    """``resume=auto`` for a job its launcher restarts, unless the user asked for something else; else ``None``.
-
-    torchrun kills every worker when one fails and starts them again with new ranks; a requeued SLURM job starts
-    from the top. Either way the run must continue from its newest verified checkpoint. Under torchrun that is
-    every start when restarts are allowed: an agent counts only its own restarts (``TORCHELASTIC_RESTART_COUNT``
-    can stay 0 on a node whose workers were stopped for another node's failure, pytorch#135712), so keying on it
-    would split the ranks; the first attempt's run directory is new and holds no checkpoint. SLURM's
-    ``SLURM_RESTART_COUNT`` is the job's, the same on every task.
-    """
+    """``resume=auto`` for a job its launcher may restart (torchrun: every start when restarts are allowed; SLURM:
+    a requeued job), unless the user asked for something else; else ``None``. See docs/multi-node.md."""
     kind = launcher(env)
     if resume is not None or kind is None:
         return None
@@ -138,12 +112,10 @@ def decide_restart_resume(resume: str | None, env: Mapping[str, str] = os.enviro
 
 
 def restart_store_warning(env: Mapping[str, str] = os.environ) -> str | None:
-    """What goes wrong when torchrun restarts workers that share its rendezvous store, with the fix; ``None``
-    when nothing does. The restarted process group can read the previous attempt's connection keys and fail to
-    connect (pytorch#135712, #167288): a static rendezvous always shares the store, c10d does by default."""
-    if launcher(env) != "torchrun" or int(env.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0) <= 0:
-        return None
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    """The warning for torchrun restarting workers that share its rendezvous store (a restarted group can fail to
+    connect, docs/multi-node.md); ``None`` when nothing is wrong."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0)
+    if launcher(env) != "torchrun" or restarts <= 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return (
         "torchrun may restart the workers (--max-restarts > 0) but shares its rendezvous store with them: a "
@@ -163,16 +135,13 @@ def decide_external_launch(environment: object) -> Decision | None:
 
 _EXPECTED = {
     "TorchElasticEnvironment": ("torchrun", "start it with torchrun (docs/multi-node.md)"),
-    "SLURMEnvironment": (
-        "slurm",
-        "submit it with sbatch/srun or hydra/launcher=submitit_slurm (docs/multi-node.md)",
-    ),
+    "SLURMEnvironment": ("slurm", "submit it with sbatch/srun or hydra/launcher=submitit_slurm (docs/multi-node.md)"),
 }
 
 
 def check_cluster_environment(cluster_environment: Mapping | None, env: Mapping[str, str] = os.environ) -> None:
-    """A config that names torchrun's or SLURM's environment (``parallelism=torchrun|slurm``) must run under it:
-    raise :class:`PreflightError` otherwise, before Lightning fails on a missing variable or wrong ranks."""
+    """Raise :class:`PreflightError` when the config names torchrun's or SLURM's environment and that launcher did
+    not start this process."""
     target = str((cluster_environment or {}).get("_target_", ""))
     name = target.rsplit(".", 1)[-1]
     if name not in _EXPECTED:
@@ -187,13 +156,8 @@ def check_cluster_environment(cluster_environment: Mapping | None, env: Mapping[
 def gloo_interface_warning(
     hostname: str | None = None, ifname: str | None = None, resolve=socket.gethostbyname
 ) -> str | None:
-    """What is wrong with gloo's network interface on this node of a multi-node job, with the fix; ``None``
-    when nothing is.
-
-    Gloo (SoloDDP's side group on NCCL jobs, and CPU jobs) binds to the address this host's name resolves to
-    unless ``GLOO_SOCKET_IFNAME`` names an interface. On many clusters that address is loopback, which ranks
-    on other nodes cannot reach: creating the group then waits until it times out.
-    """
+    """What is wrong with gloo's network interface on this node of a multi-node job (the hostname resolves to
+    loopback, or not at all, and no ``GLOO_SOCKET_IFNAME``), with the fix; ``None`` when nothing is."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if ifname is None else ifname
     if ifname:
         return None

@@ -1,13 +1,5 @@
-"""On CPU, keep the memory of freed tensors for the next step instead of faulting fresh pages in every step, for
-the length of a fit.
-
-Example::
-
-    print(decide(reuse=True))  # SoloDDP does this on CPU; SoloDDP(cpu_malloc_reuse=False) does not
-    ...                        # the fit
-    restore()                  # SoloDDP's teardown: glibc's starting values, and the kept heap given back
-
-See docs/cpu-training.md."""
+"""On CPU, for the length of a fit, keep the memory of freed tensors for the next step instead of faulting fresh
+pages in every step. See docs/cpu-training.md."""
 
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ START_MMAP_THRESHOLD = START_TRIM_THRESHOLD = 128 * 1024
 _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 _GLIBC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
-# Whether decide() changed this process's malloc and restore() has not undone it yet. Per process, as mallopt is;
-# a fork inherits it with the setting, so a forked rank undoes what it inherited too.
+# Whether decide() changed this process's malloc, not undone yet (per process, as mallopt; a fork inherits both).
 _in_force = False
 
 
@@ -45,8 +36,7 @@ def glibc() -> Any:
 
 
 def user_choice() -> str | None:
-    """Why the user's allocator settings rule out touching glibc's malloc (another allocator preloaded, glibc's
-    knobs in the environment), or ``None``."""
+    """Why the user's allocator settings rule out touching glibc's malloc, or ``None``."""
     if preloaded := [name for name in _PRELOADED if name in os.environ.get("LD_PRELOAD", "")]:
         return f"{preloaded[0]} is preloaded: the user's allocator"
     knobs = [k for k in _GLIBC_KNOBS if k in os.environ]
@@ -56,14 +46,12 @@ def user_choice() -> str | None:
 
 
 def in_force() -> bool:
-    """Whether this process runs with :func:`decide`'s setting now (other code that tunes malloc for a while,
-    e.g. :mod:`lightning_solo.callbacks.batch_size.probe`, puts this setting back afterwards, and only this one)."""
+    """Whether this process runs with :func:`decide`'s setting now."""
     return _in_force
 
 
 def decide(reuse: bool) -> Decision:
-    """``reuse``: keep freed blocks up to 32 MiB in glibc's heap for reuse until :func:`restore` (see the module
-    docstring). Returns the record of what was done, or why the allocator was left alone."""
+    """``reuse``: keep freed blocks up to 32 MiB in glibc's heap until :func:`restore`; returns what was done."""
     global _in_force
     if not reuse:
         return Decision(SETTING, "unchanged", "cpu_malloc_reuse=False")
@@ -84,9 +72,7 @@ def decide(reuse: bool) -> Decision:
 
 
 def restore() -> bool:
-    """Undo :func:`decide` in this process, if it set anything: glibc's starting thresholds (fixed: glibc cannot
-    become adaptive again) and ``malloc_trim(0)``, which returns the heap kept for reuse. Returns whether there was
-    anything to undo."""
+    """Undo :func:`decide`: glibc's starting thresholds and ``malloc_trim(0)``; returns whether there was anything."""
     global _in_force
     if not _in_force:
         return False

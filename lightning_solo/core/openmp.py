@@ -1,9 +1,4 @@
 """A fork that does not inherit OpenMP's thread pool: without this, a forked rank can hang at its first parallel op.
-
-Example::
-
-    release_thread_pool()     # then fork
-
 See docs/cpu-training.md."""
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ def _runtime() -> ctypes.CDLL | None:
         return None
     shipped = sorted(Path(torch.__file__).parent.joinpath("lib").glob("lib*omp*.so*"))
     try:
-        # The library torch loaded (a second dlopen of the same file returns the same handle), else the process's.
         return ctypes.CDLL(str(shipped[0])) if shipped else ctypes.CDLL(None)
     except OSError:
         return None

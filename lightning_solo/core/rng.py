@@ -1,6 +1,4 @@
-"""Random number generator states, in a form that loads with ``torch.load(weights_only=True)``: this process's
-torch, CUDA, NumPy and Python generators (what an exact resume restores), and the NumPy state codec that
-PowerSGD's own generator uses too."""
+"""Random number generator states (torch, CUDA, NumPy, Python) in a form ``torch.load(weights_only=True)`` loads."""
 
 from __future__ import annotations
 
@@ -32,10 +30,9 @@ def set_numpy_state(generator: Any, saved: dict[str, Any]) -> None:
 
 def rng_state(cuda: bool = True) -> dict[str, Any]:
     """This process's torch, CUDA (this device's), numpy and Python RNG states."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
-    if cuda and torch.cuda.is_initialized():  # (is_available() can cost ~0.1 ms a call: not every step)
-        # Only this rank's device: another layout (8 GPUs per process before, 4 now, or per-task binding)
-        # has other device indices, but each rank still draws from the generator of its own device.
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if cuda and torch.cuda.is_initialized():  # only this rank's device: another layout has other indices
         device = torch.cuda.current_device()
         state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
     try:
@@ -57,8 +54,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         set_numpy_state(np.random, state["numpy"])
-
-
-def _python_state() -> list[Any]:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]

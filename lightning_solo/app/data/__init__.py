@@ -6,10 +6,4 @@ from lightning_solo.app.data.digits import DigitsDataModule
 from lightning_solo.app.data.folder import ImageFolderDataModule
 from lightning_solo.app.data.synthetic import SyntheticDataModule, SyntheticImages
 
-__all__ = [
-    "CIFAR10DataModule",
-    "DigitsDataModule",
-    "ImageFolderDataModule",
-    "SyntheticDataModule",
-    "SyntheticImages",
-]
+__all__ = ["CIFAR10DataModule", "DigitsDataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticImages"]

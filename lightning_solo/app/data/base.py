@@ -9,23 +9,13 @@ from lightning_solo.core.checks import check_int
 
 
 class ImageDataModule(L.LightningDataModule):
-    """Base: subclasses fill ``self.train_set``/``self.val_set`` in ``setup`` and set ``num_classes``.
-    ``test_set`` (test and predict loaders) is the validation set unless a subclass sets it.
-
-    ``batch_size`` is per device: the global batch is ``batch_size × devices × nodes × accumulation``.
-    Lightning adds the ``DistributedSampler`` under DDP, so the loaders here stay plain. Subclasses take their
-    own options and forward ``**loader`` (these four) here; the config check follows the forward, so a
-    misspelled ``data.num_worker`` is still named.
-    """
+    """Base: subclasses set ``num_classes``, fill ``train_set``/``val_set`` (``test_set``: ``val_set`` unless set)
+    in ``setup`` and forward ``**loader`` here. ``batch_size`` is per device; Lightning adds the sampler."""
 
     num_classes: int
 
     def __init__(
-        self,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
+        self, batch_size: int = 32, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None
     ) -> None:
         super().__init__()
         self.batch_size = check_int("batch_size", batch_size)

@@ -1,9 +1,4 @@
-"""CIFAR-10 through torchvision. Nothing is downloaded unless ``download=True``.
-
-Example::
-
-    dm = CIFAR10DataModule(root="data/cifar10", download=True, batch_size=128)
-"""
+"""CIFAR-10 through torchvision. Nothing is downloaded unless ``download=True``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
 """Handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data.
-
-Example::
-
-    dm = DigitsDataModule(val_fraction=0.2, batch_size=32)   # 1,437 train / 360 val images, 1×8×8
-
 See docs/runner.md."""
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from torch.utils.data import TensorDataset
 from lightning_solo.app.data.base import ImageDataModule
 from lightning_solo.core.checks import check_int
 
-# Pixel values are 0..16; the whole set's mean and standard deviation at that scale (fixed constants, so the
-# normalisation does not depend on the split).
+# the whole set's pixel (0..16) mean and standard deviation: the normalisation does not depend on the split
 _MEAN, _STD = 4.88, 6.02
 
 
@@ -32,8 +26,8 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stratified_split(labels: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted indices ``(train, val)``: ``ceil(val_fraction * N)`` held out, each class in proportion to its size
-    (largest remainders take the rounding), drawn by a generator seeded with ``seed`` alone."""
+    """Sorted indices ``(train, val)``: ``ceil(val_fraction * N)`` held out, each class in proportion (largest
+    remainders round up), drawn by a generator seeded with ``seed`` alone."""
     n_val = math.ceil(val_fraction * len(labels))
     classes, counts = labels.unique(return_counts=True)
     quota = counts * n_val / len(labels)
@@ -47,20 +41,13 @@ def stratified_split(labels: torch.Tensor, val_fraction: float, seed: int) -> tu
 
 
 class DigitsDataModule(ImageDataModule):
-    """Train/val :class:`~torch.utils.data.TensorDataset` s of the digits, shaped ``(1, 8, 8)`` and
-    standardised; ``batch_size`` is per device."""
+    """Train/val ``TensorDataset`` s of the digits, ``(1, 8, 8)`` and standardised; ``batch_size`` is per device."""
 
     num_classes = 10
     channels = 1
     image_size = 8
 
-    def __init__(
-        self,
-        val_fraction: float = 0.2,
-        split_seed: int = 0,
-        num_classes: int = 10,
-        **loader: Any,
-    ) -> None:
+    def __init__(self, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int = 10, **loader: Any) -> None:
         super().__init__(**loader)
         if num_classes != 10:
             raise ValueError(f"the digits data has 10 classes, got num_classes={num_classes!r}")

@@ -1,9 +1,4 @@
-"""Your own images: ``root/train/<class>/*.jpg`` and ``root/val/<class>/*.jpg`` (torchvision ImageFolder).
-
-Example::
-
-    dm = ImageFolderDataModule(root="~/datasets/flowers", image_size=224, batch_size=64)
-"""
+"""Your own images: ``root/train/<class>/*.jpg`` and ``root/val/<class>/*.jpg`` (torchvision ImageFolder)."""
 
 from __future__ import annotations
 
@@ -18,13 +13,7 @@ _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class ImageFolderDataModule(ImageDataModule):
-    def __init__(
-        self,
-        root: str,
-        num_classes: int | None = None,
-        image_size: int = 224,
-        **loader: Any,
-    ) -> None:
+    def __init__(self, root: str, num_classes: int | None = None, image_size: int = 224, **loader: Any) -> None:
         loader.setdefault("batch_size", 64)
         super().__init__(**loader)
         self.root = Path(root).expanduser().resolve()

@@ -1,9 +1,4 @@
 """A learnable synthetic image classification set, generated in-process (no download, any size).
-
-Example::
-
-    dm = SyntheticDataModule(num_classes=10, image_size=32, train_size=4096, batch_size=32)
-
 See docs/runner.md."""
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from lightning_solo.core.checks import check_int
 
 
 class SyntheticImages(Dataset):
-    """``length`` images of shape ``(channels, image_size, image_size)``; item ``i`` is a pure
-    function of ``(seed, i)`` so every rank and every resume sees the same data."""
+    """``length`` images ``(channels, image_size, image_size)``; item ``i`` a pure function of ``(seed, i)``."""
 
     def __init__(
         self,

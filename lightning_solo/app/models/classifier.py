@@ -1,17 +1,10 @@
 """ImageClassifier: any torchvision classification model (or this package's ``small_cnn``) as a LightningModule.
-
-Example::
-
-    from functools import partial
-    import torch
-    model = ImageClassifier("resnet50", num_classes=10, stem="cifar",
-                            optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
-
 See docs/runner.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import lightning as L
@@ -29,10 +22,6 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
 
 
-def default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 #: Networks of this package, built by name like torchvision's (no stem, no pretrained weights).
 LOCAL_ARCHS = {"small_cnn": SmallCNN}
 
@@ -44,9 +33,8 @@ def build_backbone(
     weights: str | None = None,
     in_channels: int = 3,
 ) -> nn.Module:
-    """``torchvision.models.get_model(arch)``, or a network of :data:`LOCAL_ARCHS` (``small_cnn``);
-    ``stem="cifar"`` swaps a ResNet's 7×7/stride-2 stem and max-pool for a 3×3/stride-1 conv, which is what
-    32×32 images need. ``in_channels`` other than 3 needs a local arch or ``stem="cifar"``."""
+    """``torchvision.models.get_model(arch)``, or a network of :data:`LOCAL_ARCHS`; ``stem="cifar"`` swaps a ResNet's
+    7×7/stride-2 stem and max-pool for a 3×3/stride-1 conv (32×32 images), as ``in_channels`` other than 3 needs."""
     if arch in LOCAL_ARCHS:
         if weights is not None:
             raise ValueError(f"{arch!r} has no pretrained weights; use weights=null")
@@ -87,13 +75,8 @@ def _replace_head(net: nn.Module, num_classes: int) -> None:
 
 
 class ImageClassifier(L.LightningModule):
-    """Cross-entropy classifier over ``build_backbone(arch, ...)`` with torchmetrics accuracy.
-
-    Logs ``train/loss``, ``val/loss``, ``val/acc`` and ``val/samples`` (over the whole validation set, all ranks,
-    each sample once), the same under ``test/`` for ``trainer.test``. Validation, test and predict steps return
-    the predicted class of every batch row (what :class:`~lightning_solo.callbacks.OrderedPredictions` writes).
-    ``channels_last`` stores activations NHWC, which speeds up AMP convolutions on GPUs.
-    """
+    """Cross-entropy classifier over ``build_backbone(arch, ...)``: logs ``train/loss`` and ``val/`` / ``test/``
+    ``loss``, ``acc``, ``samples`` (each sample once, all ranks); eval steps return each row's predicted class."""
 
     def __init__(
         self,
@@ -113,7 +96,7 @@ class ImageClassifier(L.LightningModule):
         self.model = build_backbone(arch, num_classes, stem, weights, in_channels)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.optimizer_factory = optimizer or default_optimizer
+        self.optimizer_factory = optimizer or partial(torch.optim.SGD, lr=0.1, momentum=0.9)
         self.scheduler_factory = scheduler
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
@@ -133,9 +116,7 @@ class ImageClassifier(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y, label_smoothing=self.label_smoothing)
-        # Not prog_bar=True: Lightning would read it on the host every batch. The runner's bar shows it when it
-        # refreshes (app/progress_bar.py).
-        self.log("train/loss", loss)
+        self.log("train/loss", loss)  # not prog_bar=True, a host sync per batch: app/progress_bar.py shows it
         return loss
 
     def _evaluate(self, stage: str, metric: MulticlassAccuracy, batch, batch_idx: int) -> torch.Tensor:
@@ -143,11 +124,11 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         predictions = logits.argmax(dim=-1)
         rows = eval_rows(self.trainer, batch_idx)
-        if rows is not None and rows.padded:  # the mask is on the CPU: no device sync unless there is padding
+        if rows is not None and rows.padded:  # the mask is on the CPU: no device sync without padding
             keep = rows.valid.to(logits.device)
             logits, y = logits[keep], y[keep]
         count = len(y)
-        # A mean over the real rows, weighted by their number: Lightning's epoch mean (sync_dist) is then exact.
+        # A mean over the real rows weighted by their number: Lightning's sync_dist epoch mean is then exact.
         loss = F.cross_entropy(logits, y, reduction="sum") / max(count, 1)
         self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=count)
         self.log(f"{stage}/samples", float(count), reduce_fx="sum", sync_dist=True, batch_size=1)
@@ -175,7 +156,4 @@ class ImageClassifier(L.LightningModule):
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval},
-        }
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}

@@ -1,10 +1,4 @@
 """SmallCNN: a four-convolution network sized for small images (the 8×8 digits, 16×16 synthetic images).
-
-Example::
-
-    net = SmallCNN(num_classes=10, in_channels=1)      # 1×8×8 digits: 66k parameters
-    logits = net(torch.randn(4, 1, 8, 8))
-
 See docs/runner.md."""
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Checks that must pass before any worker starts: devices that exist, a world size that agrees with
-the launcher's environment, no Hydra multirun on top of a launcher that re-runs the command, and (a
-warning) gloo's network interface on a multi-node job.
-
-``python -m lightning_solo.preflight`` (``__main__.py``, :mod:`.machine`) checks a machine or every rank of an
-allocation before a long job, without training; the checks during a fit are the
-:class:`~lightning_solo.callbacks.Preflight` callback's.
-"""
+"""The runner's checks before any worker starts: devices that exist, a world size that agrees with the launcher's
+environment, no Hydra multirun on a launcher that re-runs the command (``__main__``: the preflight command)."""
 
 from __future__ import annotations
 
@@ -17,16 +11,12 @@ from lightning_solo.core.checks import check_int, is_int
 from lightning_solo.core.cluster import PreflightError
 
 
-def _gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def check_devices(accelerator: str, devices, num_nodes: int, dry_run_hint: str | None = None) -> None:
     """``devices`` may be an int, a list of ids, ``-1`` or ``"auto"`` (Lightning's forms)."""
     check_int("parallelism.num_nodes", num_nodes, error=PreflightError)
     wanted = len(devices) if isinstance(devices, (list, tuple)) else devices
     if accelerator in ("gpu", "cuda"):
-        have = _gpu_count()
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         need = have if wanted in (-1, "auto", "-1") else int(wanted)
         if have == 0 or need > have:
             hint = f" To try this configuration on CPU: {dry_run_hint}" if dry_run_hint else ""
@@ -52,7 +42,7 @@ def check_world_size_env(devices, num_nodes: int) -> None:
 
 
 def refuse_multirun_relaunch(trainer) -> None:
-    """Hydra multirun plus a launcher that re-runs ``sys.argv`` makes every child run its own sweep."""
+    """Refuse Hydra multirun on a launcher that re-runs ``sys.argv``: every child would run its own sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -1,10 +1,5 @@
 """``python -m lightning_solo.preflight``: check this machine, or every rank of an allocation when started by
-torchrun or srun, before a long job. Exit status 0 when it passes, 2 when it does not (on every rank).
-
-Example::
-
-    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-endpoint=host0:29500 -m lightning_solo.preflight --strict
-"""
+torchrun or srun, before a long job. Exit status 0 when it passes, 2 when it does not (on every rank)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from lightning_solo.app.preflight.machine import check_machine, format_report, launch_placement
 
@@ -38,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_report(every, findings))
         if args.json:
             data = {"ranks": [asdict(f) for f in every], "findings": [asdict(f) for f in findings]}
-            with open(args.json, "w") as out:
-                json.dump(data, out, indent=2, default=str)
+            Path(args.json).write_text(json.dumps(data, indent=2, default=str))
     elif failed:  # every rank says why it exits non-zero: its log may be the one read
         print("\n".join(f"lightning_solo preflight: {f}" for f in failed), file=sys.stderr)
     return FAILED_EXIT if failed else 0

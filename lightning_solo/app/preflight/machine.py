@@ -1,11 +1,5 @@
 """The machine check behind ``python -m lightning_solo.preflight``: this process's launch, and under a launcher
-every rank's facts gathered and compared, without training.
-
-Example::
-
-    every, findings = check_machine()      # under torchrun/srun: the same on every rank
-    print(format_report(every, findings))
-"""
+every rank's facts gathered and compared, without training."""
 
 from __future__ import annotations
 
@@ -26,9 +20,8 @@ from lightning_solo.diagnostics.checks.launch_env import check_backend, check_la
 def check_machine(
     backend: str | None = None, timeout_s: float = 120, ignore: Sequence[str] = ()
 ) -> tuple[list[RankFacts], list[Finding]]:
-    """This process's launch variables and backend; under a launcher (torchrun's or SLURM's variables) the
-    process group they describe, formed within ``timeout_s``, every rank's facts gathered and compared, and a
-    test all-reduce. Returns (every rank's facts, findings), the same on every rank."""
+    """This process's launch variables and backend; under a launcher, every rank's facts gathered and compared
+    and a test all-reduce. Returns (every rank's facts, findings), the same on every rank."""
     rank, world, local_rank, address, port = launch_placement()
     on_gpu = torch.cuda.is_available()
     gpus_visible = torch.cuda.device_count() if on_gpu else None
@@ -63,15 +56,13 @@ def check_machine(
 
 
 def preflight_device(local_rank: int | None, gpus_visible: int | None) -> torch.device:
-    """The device this rank's facts are read on: its GPU, or the CPU when it has none (no GPU visible, or
-    ``LOCAL_RANK`` past the visible ones, which check_launch_env reports instead of a crash here)."""
+    """This rank's GPU, or the CPU without one (``LOCAL_RANK`` past the visible GPUs: check_launch_env says so)."""
     index = local_rank or 0
     return torch.device("cuda", index) if gpus_visible and index < gpus_visible else torch.device("cpu")
 
 
 def launch_placement() -> tuple[int, int, int | None, str | None, int | None]:
-    """(rank, world size, local rank, main address, port) from torchrun's variables (or any launcher that sets
-    RANK and WORLD_SIZE), else SLURM's as Lightning's ``SLURMEnvironment`` reads them, else one process."""
+    """(rank, world size, local rank, main address, port) from ``RANK``/``WORLD_SIZE`` (torchrun), else SLURM's."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     env = os.environ
@@ -81,18 +72,12 @@ def launch_placement() -> tuple[int, int, int | None, str | None, int | None]:
                 env.get("MASTER_ADDR"), int(port) if port.isdigit() else None)  # fmt: skip
     if SLURMEnvironment.detect():
         slurm = SLURMEnvironment(auto_requeue=False)
-        return (
-            slurm.global_rank(),
-            slurm.world_size(),
-            slurm.local_rank(),
-            slurm.main_address,
-            slurm.main_port,
-        )
+        return slurm.global_rank(), slurm.world_size(), slurm.local_rank(), slurm.main_address, slurm.main_port
     return 0, 1, None, None, None
 
 
 def format_report(every: Sequence[RankFacts], findings: Sequence[Finding]) -> str:
-    """One line per fact (its value, or a pointer to the finding when the ranks differ), then the findings."""
+    """One line per fact (its value, or DIFFERS), then the findings."""
     hosts = sorted({f.host for f in every})
     lines = [f"lightning_solo preflight: {len(every)} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)})"]
     if len(every) == 1:
