@@ -31,3 +31,9 @@ class DecisionLog:
     def _decide(self, decision: Decision) -> Decision:
         self.decisions[decision.setting] = decision
         return decision
+
+    def _keep(self, *decisions: Decision | None) -> None:
+        """:meth:`_decide` each one given (``None``: nothing was decided)."""
+        for decision in decisions:
+            if decision is not None:
+                self._decide(decision)

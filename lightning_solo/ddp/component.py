@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -40,3 +42,24 @@ def _all(fns: list[Callable[..., Any]], args: tuple[Any, ...]) -> Iterator[None]
         for fn in fns:
             stack.enter_context(fn(*args))
         yield
+
+
+class Listeners:
+    """Callables held weakly (a bound method through its object) for this process: a copy or a pickle holds none."""
+
+    def __init__(self) -> None:
+        self._refs: list[Callable[[], Callable[..., Any] | None]] = []
+
+    def add(self, fn: Callable[..., Any]) -> None:
+        self._refs.append(weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn))
+
+    def __call__(self, *args: Any) -> None:
+        for ref in self._refs:
+            if (fn := ref()) is not None:
+                fn(*args)
+
+    def clear(self) -> None:
+        self._refs = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_refs": []}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import os
 import sys
 import weakref
@@ -38,7 +37,7 @@ from lightning_solo.ddp import precision as amp
 from lightning_solo.ddp.advice import ddp_advice
 from lightning_solo.ddp.compile import CompiledSteps, CompileSetting
 from lightning_solo.ddp.compiled_keys import CompiledKeys
-from lightning_solo.ddp.component import StepHooks
+from lightning_solo.ddp.component import Listeners, StepHooks
 from lightning_solo.ddp.eval import decide_exact_eval, mean_operand
 from lightning_solo.ddp.launcher import SoloLauncher, StartMethod, decide_start_method
 from lightning_solo.ddp.resume.session import ExactResume, load_auto_checkpoint
@@ -101,19 +100,14 @@ class SoloDDP(DecisionLog, DDPStrategy):
             powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period,
             local_sgd_warmup=local_sgd_warmup,
         )  # fmt: skip
-        precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow)
-        if precision is not None and precision_plugin is not None:
-            raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
+        precision_options = amp.precision_options(precision, scaler, skip_lr_on_overflow, precision_plugin)
         if not isinstance(timeout, timedelta):
             timeout = timedelta(
                 seconds=check_number("timeout", timeout, what="a positive number of seconds or a timedelta")
             )
-        if checkpoint_io is None:
-            checkpoint_io = SoloCheckpointIO()
-        if precision_plugin is None:
-            precision_plugin = amp.pending_plugin(precision_options)
         super().__init__(
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            accelerator, parallel_devices, cluster_environment, checkpoint_io or SoloCheckpointIO(),
+            precision_plugin or amp.pending_plugin(precision_options),
             process_group_backend=process_group_backend, timeout=timeout, start_method=launcher.value,
             gradient_as_bucket_view=gradient_as_bucket_view, find_unused_parameters=unused.initial, **ddp_kwargs,
         )  # fmt: skip
@@ -135,7 +129,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._groups = comm.SideGroups(gloo=gloo_side_group)  # made at the first setup
         self._hooks = StepHooks()
         self._patches = Patches()  # a run's patches of upstream objects, undone at its teardown
-        self._rewrap_listeners: list[Callable[[], Callable[[DistributedDataParallel], Any] | None]] = []  # weak
+        self._rewrap_listeners = Listeners()
         self._keep(launcher, decide_exact_eval(self._exact_eval), unused.decision, self._watchdog.decision)
         self._keep(self._compile.decision, self._compiled_keys.decision(None))
 
@@ -146,8 +140,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def add_rewrap_listener(self, listener: Callable[[DistributedDataParallel], Any]) -> None:
         """Call ``listener(old)`` before a re-wrap drops DDP wrapper ``old``; held weakly, for this fit."""
-        held = weakref.WeakMethod(listener) if inspect.ismethod(listener) else weakref.ref(listener)
-        self._rewrap_listeners.append(held)
+        self._rewrap_listeners.add(listener)
 
     def heartbeats(self) -> dict[int, Heartbeat]:
         """Each rank's latest heartbeat as this rank's watchdog read it; empty without one."""
@@ -155,14 +148,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def settings(self) -> dict[str, Any]:
         """The effective DDP settings, for the run summary."""
-        return {
-            "world_size": self.world_size,
-            "num_nodes": self.num_nodes,
-            "backend": self.process_group_backend,
-            "start_method": self._start_method,
-            "timeout_s": self._timeout.total_seconds(),
-            **self._ddp_kwargs,
-        }
+        return {"world_size": self.world_size, "num_nodes": self.num_nodes, "backend": self.process_group_backend,
+                "start_method": self._start_method, "timeout_s": self._timeout.total_seconds(), **self._ddp_kwargs}  # fmt: skip
 
     @override
     def _configure_launcher(self) -> None:
@@ -368,10 +355,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if os.fspath(checkpoint_path) == "auto":  # rank 0 chooses, every rank checks it sees that file
-            weights_only = getattr(self.checkpoint_io, "weights_only", True) if weights_only is None else weights_only
-            checkpoint, checkpoint_path = load_auto_checkpoint(
-                self._module.trainer, self.global_rank, self.broadcast, self._decide, weights_only
-            )
+            checkpoint, checkpoint_path = load_auto_checkpoint(self, weights_only)
             if checkpoint_path is None:
                 return checkpoint  # none: a falsy checkpoint, the fit starts fresh
         else:
@@ -384,8 +368,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
     def on_train_end(self) -> None:
         # Not the end of the fit (a LearningRateFinder runs the fit loop and this hook first): see teardown.
         super().on_train_end()
-        if self.comm_hook.averager is not None:  # post-local-SGD ends on the ranks' average, not rank 0's model
-            self.comm_hook.average_parameters(self._module)
+        self.comm_hook.at_train_end(self._module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -406,7 +389,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
             if isinstance(self.model, DistributedDataParallel):
                 self.advice = ddp_advice(self.model, self._unused)
                 rank_zero_info("SoloDDP advice:\n" + "\n".join(f"  - {line}" for line in self.advice))
-        self._rewrap_listeners = []
+        self._rewrap_listeners.clear()
         self._hooks = StepHooks()
         self._watchdog.teardown()
         self._sigterm.teardown()
@@ -417,11 +400,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._patches.close()
         cpu_malloc.restore()
 
-    def _keep(self, *decisions: Decision | None) -> None:
-        for decision in decisions:
-            if decision is not None:
-                self._decide(decision)
-
     def _side_channel(self) -> Any:
         return self._groups.side(self._timeout)
 
@@ -429,9 +407,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         """Every rank at a batch boundary: the old wrapper read by the listeners and dropped (its buckets are as big
         as the gradients), then the next built with no broadcast (the replicas are in step) on the current stream."""
         old = cast(DistributedDataParallel, self.model)
-        for ref in self._rewrap_listeners:
-            if (listener := ref()) is not None:
-                listener(old)
+        self._rewrap_listeners(old)
         self.model = module = self._unused.unwrap(old, keep_grads=not self._module.automatic_optimization)
         gone = weakref.ref(old)
         del old
@@ -448,10 +424,6 @@ class SoloDDP(DecisionLog, DDPStrategy):
 
     def _rebuild_hooks(self) -> None:
         self._hooks.rebuild([self.comm_hook, self._watchdog, self._compile, self._resume])
-
-    def __getstate__(self) -> dict:
-        # Weak references do not pickle; the listeners belong to the process that registered them.
-        return {**super().__getstate__(), "_rewrap_listeners": []}
 
     @property
     def _exact_allreduce(self) -> bool:  # no comm hook: DDP's own all-reduce can carry the probe and sentinel

@@ -205,10 +205,11 @@ class CommHook:
             self._trained_locally.update((id(p), p) for p in params)
         self.averager.average_parameters(params)
 
-    def average_parameters(self, module: torch.nn.Module) -> None:
-        """Average ``module``'s trainable parameters over all ranks now (collective), and those frozen since a
-        local step trained them: the ranks' copies may differ."""
-        average_in_place([p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally])
+    def at_train_end(self, module: torch.nn.Module) -> None:
+        """Post-local-SGD (collective): the ranks' copies differ between averages, so the fit ends on their average
+        of ``module``'s trainable parameters and those frozen since a local step trained them. Otherwise nothing."""
+        if self.averager is not None:
+            average_in_place([p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally])
 
     def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
         """The hook's state for a checkpoint; a collective for PowerSGD, and for post-local-SGD given a ``replica``

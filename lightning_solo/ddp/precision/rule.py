@@ -130,8 +130,12 @@ class _Options:
     skip_lr_on_overflow: bool = False
 
 
-def precision_options(precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool) -> _Options:
-    """Validate SoloDDP's precision arguments once, at construction."""
+def precision_options(
+    precision: str | None, scaler: Mapping[str, Any] | None, skip_lr_on_overflow: bool, plugin: Any = None
+) -> _Options:
+    """Validate SoloDDP's precision arguments once, at construction (``plugin``: its ``precision_plugin=``)."""
+    if precision is not None and plugin is not None:
+        raise ValueError("pass either precision= or precision_plugin= to SoloDDP, not both")
     if precision is not None:
         check_choice("precision", precision, PRECISIONS, " (or None to leave it to the Trainer)")
     check_bool("skip_lr_on_overflow", skip_lr_on_overflow)

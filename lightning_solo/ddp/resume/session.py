@@ -156,17 +156,19 @@ class ExactResume:
         self._quiet.close()
 
 
-def load_auto_checkpoint(
-    trainer: Any, rank: int, broadcast: Callable[[Any, int], Any], decide: Callable[[Decision], Any], weights_only: bool
-) -> tuple[dict[str, Any], str | None]:
-    """``fit(ckpt_path="auto")`` (a collective): rank 0 picks the newest checkpoint that verifies and broadcasts it,
-    every rank checks it sees the same file. The checkpoint and its path; :data:`NO_CHECKPOINT`, ``None``: none."""
+def load_auto_checkpoint(strategy: Any, weights_only: bool | None) -> tuple[dict[str, Any], str | None]:
+    """``fit(ckpt_path="auto")`` under ``strategy`` (a collective): rank 0 picks the newest checkpoint that verifies
+    and broadcasts it, every rank checks it sees the same file. The checkpoint and its path; :data:`NO_CHECKPOINT`,
+    ``None``: none. ``weights_only=None``: the checkpoint IO's setting (``True`` without one)."""
+    trainer, rank = strategy.lightning_module.trainer, strategy.global_rank
+    if weights_only is None:
+        weights_only = getattr(strategy.checkpoint_io, "weights_only", True)
     chosen: tuple[Any, Any] | None = None
     if rank == 0:
         decision = decide_resume(checkpoint_dir(trainer), extra=hpc_checkpoints(trainer))
         chosen = (decision, decision.value and read_manifest(decision.value))
-    decision, manifest = broadcast(chosen, 0)  # rank 0 always sends a pair
-    decide(decision)
+    decision, manifest = strategy.broadcast(chosen, 0)  # rank 0 always sends a pair
+    strategy._decide(decision)
     rank_zero_info(f"ckpt_path='auto': {decision}")
     path = decision.value
     if path is not None and read_manifest(path) != manifest:
