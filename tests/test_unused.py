@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_solo import SoloDDP
 from lightning_solo.callbacks import TrainingDoctor
 from lightning_solo.ddp.advice import ddp_advice
+from lightning_solo.ddp.component import Listeners
 from lightning_solo.ddp.unused.policy import UnusedParameters
 from tests.distributed import run_ranks
 from tests.helpers import equivalence as eq
@@ -367,14 +368,23 @@ def test_a_rewrap_frees_the_old_wrapper_before_building_the_next(tmp_path, monke
 
 
 class _Reader:
+    def __init__(self, seen: list[str]) -> None:
+        self.seen = seen
+
     def read(self, ddp):
-        pass
+        self.seen.append(ddp)
 
 
 def test_rewrap_listeners_are_held_weakly_and_never_pickled():
-    strategy, reader = SoloDDP(), _Reader()
-    strategy.add_rewrap_listener(reader.read)
-    assert pickle.loads(pickle.dumps(strategy))._rewrap_listeners == []  # spawn pickles the strategy
-    assert strategy._rewrap_listeners[0]() == reader.read
+    seen: list[str] = []
+    listeners, reader = Listeners(), _Reader(seen)
+    listeners.add(reader.read)
+    strategy = SoloDDP()
+    strategy.add_rewrap_listener(lambda ddp: None)  # a lambda does not pickle: the strategy's listeners stay behind
+    pickle.loads(pickle.dumps(strategy))  # as spawn pickles the strategy
+    pickle.loads(pickle.dumps(listeners))("copy")  # a copy holds none
+    listeners("here")
     del reader
-    assert strategy._rewrap_listeners[0]() is None  # the listener never keeps its owner alive
+    gc.collect()
+    listeners("gone")  # the listener never kept its owner alive
+    assert seen == ["here"]
