@@ -47,7 +47,8 @@ def test_policy_knobs_validated_and_user_values_passed_through():
     for value in (True, False):
         strategy = SoloDDP(find_unused_parameters=value)
         assert strategy._ddp_kwargs["find_unused_parameters"] is value
-        assert strategy.decisions["find_unused_parameters"].reason == "set by the user"
+        decision = strategy.decisions["find_unused_parameters"]
+        assert decision.value is value and "user" in decision.reason
     auto = SoloDDP()
     assert auto._ddp_kwargs["find_unused_parameters"] is True  # the evidence window runs on True
     assert auto.decisions["find_unused_parameters"].value == "auto"
