@@ -366,15 +366,22 @@ def test_a_rewrap_frees_the_old_wrapper_before_building_the_next(tmp_path, monke
         assert record["alive"] == [0] * records[0]["wrappers"], record
 
 
+_READS: list[str] = []  # module-wide: a pickled copy of a reader would append here too
+
+
 class _Reader:
     def read(self, ddp):
-        pass
+        _READS.append(ddp)
 
 
 def test_rewrap_listeners_are_held_weakly_and_never_pickled():
     strategy, reader = SoloDDP(), _Reader()
     strategy.add_rewrap_listener(reader.read)
-    assert pickle.loads(pickle.dumps(strategy))._rewrap_listeners == []  # spawn pickles the strategy
-    assert strategy._rewrap_listeners[0]() == reader.read
+    pickle.loads(pickle.dumps(strategy))._rewrap_listeners("copy")  # spawn pickles the strategy
+    strategy._rewrap_listeners("old")
+    assert _READS == ["old"]
+    owner = weakref.ref(reader)
     del reader
-    assert strategy._rewrap_listeners[0]() is None  # the listener never keeps its owner alive
+    assert owner() is None  # the listener never keeps its owner alive
+    strategy._rewrap_listeners("later")
+    assert _READS == ["old"]
