@@ -1,6 +1,5 @@
-"""Gradient communication for DDP: comm hooks by name (``hooks``), ``comm_hook="auto"`` (``auto``), PowerSGD's
-state across re-bucketing and resume (``powersgd_state``), post-local-SGD's averaging (``averaging``) and the
-monitored barrier with its gloo side group (``barrier``). Exported here: what SoloDDP and users need."""
+"""Gradient communication for DDP: comm hooks by name or "auto", and the monitored barrier with its gloo side
+group. See docs/comm-hooks.md and docs/ranks.md."""
 
 from lightning_solo.ddp.comm.auto import make_comm_hook
 from lightning_solo.ddp.comm.barrier import SideGroups, monitored_barrier

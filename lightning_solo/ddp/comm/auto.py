@@ -25,8 +25,7 @@ def label(name: str | None) -> str:
 
 
 def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> Decision:
-    """The hook to keep from the measured ms per step (``"exact"`` among them): the fastest, but a hook only
-    when it is at least ``min_gain`` faster than exact all-reduce."""
+    """The fastest of the measured ms per step, a hook only when ``min_gain`` faster than ``"exact"``."""
     table = ", ".join(f"{name} {ms:.2f}" for name, ms in measured_ms.items())
     where = f"ms per step, the fastest step of the slowest rank: {table}"
     fastest = min(measured_ms, key=measured_ms.__getitem__)
@@ -39,8 +38,8 @@ def decide_comm_hook(measured_ms: dict[str, float], min_gain: float = 0.05) -> D
 def make_comm_hook(
     name: str | None, ddp_kwargs: Mapping[str, Any] | None = None, *, rewraps: bool = False, **options: Any
 ) -> CommHook:
-    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook` (``None`` options:
-    the defaults), checked against SoloDDP's ``ddp_kwargs``; ``rewraps``: DDP may be re-wrapped."""
+    """SoloDDP's ``comm_hook=``: :class:`AutoCommHook` for ``"auto"``, else :class:`CommHook`, checked against
+    ``ddp_kwargs``; ``rewraps``: DDP may be re-wrapped."""
     ddp_kwargs = ddp_kwargs or {}
     what = "a positive number of megabytes (DDP's default is 25) or None for the default"  # DDP takes <= 0, then fails
     check_number("bucket_cap_mb", ddp_kwargs.get("bucket_cap_mb"), optional=True, what=what)
@@ -57,15 +56,9 @@ def make_comm_hook(
 
 
 class AutoCommHook(CommHook):
-    """A :class:`CommHook` whose hook is chosen by a :class:`~lightning_solo.ddp.trial.Trial` of the candidates.
-
-    Args:
-        candidates: the hooks tried, ``None`` being exact all-reduce.
-        warmup_steps: untimed steps per candidate (the re-wrap's bucket rebuild, PowerSGD's exact start).
-        trial_steps: timed steps per candidate.
-        min_gain: how much faster than exact all-reduce a hook must be to be kept.
-        **options: :class:`CommHook`'s (``powersgd_rank``, ``powersgd_start_iter``, ...) for the chosen hook.
-    """
+    """A :class:`CommHook` whose hook is chosen by a :class:`~lightning_solo.ddp.trial.Trial` of ``candidates``
+    (``None``: exact all-reduce), ``warmup_steps`` untimed and ``trial_steps`` timed steps each; a hook is kept when
+    ``min_gain`` faster than exact. ``**options``: :class:`CommHook`'s, for the chosen hook."""
 
     def __init__(
         self,
@@ -109,15 +102,14 @@ class AutoCommHook(CommHook):
         return Decision("comm_hook", "auto", f"auto: measuring {label(self.name)} ({step}); {registered.reason}")
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """While measuring: every batch start (a re-wrap between candidates) and step end (the trial's clock)."""
+        """While measuring: every batch start (a re-wrap between candidates) and step end."""
         if self.decided:
             return super().step_hooks()
         return {"boundary": lambda strategy: self.at_boundary(strategy.root_device),
                 "after_step": lambda strategy, optimizer: self.trial.step_end(strategy.root_device)}  # fmt: skip
 
     def at_boundary(self, device: torch.device) -> bool:
-        """At every batch start, on every rank alike. True: re-wrap DDP now (the next candidate, or the one
-        kept). The trial's end is a collective (:meth:`Trial.agree`)."""
+        """At every batch start, on every rank (a collective at the trial's end). True: re-wrap DDP now."""
         if not self.trial.batch_start(device) or len(self.trial.times) % (self.warmup_steps + self.trial_steps):
             return False
         self._index += 1
@@ -140,8 +132,7 @@ class AutoCommHook(CommHook):
         self.state = self.hook = None  # a fresh hook on the next wrapper
 
     def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
-        """:meth:`CommHook.state_dict` of the hook running now, with ``"auto"``: the choice and its measurement, or
-        the trial so far (this rank's times)."""
+        """:meth:`CommHook.state_dict`, with ``"auto"``: the choice and its measurement, or the trial so far."""
         saved = super().state_dict(checkpoint_path, replica)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         record: dict[str, Any] = {"world_size": world, "candidates": [label(n) for n in self.candidates]}
@@ -152,8 +143,7 @@ class AutoCommHook(CommHook):
         return {**saved, "auto": record}
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
-        """Take back :meth:`state_dict`'s result: the choice, not measured again, or the trial where it was; a
-        trial starts again for other candidates or ranks, or a fixed hook's state (applied if that hook wins)."""
+        """Take back :meth:`state_dict`'s result: the choice, or the trial where it was (docs/comm-hooks.md)."""
         saved = dict(saved or {})
         record = saved.pop("auto", None)
         if record is not None and self._resumable(record):

@@ -19,9 +19,8 @@ def node_groups(nodes: list[Any]) -> list[list[int]]:
 
 
 def average_in_place(params: list[torch.Tensor], group: Any = None) -> None:
-    """Average ``params`` over ``group`` (a collective) into each parameter's own storage (torch's makes them views
-    of one flat buffer: ``channels_last`` lost): a large contiguous one in place, the others through flat buffers
-    under ``CHUNK_BYTES``, which glibc's heap keeps for the next average. See docs/comm-hooks.md."""
+    """Average ``params`` over ``group`` (a collective) into each parameter's own storage, through flat buffers
+    under ``CHUNK_BYTES`` (a large contiguous one in place). See docs/comm-hooks.md."""
     world = dist.get_world_size(group)
     for chunk in _chunks(params):
         in_place = len(chunk) == 1 and chunk[0].is_contiguous()

@@ -18,8 +18,7 @@ _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 def monitored_barrier(name: str | None, timeout: timedelta, group=None) -> None:
-    """A barrier that, on timeout, raises naming the ranks that did not arrive (gloo / CPU-capable groups); rank 0
-    waits for every rank, so its error lists them all, and the others point to it."""
+    """A barrier that, on timeout, raises naming the ranks that did not arrive (rank 0 lists them all)."""
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as err:
@@ -54,8 +53,7 @@ def without_side_group(why: str) -> str:
 
 
 def backend_for(backend: str, device_type: str) -> str | None:
-    """The backend a group string uses for ``device_type`` tensors: ``"gloo"`` for any device, and
-    ``"cuda:nccl,cpu:gloo"`` per device (``None`` when that device has none)."""
+    """The backend a group string (``"gloo"``, ``"cuda:nccl,cpu:gloo"``) uses for ``device_type`` (or ``None``)."""
     if ":" not in backend:
         return backend
     pairs = dict(part.strip().split(":", 1) for part in backend.split(",") if part.strip())
@@ -67,7 +65,7 @@ _groups: tuple[Any, dict[str, Any]] | None = None  # (the default group, the gro
 
 def group_per_world(name: str, make: Callable[[], Any]) -> Any:
     """The group called ``name`` in the current default group: ``make()``'s at the first call (a collective), the
-    same group later until the default group changes; one per strategy would leave its threads behind each fit."""
+    same one until the default group changes."""
     global _groups
     world = dist.group.WORLD
     if _groups is None or _groups[0] is not world:
@@ -94,10 +92,8 @@ def barrier_group(
     backend: str | None = None,
     device: torch.device | None = None,
 ) -> tuple[Any, Decision]:
-    """The group :func:`monitored_barrier` runs on, and why (a collective, once): the world when it runs CPU tensors
-    on gloo, else a gloo side group made by ``create`` within ``create_timeout``, or ``None`` (a plain barrier)
-    when ``side_group`` is False or gloo cannot be had on every rank (warned). ``device``: the world's collectives'.
-    See docs/ranks.md."""
+    """The group :func:`monitored_barrier` runs on, and why (a collective): the world on gloo, else a gloo side
+    group made by ``create`` within ``create_timeout``, or ``None`` (a plain barrier). See docs/ranks.md."""
     world, seconds = dist.group.WORLD, f"{timeout.total_seconds():g} s"
     backend = backend or dist.get_backend()
     if backend_for(backend, "cpu") == "gloo":
@@ -142,9 +138,8 @@ def _warn_off(decision: Decision, own: bool) -> None:
 
 
 class SideGroups:
-    """One strategy's groups beside DDP's, made at its first setup on every rank alike and shared with later
-    strategies in the same default group: ``barrier`` (:func:`barrier_group`; ``None``: the plain barrier) and
-    :meth:`side`, the side channel."""
+    """One strategy's groups beside DDP's, shared with later strategies in the same default group: ``barrier``
+    (:func:`barrier_group`) and :meth:`side`, the side channel."""
 
     def __init__(self, gloo: bool = True) -> None:
         self.gloo = bool(gloo)
@@ -154,8 +149,7 @@ class SideGroups:
         self._side_made = False
 
     def setup(self, timeout: timedelta, device: torch.device, warn_interface: bool = False) -> Decision | None:
-        """The barrier's group, the first time there is a live process group (Lightning's own tests mock it).
-        ``warn_interface``: warn when gloo would pick a network interface other nodes may not reach."""
+        """The barrier's group, once there is a live process group; ``warn_interface``: check gloo's interface."""
         if self.made or not (dist.is_available() and dist.is_initialized()):
             return None
         if self.gloo and warn_interface and (warning := gloo_interface_warning()):
@@ -165,15 +159,12 @@ class SideGroups:
         return decision
 
     @property
-    def side_group(self) -> Any:
-        """The side channel if :meth:`side` made it, else ``None``."""
+    def side_group(self) -> Any:  # the side channel if :meth:`side` made it, else None
         return self._side
 
     def side(self, timeout: timedelta | None) -> Any:
-        """The side group, made on first use, apart from DDP's: for the collectives issued while DDP may hold
-        buckets back, and the agreements. ``None`` without gloo."""
+        """The side group (gloo, apart from DDP's), made on first use; ``None`` without gloo."""
         if not self._side_made:
             self._side_made = True
-            # A world on gloo (CPU tensors): a group of its own; else an NCCL job's gloo side group, or None.
             self._side = gloo_group("solo_side", timeout) if self.barrier is dist.group.WORLD else self.barrier
         return self._side

@@ -1,5 +1,5 @@
-"""DDP gradient communication hooks chosen by name (exact, fp16/bf16, PowerSGD, post-local-SGD), registered
-on every device, with state that goes into a checkpoint and comes back on resume. See docs/comm-hooks.md."""
+"""DDP gradient communication hooks chosen by name, registered on every device, with state carried by checkpoints.
+See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import contextlib
@@ -31,8 +31,7 @@ CHECKPOINT_KEY = "lightning_solo.comm_hook"
 def bf16_compress_any_build_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on CPU-only torch builds,
-    although gloo all-reduces bfloat16 fine."""
+    """torch's ``bf16_compress_hook`` under another name, which DDP refuses on CPU-only torch builds."""
     return torch_compat.compress_hook(torch.bfloat16, process_group, bucket)
 
 
@@ -44,13 +43,9 @@ class CommHook:
     """A DDP gradient communication hook chosen by name, registered on any device, with checkpointable state.
 
     Args:
-        name: ``None`` (exact all-reduce), ``"fp16"``/``"bf16"`` (compress gradients to 16 bits),
-            ``"powersgd"`` (low-rank compression with error feedback), or ``"post_local_sgd"`` (local steps,
-            parameters averaged every ``local_sgd_period`` steps after ``local_sgd_warmup`` synchronous ones).
-        powersgd_rank: PowerSGD's matrix approximation rank (higher: more accurate, more bytes).
-        powersgd_start_iter: steps of exact all-reduce before PowerSGD starts compressing (>= 2).
-        local_sgd_period: post-local-SGD: average parameters across all ranks every this many steps.
-        local_sgd_warmup: post-local-SGD: fully synchronous steps before local steps start.
+        name: ``None`` (exact all-reduce), ``"fp16"``/``"bf16"``, ``"powersgd"`` or ``"post_local_sgd"``.
+        powersgd_rank, powersgd_start_iter: PowerSGD's approximation rank; exact steps before it compresses (>= 2).
+        local_sgd_period, local_sgd_warmup: post-local-SGD's steps between averages; synchronous steps first.
     """
 
     def __init__(
@@ -81,8 +76,7 @@ class CommHook:
 
     @property
     def local_step(self) -> bool:
-        """True once post-local-SGD's warm-up is over on one node: each rank keeps its own gradients, and the
-        step runs outside DDP's reducer (docs/comm-hooks.md)."""
+        """Post-local-SGD after its warm-up on one node: the step runs outside DDP's reducer (docs/comm-hooks.md)."""
         state = self.state
         return (
             self.name == "post_local_sgd"
@@ -92,8 +86,7 @@ class CommHook:
         )
 
     def register_on(self, strategy: Any) -> Decision:
-        """Register on ``strategy``'s DDP wrapper, on every device (or Lightning's ``ddp_comm_hook=``, given instead);
-        post-local-SGD hands DDPStrategy the state and period its model averager starts from."""
+        """Register on ``strategy``'s DDP wrapper (or Lightning's ``ddp_comm_hook=``, given instead)."""
         if self.name is None and strategy._ddp_comm_hook is not None:
             lightning_compat.register_ddp_comm_hook(
                 strategy.model, strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
@@ -106,8 +99,7 @@ class CommHook:
         return decision
 
     def register(self, ddp: DistributedDataParallel, *, node: Any = None) -> Decision:
-        """Register the hook on ``ddp`` (every backend), keeping its state across wrappers of one module. ``node``:
-        this rank's node (default: its hostname), for post-local-SGD's per-node gradient all-reduce."""
+        """Register the hook on ``ddp``, keeping its state across wrappers. ``node``: this rank's (default: hostname)."""
         if self.name is None:
             return Decision("comm_hook", None, "exact all-reduce in the gradients' dtype (DDP's default)")
         if self.name in ("fp16", "bf16"):
@@ -169,7 +161,7 @@ class CommHook:
         )
 
     def step_hooks(self) -> dict[str, Callable[..., Any]]:
-        """The step moments it takes part in (:mod:`lightning_solo.ddp.component`): post-local-SGD's only."""
+        """The step moments it takes part in: post-local-SGD's only."""
         if self.name != "post_local_sgd":
             return {}
         return {"step": self._around_local_step, "after_step": self._after_local_step}
@@ -177,8 +169,7 @@ class CommHook:
     @contextlib.contextmanager
     def _around_local_step(self, strategy: Any) -> Iterator[None]:
         if self.local_step and isinstance(strategy.model, DistributedDataParallel):
-            # Local steps skip DDP's reducer, as no_sync does (see local_step). Only ever set False: Lightning's
-            # accumulation restores the flag it found when its no_sync ends.
+            # As no_sync does; only ever set False: Lightning's accumulation restores the flag it found.
             strategy.model.require_backward_grad_sync = False
         yield
 
@@ -186,35 +177,31 @@ class CommHook:
         if self.averager is not None:  # Lightning's averager replaced (SoloDDP._enable_model_averaging)
             self.average_after_step(optimizer)
         if self.local_step and isinstance(strategy.model, DistributedDataParallel):
-            # As after a synchronised step, the next forward (training or validation) broadcasts rank 0's buffers
-            # (BatchNorm statistics); a forward outside the reducer would otherwise have switched that off.
+            # The next forward broadcasts rank 0's buffers, as after a synchronised step.
             strategy.model.require_forward_param_sync = True
 
     def attach_averager(self, averager: PeriodicModelAverager) -> PeriodicModelAverager:
-        """Post-local-SGD: Lightning's ``PeriodicModelAverager`` replaced by one on the same schedule averaging in
-        place (:func:`average_in_place`)."""
+        """Post-local-SGD: Lightning's averager replaced by one on the same schedule averaging in place."""
         self.averager = InPlaceAverager(averager.period, averager.warmup_steps, averager.process_group)
         self._apply_saved()
         return self.averager
 
     def average_after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Post-local-SGD, after every optimizer step, on every rank: the averager's schedule over every trainable
-        parameter ``optimizer`` holds, with a gradient or not, so that every rank averages the same tensors."""
+        """Post-local-SGD, after every optimizer step, on every rank: average every trainable parameter of
+        ``optimizer`` on the averager's schedule."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if self.local_step:
             self._trained_locally.update((id(p), p) for p in params)
         self.averager.average_parameters(params)
 
     def at_train_end(self, module: torch.nn.Module) -> None:
-        """Post-local-SGD (collective): the ranks' copies differ between averages, so the fit ends on their average
-        of ``module``'s trainable parameters and those frozen since a local step trained them. Otherwise nothing."""
+        """Post-local-SGD (a collective): the fit ends on the ranks' average of the parameters local steps trained."""
         if self.averager is not None:
             average_in_place([p for p in module.parameters() if p.requires_grad or id(p) in self._trained_locally])
 
     def state_dict(self, checkpoint_path: Any = None, replica: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The hook's state for a checkpoint; a collective for PowerSGD, and for post-local-SGD given a ``replica``
-        (this rank's model and optimizer state). What differs per rank goes into its own shard beside
-        ``checkpoint_path``, the result records their sha256 (docs/comm-hooks.md)."""
+        """The hook's state for a checkpoint (a collective for PowerSGD, and with a post-local-SGD ``replica``);
+        per-rank state into shards beside ``checkpoint_path`` (docs/comm-hooks.md)."""
         if self.state is None:
             return {}
         if self.name == "post_local_sgd":
@@ -233,26 +220,23 @@ class CommHook:
         return powersgd_state.state_dict(self.state, checkpoint_path)
 
     def add_to_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, collective: bool) -> None:
-        """The hook's state into a full ``checkpoint`` (each rank's shard written beside ``filepath``);
-        ``collective=False`` (a save on an exception): what needs no other rank (not PowerSGD's gathered state)."""
+        """The hook's state into a full ``checkpoint``; ``collective=False`` (a save on an exception): what needs no
+        other rank."""
         if "optimizer_states" not in checkpoint or not (collective or self.name != "powersgd"):
             return
-        # Post-local-SGD between averages: each rank's own model and optimizer state, beside the checkpoint.
         replica = {key: checkpoint[key] for key in ("state_dict", "optimizer_states")} if collective else None
         if hook_state := self.state_dict(filepath, replica):
             checkpoint[CHECKPOINT_KEY] = hook_state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """The hook's state from ``checkpoint``, and a post-local-SGD replica saved between averages put in its
-        place: this rank's own model and optimizer state, which the next DDP wrapper keeps (:attr:`own_replica`)."""
+        """The hook's state from ``checkpoint``, and this rank's post-local-SGD replica (if saved) put in place."""
         self.load_state_dict(checkpoint.get(CHECKPOINT_KEY), checkpoint_path)
         if self._replica is not None:
             checkpoint.update(self._replica)
             self._replica, self.own_replica = None, True
 
     def load_state_dict(self, saved: dict[str, Any] | None, checkpoint_path: Any = None) -> None:
-        """Take back :meth:`state_dict`'s result (this rank's shard read beside ``checkpoint_path``), on every rank;
-        applied now or at :meth:`register`. A fixed hook ignores ``comm_hook="auto"``'s record."""
+        """Take back :meth:`state_dict`'s result on every rank; applied now or at :meth:`register`."""
         saved = {key: value for key, value in (saved or {}).items() if key != "auto"}
         if not saved:
             return
@@ -269,7 +253,7 @@ class CommHook:
             self._apply_saved()
 
     def _this_rank(self, saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
-        """``saved`` with this rank's error feedback or replica, read from its shard (needs the process group)."""
+        """``saved`` with this rank's error feedback or replica, read from its shard."""
         if saved.pop("_resolved", False):
             return saved
         world, rank = dist.get_world_size(), dist.get_rank()

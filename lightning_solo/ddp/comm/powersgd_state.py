@@ -1,5 +1,4 @@
-"""PowerSGD's state, carried across DDP's bucket rebuild and across checkpoint/resume: kept per parameter name
-while the bucket layout may change (torch keys it by bucket index). See docs/comm-hooks.md."""
+"""PowerSGD's state per parameter name across DDP's bucket rebuilds and checkpoints. See docs/comm-hooks.md."""
 
 # No `from __future__ import annotations`: DDP inspects hook annotations at registration.
 import warnings
@@ -32,8 +31,7 @@ class _PowerSGDState(powersgd.PowerSGDState):
 
 
 def resumable_powerSGD_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook``, which for its first iterations re-assembles the state per parameter when DDP's
-    bucket layout changes (a rebuild, a re-wrap, a resume); afterwards ``powerSGD_hook`` itself."""
+    """torch's ``powerSGD_hook``, following DDP's bucket layout for its first iterations."""
     if state.watch:
         _follow_layout(state, bucket)
     fut = powersgd.powerSGD_hook(state, bucket)
@@ -59,7 +57,7 @@ def follow(state: _PowerSGDState, module: torch.nn.Module) -> None:
 
 def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, Any]:
     """``CommHook.state_dict`` for PowerSGD (a collective): error feedback into this rank's shard beside
-    ``checkpoint_path`` (without one: every rank's, gathered), Q memory and counters in the result."""
+    ``checkpoint_path`` (without one: every rank's, gathered)."""
     live = _per_parameter(state, state.layout)
     errors = {**state.pending.get("error", {}), **live["error"]}
     qs = {**state.pending.get("q", {}), **live["q"]}
@@ -80,7 +78,7 @@ def state_dict(state: _PowerSGDState, checkpoint_path: Any = None) -> dict[str, 
 
 
 def apply_saved(state: _PowerSGDState, saved: dict[str, Any]) -> None:
-    """:func:`state_dict`'s result (this rank's error feedback) back into ``state``, for the buckets to come."""
+    """:func:`state_dict`'s result back into ``state``, for the buckets to come."""
     state.iter = saved["iter"]
     set_numpy_state(state.rng, saved["rng"])
     state.total_numel_before_compression, state.total_numel_after_compression, state.next_stats_report = saved["stats"]
@@ -95,7 +93,6 @@ def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
     index, params = bucket.index(), bucket.parameters()
     ids = tuple(id(p) for p in params)
     if state.layout.get(index, ids) != ids:
-        # DDP re-bucketed at this iteration's forward: move all but the buckets reduced already.
         to_pending(state, keep=state.seen)
     if index not in state.layout:
         state.layout[index] = ids
@@ -114,8 +111,7 @@ def _follow_layout(state: _PowerSGDState, bucket: dist.GradBucket) -> None:
 
 
 def _q_order(shapes: list[torch.Size], state: powersgd.PowerSGDState) -> list[tuple[int, int, int]]:
-    """(position in bucket, Q length, P length) of the tensors PowerSGD compresses, in ``powerSGD_hook``'s memory
-    order: grouped by (shape[0], rest) matrix shape in order of first appearance."""
+    """(position in bucket, Q length, P length) of the tensors PowerSGD compresses, in ``powerSGD_hook``'s order."""
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for pos, shape in enumerate(shapes):
         n, m = shape[0], prod(shape) // shape[0]

@@ -1,5 +1,5 @@
-"""The five batch-norm kernels SoloSyncBatchNorm is built from: torch's CUDA ones (:data:`NATIVE`), and the same
-five from CPU-capable ops with the CUDA source's dtypes and arithmetic (:data:`PORTABLE`). See docs/syncbn.md."""
+"""SoloSyncBatchNorm's five kernels: torch's CUDA ones (:data:`NATIVE`) and CPU-capable ones with the CUDA source's
+dtypes and arithmetic (:data:`PORTABLE`). See docs/syncbn.md (Kernels)."""
 
 from __future__ import annotations
 
@@ -38,21 +38,18 @@ def _stats(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 def _gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
     """Mean and invstd of the union of the rows' batches (row j: ``counts[j]`` values); the running statistics
-    updated in place with the unbiased variance."""
+    updated in place with the unbiased variance (both given: SoloSyncBatchNorm calls it only then)."""
     counts = counts.to(mean_all.dtype).unsqueeze(1)
     n = counts.sum(0)
     mean = (mean_all * counts).sum(0) / n
     var_n = ((invstd_all.pow(-2) - eps) * counts + (mean_all - mean).square() * counts).sum(0)
-    if running_mean is not None:
-        running_mean.copy_(running_mean * (1 - momentum) + mean * momentum)
-    if running_var is not None:
-        running_var.copy_(running_var * (1 - momentum) + var_n / (n - 1) * momentum)
+    running_mean.copy_(running_mean * (1 - momentum) + mean * momentum)
+    running_var.copy_(running_var * (1 - momentum) + var_n / (n - 1) * momentum)
     return mean, (var_n / n + eps).rsqrt()
 
 
 def _elemt(x, weight, bias, mean, invstd, eps):
-    """(x - mean)·invstd·weight + bias: eval-mode batch_norm with var = invstd⁻² and eps float32's smallest normal
-    (torch 2.11 refuses 0), one fused kernel."""
+    """(x - mean)·invstd·weight + bias: eval-mode batch_norm with var = invstd⁻² and eps float32's smallest normal."""
     return F.batch_norm(x, mean, invstd.pow(-2), weight, bias, False, 0.0, _TINY)
 
 
@@ -60,9 +57,8 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def _backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-    """Σdy and Σdy·(x - mean) per channel (accumulation dtype; ``None`` unless ``input_g``), and the weight and
-    bias gradients Σdy·x̂ and Σdy (weight's dtype; ``None`` unless asked)."""
-    # The fused BN backward kernel's weight/bias gradients, with weight 1, are exactly Σdy·x̂ and Σdy.
+    """Σdy and Σdy·(x - mean) per channel (``None`` unless ``input_g``), and the weight and bias gradients Σdy·x̂
+    and Σdy (``None`` unless asked): the fused BN backward's weight/bias gradients with weight 1."""
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, x, torch.ones_like(mean), None, None, mean, invstd, True, 0.0, [False, True, True]
     )
@@ -75,12 +71,11 @@ def _backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
 
 
 def _backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-    """(dy - Σdy/n - (x - mean)·invstd²·Σdy(x-mean)/n)·invstd·weight, n = Σcount, in the accumulation dtype and
-    rounded once, as the CUDA kernel does (docs/syncbn.md, Precision)."""
+    """(dy - Σdy/n - (x - mean)·invstd²·Σdy(x-mean)/n)·invstd·weight, n = Σcount, rounded once (docs/syncbn.md)."""
     norm = count.sum().to(mean.dtype).reciprocal()
     proj = invstd.square() * sum_dy_xmu * norm
     scale = invstd if weight is None else invstd * weight
-    # dy·scale + x·a + c (per-channel a, c): two passes, the first into a new accumulation-dtype tensor
+    # dy·scale + x·a + c (per-channel a, c)
     a, c = -proj * scale, (mean * proj - sum_dy * norm) * scale
     grad = torch.addcmul(_view(c, x), x, _view(a, x))
     return grad.addcmul_(dy, _view(scale, x)).to(x.dtype)

@@ -1,5 +1,5 @@
-"""SoloSyncBatchNorm (BatchNorm over the batch of every rank, any backend), :func:`sync_batch_norm`, and
-:func:`convert` / :func:`revert`, which swap a model's BatchNorm layers to it and back. See docs/syncbn.md."""
+"""SoloSyncBatchNorm (BatchNorm over every rank's batch, any backend) and :func:`convert` / :func:`revert`.
+See docs/syncbn.md."""
 
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ def _all_reduce(t: Tensor, group: Any) -> None:
 
 
 def _check_count(stats: Tensor, local: int) -> None:
-    """Native BatchNorm's error for one value per channel, raised by every rank alike: only a rank with at most
-    one value reads the all-reduced count (when it is too small, every rank is such a rank)."""
+    """Native BatchNorm's error for one value per channel, raised by every rank alike (only a small rank reads)."""
     if local <= 1 and (total := int(stats[-1].item())) <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {total} over all ranks (this rank: {local})"
@@ -49,8 +48,7 @@ def _check_count(stats: Tensor, local: int) -> None:
 
 
 def _update_running(k, x, stats, mean_invstd, running_mean, running_var, factor, eps) -> None:
-    """Running statistics from the global ones: torch's kernel when it takes them, else ``lerp_`` (which also
-    takes ``momentum=None``'s device-side factor)."""
+    """Running statistics from the global ones: torch's kernel when it takes them, else ``lerp_``."""
     if running_mean is None or running_var is None:
         return
     total, dtype = stats[-1:], running_mean.dtype
@@ -71,8 +69,7 @@ def _moments(stats: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Batch-norm over the batch of all ranks in ``group``, each holding its slice: no host sync, no copy of the
-    activations in another dtype, the same collectives on every rank (docs/syncbn.md)."""
+    """Batch-norm over the batch of all ranks in ``group``, each holding its slice (docs/syncbn.md)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
@@ -145,15 +142,13 @@ def sync_batch_norm(
     factor: float | Tensor,
     group: Any = None,
 ) -> Tensor:
-    """Training-mode batch norm over the batch of every rank of ``group``. ``factor``: the running statistics'
-    update weight, the momentum or a device tensor (``momentum=None``'s 1/num_batches_tracked)."""
+    """Training-mode batch norm over every rank's batch. ``factor``: the momentum, or a device tensor."""
     return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps, factor, group)
 
 
 class SoloSyncBatchNorm(BatchNormBase):
-    """BatchNorm whose training statistics are those of the global batch, on any backend; the arguments, buffers
-    and state-dict keys of ``torch.nn.BatchNorm{1,2,3}d``, plus ``process_group`` (default: all). Plain BatchNorm
-    with one rank or in eval mode."""
+    """BatchNorm with the global batch's training statistics, on any backend; ``torch.nn.BatchNorm{1,2,3}d``'s
+    arguments, buffers and keys, plus ``process_group`` (default: all)."""
 
     # Read by find_unused_parameters="auto" (lightning_solo.ddp.unused.policy): its backward all-reduces.
     communicates_in_backward = True
@@ -173,8 +168,7 @@ class SoloSyncBatchNorm(BatchNormBase):
         self.process_group = process_group
 
     @override
-    def _check_input_dim(self, input: Tensor) -> None:
-        # A layer made by convert runs its own class's check: that class comes first in its MRO.
+    def _check_input_dim(self, input: Tensor) -> None:  # a converted layer runs its own class's check
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
@@ -208,7 +202,7 @@ _SYNC_CLASSES = (nn.SyncBatchNorm, SoloSyncBatchNorm)
 
 
 def _calls_super_forward(fn: Any) -> bool:
-    """Whether ``fn`` (a ``forward``) calls ``super().forward``, read from its code's names."""
+    """Whether ``fn`` calls ``super().forward``, read from its code's names."""
     code = getattr(inspect.unwrap(fn), "__code__", None)
     return code is not None and {"super", "forward"} <= set(code.co_names)
 
@@ -217,8 +211,8 @@ _MADE: dict[tuple[type, type], type | str] = {}  # synced_class's answers, one p
 
 
 def synced_class(cls: type, target: type[nn.Module] = SoloSyncBatchNorm) -> type | str:
-    """The class a layer of ``cls`` takes while synchronised by ``target``'s forward (``class cls'(cls, target)``,
-    made once, named as ``cls``), or why there is none (a ``str``). See docs/syncbn.md (Conversion)."""
+    """The class ``class cls'(cls, target)`` a layer of ``cls`` takes while synchronised, made once, or why there is
+    none (a ``str``). See docs/syncbn.md (Conversion)."""
     if (cls, target) not in _MADE:
         _MADE[cls, target] = _make(cls, target)
     return _MADE[cls, target]
@@ -246,8 +240,7 @@ _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__redu
 
 
 def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
-    """Pickling and deepcopy of a converted layer: the made class comes back from its two bases (pickle cannot
-    find it by name: the name is the user's class's)."""
+    """Pickling and deepcopy of a converted layer: the made class comes back from its two bases."""
     made = type(self)
     reduced = super(made, self).__reduce_ex__(protocol)
     if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ and reduced[1][0] is made:
@@ -269,9 +262,8 @@ def _is_convertible(module: nn.Module, target: type) -> bool:
 
 
 def convert(model: nn.Module, native: bool = False, process_group: Any = None) -> nn.Module:
-    """Make every BatchNorm layer of ``model`` synchronised, in place (same objects, parameters, hooks and keys;
-    their class :func:`synced_class` of their own, ``torch.nn.SyncBatchNorm`` beneath with ``native=True``);
-    returns ``model``. Layers :func:`left_alone` stay as they are."""
+    """Make every BatchNorm layer of ``model`` synchronised, in place (their class :func:`synced_class` of their own;
+    ``torch.nn.SyncBatchNorm`` beneath with ``native=True``); returns ``model``."""
     target = nn.SyncBatchNorm if native else SoloSyncBatchNorm
     for module in model.modules():
         if not _is_convertible(module, target) or isinstance(made := synced_class(type(module), target), str):
@@ -313,13 +305,9 @@ def revert(model: nn.Module) -> nn.Module:
     return model
 
 
-def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, BatchNormBase) for m in model.modules())
-
-
 def backward_collectives(module: nn.Module) -> list[str]:
-    """Names of the submodules that issue collectives inside backward: SyncBatchNorm, and any module whose
-    class sets ``communicates_in_backward = True`` (lightning_solo's SyncBN does; so can yours)."""
+    """Names of the submodules that issue collectives inside backward: SyncBatchNorm, and any whose class sets
+    ``communicates_in_backward = True``."""
     return [
         name or type(module).__name__
         for name, m in module.named_modules()

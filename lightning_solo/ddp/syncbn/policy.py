@@ -1,6 +1,5 @@
-"""The ``sync_batchnorm="auto"`` policy (:func:`decide`, a pure function returning a Decision), SoloDDP's
-SyncBN step for one fit (:func:`decide_layer_sync`: the decision and the LayerSync plugin DDPStrategy applies) and
-the process group SyncBN's collectives use there (:func:`sync_group`)."""
+"""The ``sync_batchnorm="auto"`` policy (:func:`decide`), SoloDDP's SyncBN step for one fit
+(:func:`decide_layer_sync`) and the group SyncBN's collectives use there (:func:`sync_group`)."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def decide(
     trainer_flag: bool = False,
     left_alone: Sequence[str] = (),
 ) -> Decision:
-    """Whether to synchronise BatchNorm, and why: "auto" turns it on with BatchNorm, several processes and a known
-    per-device batch below ``threshold``. ``trainer_flag``: ``Trainer(sync_batchnorm=True)``, as ``True``;
-    ``left_alone``: layers SyncBN cannot take (named in the decision)."""
+    """Whether to synchronise BatchNorm: "auto" with BatchNorm, several processes and a per-device batch below
+    ``threshold``. ``trainer_flag``: ``Trainer(sync_batchnorm=True)``; ``left_alone``: layers SyncBN cannot take."""
     decision = _decide(option, has_batchnorm or bool(left_alone), world_size, per_device_batch, threshold,
                        trainer_flag)  # fmt: skip
     if not (decision.value and left_alone):
@@ -99,8 +97,7 @@ def _decide(
 
 
 def sync_group(timeout: timedelta | None = None) -> Any:
-    """The group SoloSyncBatchNorm's collectives use in a SoloDDP fit: on NCCL one of their own (high-priority
-    stream, made once per default group by every rank alike), else the world (``None``). See docs/syncbn.md."""
+    """SoloSyncBatchNorm's group in a SoloDDP fit: on NCCL its own (high-priority stream), else the world."""
     if not _nccl_world():
         return None
 
@@ -143,7 +140,7 @@ def decide_layer_sync(
     trainer: pl.Trainer, option: SyncOption, threshold: int, requested: LayerSync | None
 ) -> tuple[Decision, LayerSync | None]:
     """SoloDDP's SyncBN step for one fit: the decision and the plugin DDPStrategy applies (or ``None``).
-    ``requested``: the connector's plugin (``TorchSyncBatchNorm``, replaced by ours; a custom one, kept)."""
+    ``requested``: the connector's plugin (Lightning's, replaced by ours; a custom one, kept)."""
     if requested is not None and not isinstance(requested, (TorchSyncBatchNorm, _SoloLayerSync)):
         return Decision(
             "sync_batchnorm", type(requested).__name__, "a LayerSync plugin given to the Trainer"
@@ -167,8 +164,7 @@ def decide_layer_sync(
 
 
 class LayerSyncChoice:
-    """Lightning's ``_layer_sync`` across a strategy's fits: the request read once, the plugin chosen for each fit
-    put there for DDPStrategy's setup and teardown, and the request put back after teardown."""
+    """Lightning's ``_layer_sync`` across a strategy's fits: the plugin chosen for each fit, the request put back."""
 
     def __init__(self, option: SyncOption, threshold: int) -> None:
         validate(option, threshold)

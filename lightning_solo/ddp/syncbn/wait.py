@@ -1,5 +1,4 @@
-"""How long SoloSyncBatchNorm's collectives hold this process's step up, for TrainingDoctor: the host clock on
-CPU, two CUDA events around each collective on CUDA (read back later), nothing unless a reader listens.
+"""How long SoloSyncBatchNorm's collectives hold the step up, for TrainingDoctor, while a reader listens.
 See docs/syncbn.md (TrainingDoctor)."""
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class CollectiveWait:
         return event
 
     def stop(self, mark: Any, device: torch.device) -> None:
-        """Close the interval opened by :meth:`start` (after the collective has been waited for)."""
+        """Close the interval opened by :meth:`start`."""
         if mark is None:
             return
         if device.type != "cuda":
@@ -60,5 +59,4 @@ class CollectiveWait:
         return taken
 
 
-# The one clock every SoloSyncBatchNorm layer of this process reports to.
-SYNCBN_WAIT = CollectiveWait()
+SYNCBN_WAIT = CollectiveWait()  # the one clock every SoloSyncBatchNorm layer of this process reports to

@@ -1,6 +1,5 @@
-"""``find_unused_parameters="auto"``'s fast path kept exact: the step completed as ``True`` would when a gradient
-did not arrive (:class:`FastPathStep`), and an ``all_gather`` whose backward all-reduces on a side group
-(:func:`all_gather_grad_on`). See docs/unused-parameters.md."""
+"""``find_unused_parameters="auto"``'s exact fast path (:class:`FastPathStep`) and :func:`all_gather_grad_on`.
+See docs/unused-parameters.md (Fast path)."""
 
 from __future__ import annotations
 
@@ -17,14 +16,9 @@ from lightning_solo._compat import torch as torch_compat
 
 
 class FastPathStep:
-    """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step.
-
-    The usage row has a value per parameter (``named``'s order): 2 for one this rank missed with no gradient, 1 for
-    one missed with a gradient from an earlier micro-batch or an excluded one (``ignored``) that got a gradient;
-    summed over ranks, ``2 * world`` means no rank used it. It travels as the gradient of ``sentinel`` in DDP's last
-    bucket (at ``sentinel_index`` of ``ddp``'s reducer), or over the gloo ``group`` without one. ``signal_early``:
-    nothing excluded, so the sentinel is fed as the last ``synced`` gradient arrives and, unless this rank missed a
-    parameter, read one step late (copied to the host without waiting, read after the next backward)."""
+    """One DDP wrapper's fast path (``find_unused_parameters=False``), made exact step by step: each rank's usage
+    row rides as the gradient of ``sentinel`` in DDP's last bucket, or over the gloo ``group`` without one
+    (docs/unused-parameters.md, Fast path)."""
 
     def __init__(self, named: tuple[tuple[str, Parameter], ...], synced: list[int], ignored: list[int], group: Any,
                  *, signal_early: bool, sentinel: Parameter | None = None, ddp: DistributedDataParallel | None = None,
@@ -33,7 +27,7 @@ class FastPathStep:
         self.seen, self.row = bytearray(len(named)), torch.zeros(len(named), dtype=torch.int32)
         self.left, self.armed, self.flag = 0, False, False
         self.work: Any = None
-        self.on_last: Callable[[], None] | None = None  # called as the last synchronised gradient arrives
+        self.on_last: Callable[[], None] | None = None
         if signal_early:
             self.on_last = self._send if sentinel is None else functools.partial(self._signal, ddp, sentinel_index)
         self.late = signal_early and sentinel is not None
@@ -66,9 +60,8 @@ class FastPathStep:
         self.on_last = None  # it may hold the DDP wrapper, which a re-wrap is about to drop
 
     def complete(self, ddp: DistributedDataParallel, step: int) -> tuple[int, list[str]] | None:
-        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns the step and the
-        names of the parameters that went without a gradient on some rank, as every rank learns them alike: this
-        step's, or on the late path the previous step's (``None``: no event)."""
+        """Right after backward, on every rank: finish DDP's reduction as ``True`` would. Returns (step, names) of
+        the parameters without a gradient on some rank: this step's, or on the late path the previous step's."""
         earlier = self.pending()
         missing = [i for i in self.synced if not self.seen[i]]
         dropped = [i for i in self.ignored if self.named[i][1].grad is not None]
@@ -79,7 +72,6 @@ class FastPathStep:
         world = ddp.process_group.size()
         self.armed = False
         if self.sentinel is not None:
-            # Every rank feeds the sentinel in backward, and DDP's last bucket reduces it: never None here.
             grad, self.sentinel.grad = self.sentinel.grad, None
             if grad is None:
                 raise RuntimeError(f"SoloDDP: step {step}: the unused-parameter sentinel got no gradient")
@@ -122,10 +114,7 @@ class FastPathStep:
                 param.grad = grad.div_(world)
 
     def _release(self, missing: list[int], feed_sentinel: bool, step: int) -> None:
-        """Feed zero gradients to the parameters this rank missed, so DDP's held-back buckets all-reduce in order
-        (``feed_sentinel``: the sentinel too, with this rank's row)."""
-        if not missing and not feed_sentinel:
-            return
+        """Zero gradients for the parameters this rank missed, releasing DDP's held buckets (and the sentinel's row)."""
         params = [self.named[i][1] for i in missing]
         frozen = [self.named[i][0] for i, p in zip(missing, params) if not p.requires_grad]
         if frozen:
@@ -145,14 +134,12 @@ class FastPathStep:
             torch.autograd.backward(params, grads)
 
     def _sentinel_row(self, sentinel: Parameter) -> torch.Tensor:
-        # All zeros on a step without an event: made on the device, nothing copied from the host.
         return self.row.to(sentinel.device, sentinel.dtype) if self.flag else torch.zeros_like(sentinel)
 
     def _send(self) -> None:
         self.work = dist.all_reduce(self.row, group=self.group, async_op=True)
 
     def _signal(self, ddp: Any, index: int) -> None:
-        # Inside backward: the sentinel gets this rank's row and is marked ready, as its own hook would
         assert self.sentinel is not None
         self.sentinel.grad = self._sentinel_row(self.sentinel)
         torch_compat.mark_ready(ddp, index)
@@ -164,9 +151,8 @@ def _events(named: tuple[tuple[str, Parameter], ...], counts: torch.Tensor, step
 
 
 def all_gather_grad_on(tensor: torch.Tensor, group: Any, grad_group: Any) -> torch.Tensor:
-    """``all_gather(tensor, sync_grads=True)`` as Lightning returns it (shape ``(world, *tensor.shape)``), whose
-    backward all-reduces on ``grad_group``, a gloo group apart from DDP's, so that on the fast path it cannot
-    pair with a bucket DDP holds back on another rank (gloo matches collectives per group)."""
+    """``all_gather(tensor, sync_grads=True)`` as Lightning returns it, whose backward all-reduces on the gloo
+    ``grad_group``, apart from DDP's buckets (docs/unused-parameters.md)."""
     return _AllGatherGradOn.apply(tensor.contiguous(), group, grad_group)
 
 
@@ -180,7 +166,6 @@ class _AllGatherGradOn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # Every rank's loss depends on every rank's tensor: this rank's gradient is the sum of their slices.
         total = grad.detach().to("cpu", copy=True)
         dist.all_reduce(total, group=ctx.grad_group)
         return total[ctx.rank].to(grad.device), None, None

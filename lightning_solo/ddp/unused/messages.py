@@ -1,5 +1,4 @@
-"""What the unused-parameter policy tells the user through SoloDDP: DDP's errors explained, and the one thing
-``find_unused_parameters="auto"`` changes in a user's step while DDP searches (reentrant checkpointing)."""
+"""What the unused-parameter policy tells the user: DDP's errors explained, and the reentrant-checkpoint Decision."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ REENTRANT_CHECKPOINT = Decision(
 
 
 def explain_exception(exception: BaseException, unused: UnusedParameters) -> None:
-    """Add to an exception that ended the fit what ``unused`` was doing (only words; nothing is decided from the
-    text). In place of Lightning's rewrite, which points at its own strategy names."""
+    """Add to an exception that ended the fit what ``unused`` was doing (in place of Lightning's rewrite)."""
     if unused.phase is not Phase.USER:
         explain_reducer_error(exception, unused)
         return

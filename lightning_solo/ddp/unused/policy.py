@@ -1,6 +1,5 @@
-"""``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly what
-``find_unused_parameters=True`` computes when some do not, and never a collective out of order.
-See docs/unused-parameters.md (with an example on a bare DDP)."""
+"""``find_unused_parameters="auto"``: DDP's fast path when every parameter gets a gradient, exactly ``True``'s
+result when some do not. See docs/unused-parameters.md (with an example on a bare DDP)."""
 
 from __future__ import annotations
 
@@ -40,19 +39,13 @@ class Phase(StrEnum):
     SEARCHING = "searching"  # True from here on: DDP searches the graph every step
 
 
-def check_find_unused(value: Any) -> FindUnused:
-    """Return ``value`` if it is an accepted ``find_unused_parameters``, else raise ``ValueError``."""
-    hint = " ('auto': the fast path unless parameters go unused, decided from the first steps)"
-    return check_choice("find_unused_parameters", value, FIND_UNUSED_VALUES, hint)
-
-
 class UnusedParameters:
-    """The ``find_unused_parameters`` policy of :class:`~lightning_solo.SoloDDP`: ``setting`` ("auto", True or
-    False), ``window`` (synchronised backward passes of evidence), ``static_graph`` (the user's; "auto" then stays
-    out of the way)."""
+    """SoloDDP's ``find_unused_parameters`` policy: ``setting`` ("auto", True or False), ``window`` (synchronised
+    steps of evidence), ``static_graph`` (the user's; "auto" then stays out of the way)."""
 
     def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
-        self.setting = check_find_unused(setting)
+        hint = " ('auto': the fast path unless parameters go unused, decided from the first steps)"
+        self.setting: FindUnused = check_choice("find_unused_parameters", setting, FIND_UNUSED_VALUES, hint)
         self.window, self.static_graph = check_int("window", window), static_graph
         self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
         self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
@@ -64,16 +57,12 @@ class UnusedParameters:
         elif static_graph:
             self.phase, self.find_unused = Phase.USER, False
             self.decision = Decision(
-                "find_unused_parameters",
-                False,
-                "static_graph=True: DDP tracks a fixed set of unused parameters itself",
+                "find_unused_parameters", False, "static_graph=True: DDP tracks a fixed set of unused parameters itself"
             )
         else:
             self.phase, self.find_unused = Phase.WINDOW, True
             self.decision = Decision(
-                "find_unused_parameters",
-                "auto",
-                f"deciding from the first {window} steps (on True meanwhile)",
+                "find_unused_parameters", "auto", f"deciding from the first {window} steps (on True meanwhile)"
             )
         self.initial = self.find_unused
         self._named: tuple[tuple[str, Parameter], ...] = ()  # trainable parameters at bind: "our" indices
@@ -93,11 +82,6 @@ class UnusedParameters:
         return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
 
     @property
-    def searching(self) -> bool:
-        """DDP searches for unused parameters (``True``) because "auto" put it there."""
-        return self.phase in (Phase.WINDOW, Phase.SEARCHING)
-
-    @property
     def in_window(self) -> bool:
         """Still gathering evidence: a re-wrap is pending."""
         return self.phase is Phase.WINDOW
@@ -109,17 +93,16 @@ class UnusedParameters:
 
     def step_context(self, note_reentrant: Callable[[], None]) -> contextlib.AbstractContextManager[Any]:
         """Around a training step: while "auto" has DDP searching, reentrant checkpointing runs non-reentrant."""
-        return search_safe_checkpointing(note_reentrant) if self.searching else contextlib.nullcontext()
+        searching = self.phase in (Phase.WINDOW, Phase.SEARCHING)  # "auto" has DDP search, not the user
+        return search_safe_checkpointing(note_reentrant) if searching else contextlib.nullcontext()
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
         """Around backward: in the window, the evidence of a collective inside backward."""
         return watch_collectives(self.note_backward_collective) if self.in_window else contextlib.nullcontext()
 
-    # ----------------------------------------------------------------------------------------- hooks
     def bind(self, ddp: DistributedDataParallel, group: Any = None, *, sentinel: Parameter | None = None,
              reducer_parameters: list[Parameter] | None = None) -> DistributedDataParallel:  # fmt: skip
-        """Call on every new DDP wrapper (:meth:`wrap` and :meth:`rebuild` do). ``group``: a gloo group apart from
-        DDP's (``None``: "auto" stays on ``True``)."""
+        """Bind a new DDP wrapper (:meth:`wrap` and :meth:`rebuild` do). ``group``: a gloo group apart from DDP's."""
         self.stop()
         self._group = group
         self._named = trainable(ddp.module)
@@ -146,8 +129,8 @@ class UnusedParameters:
 
     def rebuild(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
                 exact_allreduce: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """``build`` the next wrapper of ``module`` (as :meth:`unwrap` left it) and bind it; on the fast path with
-        ``exact_allreduce`` (no comm hook, which may compress it) with the usage sentinel in DDP's last bucket."""
+        """``build`` and bind the next wrapper of ``module``; on the fast path with ``exact_allreduce`` (no comm hook)
+        with the usage sentinel in DDP's last bucket."""
         if self.phase is Phase.WINDOW:
             return self.wrap(module, build, group, probe=exact_allreduce)
         if self.phase not in (Phase.FAST, Phase.EXCLUDING) or not exact_allreduce:
@@ -157,8 +140,8 @@ class UnusedParameters:
 
     def wrap(self, module: Module, build: Callable[[Module], DistributedDataParallel], group: Any = None, *,
              probe: bool = True) -> DistributedDataParallel:  # fmt: skip
-        """``build(module)`` and bind it; in the evidence window (and ``probe``: no comm hook) with a probe parameter
-        no forward uses, so that DDP's search never notes that it found nothing unused. Never the model's."""
+        """``build(module)`` and bind it; in the window (and ``probe``) with an unused probe parameter, so that DDP's
+        search never notes that it found nothing unused."""
         self._check_layers(module)  # SyncBN found: on True for good, built without the probe
         self._probe = self.phase is Phase.WINDOW and probe
         if not self._probe:
@@ -167,8 +150,7 @@ class UnusedParameters:
         return self.bind(new, group, reducer_parameters=params)
 
     def note_backward_collective(self, what: str) -> None:
-        """A collective will run inside this step's backward, on every rank alike: on the fast path "auto" moves
-        to ``True`` at the next batch boundary."""
+        """A collective runs inside this step's backward: on the fast path, ``True`` from the next batch."""
         if self._backward_collective is None and self.phase is not Phase.USER:
             self._backward_collective = what
             if self.phase in (Phase.FAST, Phase.EXCLUDING) and self._switch is None:
@@ -204,16 +186,14 @@ class UnusedParameters:
         return False
 
     def unwrap(self, ddp: DistributedDataParallel, keep_grads: bool = False) -> Module:
-        """Detach ``ddp`` from its module, marking the parameters to exclude; returns the bare module
-        (:func:`~lightning_solo.ddp.unused.surgery.unwrap_excluding`)."""
+        """Detach ``ddp`` from its module, marking the parameters to exclude; returns the bare module."""
         self.stop()
         if self._user_ignore is None:
             self._user_ignore = ddp_ignore_list(ddp.module)
         return unwrap_excluding(ddp, [self._named[i][0] for i in self._ignored], self._user_ignore, keep_grads)
 
     def finish(self, ddp: Module) -> None:
-        """At the end of fit, on every rank: the late read and an unfinished window reported, hooks removed, the
-        user's DDP ignore list back."""
+        """At the end of fit, on every rank: the late read taken, hooks removed, the user's ignore list back."""
         if self._fast is not None:
             self._note_event(self._fast.pending())
         self.stop()
@@ -258,7 +238,6 @@ class UnusedParameters:
             self._fast.remove()
             self._fast = None
 
-    # ------------------------------------------------------------------------------------- internals
     def _decide(self) -> bool:
         never, varying = self._evidence.never(), self._evidence.varying()
         self.unused_names = [self._named[i][0] for i in never]

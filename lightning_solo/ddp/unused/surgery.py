@@ -1,5 +1,4 @@
-"""Taking a DDP wrapper apart and building the next one: what ``find_unused_parameters="auto"`` needs to re-wrap.
-See docs/unused-parameters.md."""
+"""Taking a DDP wrapper apart and building the next one, for ``find_unused_parameters="auto"``'s re-wraps."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def trainable(module: Module) -> tuple[tuple[str, Parameter], ...]:
 
 
 def reducer_parameters(ddp: DistributedDataParallel) -> list[Parameter]:
-    """``ddp``'s parameters in its reducer's order, so reducer indices map to parameters."""
-    # DDP's `_build_params_for_reducer` order, and its ignore test ("." + name at the root)
+    """``ddp``'s parameters in its reducer's order (DDP's ``_build_params_for_reducer``), so indices map."""
     seen: set[int] = set()
     params = []
     for module_name, module in ddp.module.named_modules():
@@ -42,9 +40,8 @@ def ddp_ignore_list(module: Module) -> list[str]:
 def unwrap_excluding(
     ddp: DistributedDataParallel, excluded: list[str], user_ignore: list[str], keep_grads: bool = False
 ) -> Module:
-    """Detach ``ddp`` from its module and mark ``excluded`` (names) for the next wrapper to leave out; returns
-    the bare module. Gradients (views of the old buckets) are reset, or copied out with ``keep_grads`` (manual
-    optimization may accumulate across batches)."""
+    """Detach ``ddp`` from its module and mark ``excluded`` for the next wrapper to leave out; returns the module.
+    Gradients (views of the old buckets) are reset, or copied out with ``keep_grads`` (manual optimization)."""
     module = ddp.module
     torch_compat.remove_autograd_hooks(ddp)
     for _, param in module.named_parameters():
@@ -64,10 +61,9 @@ def restore_ignore_list(module: Module, user_ignore: list[str]) -> None:
 def build_with_sentinel(
     module: Module, build: Callable[[Module], DistributedDataParallel], size: int = 1
 ) -> tuple[DistributedDataParallel, Parameter, list[Parameter]]:
-    """``build(module)`` with a sentinel parameter of ``size`` values that lands in DDP's last bucket (registered
-    last, and DDP buckets in reverse order); returns the wrapper, the sentinel and the reducer's parameters."""
+    """``build(module)`` with a sentinel of ``size`` values in DDP's last bucket (registered last, never in the
+    state_dict or optimizer); returns the wrapper, the sentinel and the reducer's parameters."""
     sentinel = Parameter(torch.zeros(size, device=next(module.parameters()).device))
-    # Registered only while DDP collects its parameters: never in the state_dict or optimizer
     module.register_parameter(SENTINEL, sentinel)
     try:
         ddp = build(module)

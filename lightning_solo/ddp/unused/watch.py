@@ -1,6 +1,5 @@
-"""What DDP's unused-parameter search cannot see for itself, watched while ``find_unused_parameters="auto"``
-has it searching: reentrant activation checkpointing, collectives inside backward; and DDP's note that the
-search found nothing, kept quiet. See docs/unused-parameters.md."""
+"""What DDP's unused-parameter search cannot see, watched while "auto" has it searching: reentrant checkpointing,
+collectives inside backward; and DDP's note that it found nothing, kept quiet. See docs/unused-parameters.md."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def _search_safe_apply(
 
 @contextmanager
 def search_safe_checkpointing(on_substitute: Callable[[], None] = lambda: None) -> Iterator[None]:
-    """Within the block, reentrant checkpoint calls with a grad-requiring input run non-reentrantly, and
-    ``on_substitute`` is called at each. Restored on exit, whatever happens."""
+    """Within the block, reentrant checkpoint calls with a grad-requiring input run non-reentrantly, each calling
+    ``on_substitute``."""
     with Patches() as patches:
         if not _substitutions:  # the outermost block patches torch's class
             patches.set(torch_checkpoint.CheckpointFunction, "apply", classmethod(_search_safe_apply))
@@ -55,8 +54,7 @@ COLLECTIVES = (
 
 @contextmanager
 def watch_collectives(note: Callable[[str], None]) -> Iterator[None]:
-    """Within the block, each ``torch.distributed`` collective called through its module calls
-    ``note("torch.distributed.<name>")`` first. Restored on exit, whatever happens."""
+    """Within the block, each ``torch.distributed`` collective calls ``note("torch.distributed.<name>")`` first."""
 
     def watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(collective)
@@ -93,9 +91,8 @@ _noted = False
 
 
 def quiet_search_note(group: Any) -> None:
-    """Once per process, on every rank of the gloo ``group``: DDP's one note (a C++ warning, once per process)
-    that ``find_unused_parameters=True`` found nothing unused, given by a one-parameter CPU wrapper while stderr
-    is held, then written back without it. "auto" chose True, not the user, and the window's probe is gone."""
+    """Once per process, on every rank of the gloo ``group``: DDP's once-per-process note that ``True`` found
+    nothing unused, given by a one-parameter CPU wrapper while stderr is held, written back without it."""
     global _noted
     if _noted or group is None:
         return

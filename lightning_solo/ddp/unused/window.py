@@ -1,5 +1,4 @@
-"""The evidence window of ``find_unused_parameters="auto"``: which parameters went without a gradient while
-DDP ran on ``True``, read from the usage map DDP all-reduces every step (the same on every rank)."""
+"""``find_unused_parameters="auto"``'s evidence: the usage map DDP all-reduces every step on ``True``."""
 
 from __future__ import annotations
 
