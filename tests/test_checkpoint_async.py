@@ -309,6 +309,37 @@ def test_exception_on_one_rank_during_a_background_write_keeps_the_newest_commit
 
 
 # ------------------------------------------------------------------------------------------------------------
+# the watchdog: a rank waiting for its own background write is at work, not stalled
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_watchdog_takes_a_wait_for_a_background_write_as_work(tmp_path):
+    # Each write 6 s, the watchdog's allowances 1-3 s: the save at step 6 waits for step 3's write (rank 1 waits in
+    # the save's barrier meanwhile), the fit's end for step 6's. Before, that wait was reported as rank 0 "in
+    # on_train_batch_end" past its allowance.
+    watchdog = {"factor": 2.0, "margin_s": 1.0, "first_s": 3.0, "interval_s": 0.2}
+    callback = SoloCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, keep_last_k=2, async_save=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork", checkpoint_io=SlowIO(delay_s=6.0), watchdog=watchdog),
+        max_steps=7,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,  # where the watchdog writes its reports
+    )
+    start = time.monotonic()
+    trainer.fit(TinyModule(samples=256))
+    assert time.monotonic() - start > 12  # both waits happened
+    assert not (tmp_path / "hang").exists(), (tmp_path / "hang" / "reports.txt").read_text()
+    assert verify(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 7  # the fit's end waited for its write
+    assert trainer.strategy.decisions["watchdog"].value
+
+
+# ------------------------------------------------------------------------------------------------------------
 # one process: commit order, failures, the end's timeout, the staging
 
 

@@ -1,17 +1,5 @@
-"""SoloCheckpoint: Lightning's ModelCheckpoint made safe under DDP and against crashes.
-
-Example::
-
-    import lightning as L
-    from lightning_solo import SoloDDP
-    from lightning_solo.callbacks import SoloCheckpoint
-    from lightning_solo.checkpoint import resolve_ckpt_path
-
-    ckpt = SoloCheckpoint(dirpath="ckpts", every_n_train_steps=100, keep_last_k=3, save_on_exception=True)
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ckpt])
-    trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "ckpts"))   # newest checkpoint that verifies
-
-See docs/checkpoints.md."""
+"""SoloCheckpoint: Lightning's ModelCheckpoint made rank-symmetric, crash-safe and exception-safe, optionally
+written in the background. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -39,6 +27,7 @@ from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.sharded import read_sharded_manifest
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
+from lightning_solo.fsdp.strategy import SoloFSDP
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +41,12 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             ``monitor="step", mode="max", save_top_k=k``); cannot be combined with ``monitor``.
         save_last: ``True`` by default: ``last.ckpt`` is what auto-resume and humans look for.
         save_on_exception: on an exception, rank 0 writes ``on_exception.ckpt`` from its local state, with no
-            collective (see the module docstring); auto-resume ignores it unless asked.
+            collective; auto-resume ignores it unless asked.
         exception_save_timeout_s: how long that save may take before it is abandoned.
-        async_save: ``True``: at a save, rank 0 copies the state into host memory and a background thread writes
-            it (same atomic write and manifest); rotation and ``last`` move once it is committed; the next save,
-            the fit's end and an exception wait for it. ``False`` (default): every rank waits for the write.
-            ``"auto"``: the first save is synchronous and timed; background writes if it blocked over two steps.
+        async_save: ``True``: the state is copied at the save and written by a background thread (under SoloFSDP's
+            sharded checkpoints, DCP's ``async_save`` on every rank); rotation and ``last`` move once it is
+            committed. ``False`` (default): every rank waits for the write. ``"auto"``: background writes if the
+            first save blocked over two steps.
         async_timeout_s: how long the fit's end or an exception waits for a background write.
     """
 
@@ -149,7 +138,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         elif not self.async_save:
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
-            self._writer = BackgroundWriter() if trainer.is_global_zero else None
+            self._writer = _writer(trainer)
             self._decide(Decision("async_save", True, "host snapshot at the save, written by a background thread"))
         else:
             self._decide(Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously"))
@@ -200,8 +189,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             auto["save_s"] = 0.0
             return
         decision = self._decide(decide_async_save(auto["save_s"], step_s))
-        if decision.value and trainer.is_global_zero:
-            self._writer = BackgroundWriter()
+        if decision.value:
+            self._writer = _writer(trainer)
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -221,7 +210,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return super()._save_checkpoint(trainer, filepath)
         # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused.
         writer.wait(None, "the next save")
-        with self._group(), io.staging(writer.stage):
+        with self._group(), io.staging(writer):
             super()._save_checkpoint(trainer, filepath)
 
     def _wait_for_write(self, why: str) -> None:
@@ -242,12 +231,13 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._decide(Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them"))
 
     @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._wait_for_write("the fit ended")  # before the strategy's teardown
+
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        try:
-            self._wait_for_write("the fit ended")
-        finally:
-            self._writer = None
-            super().teardown(trainer, pl_module, stage)
+        self._writer = None
+        super().teardown(trainer, pl_module, stage)
 
     # -- `last` is the newest state ---------------------------------------------------------------------------
 
@@ -361,6 +351,12 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         else:
             self.exception_checkpoint_path = path
             log.warning("saved %s after %s: %s", path, type(exception).__name__, exception)
+
+
+def _writer(trainer) -> BackgroundWriter | None:
+    """Rank 0's writer; every rank's where each writes its own shards (SoloFSDP's sharded checkpoints)."""
+    sharded = isinstance(trainer.strategy, SoloFSDP) and trainer.strategy.state_dict_type == "sharded"
+    return BackgroundWriter() if trainer.is_global_zero or sharded else None
 
 
 def _swap_link(trainer, filepath: str, linkpath: str) -> None:

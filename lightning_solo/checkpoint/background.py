@@ -1,18 +1,5 @@
 """Background checkpoint writes: the state is copied into host memory at the save (a snapshot), and one thread
-writes it with :class:`~lightning_solo.checkpoint.io.SoloCheckpointIO`'s atomic write while training goes on.
-
-Example::
-
-    writer = BackgroundWriter()
-    with io.staging(writer.stage):                 # io.save_checkpoint now snapshots instead of writing
-        io.save_checkpoint(checkpoint, "ckpt/step=5.ckpt")
-    writer.add(lambda: io.remove_checkpoint("ckpt/step=4.ckpt"))   # runs only after that write committed
-    writer.submit()                                # one thread writes; training goes on
-    writer.wait(timeout_s=600, why="the fit ended")
-
-A group of operations (the writes, rotation and link of one save) runs in order on one thread; an operation
-that fails stops the group (nothing is rotated past a failed write) and its error is raised at the next wait.
-At most one group is in flight: the next save waits for it (measured). See docs/checkpoints.md.
+writes it (and then the save's removals and link, in order) while training goes on. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -34,9 +21,8 @@ _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, to
 
 
 class HostStaging:
-    """Host copies of a checkpoint's tensors, storage by storage (so views and shared storages stay shared, as
-    ``torch.save`` writes them). Buffers are reused from one save to the next; on GPU they are pinned and filled
-    with non-blocking copies followed by an event. At most one snapshot is held."""
+    """Host copies of a checkpoint's tensors, storage by storage (views stay views), in buffers reused from one save
+    to the next (pinned, filled without blocking, on GPU). At most one snapshot is held."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
@@ -52,8 +38,7 @@ class HostStaging:
         self._held, self.event, self.nbytes = [], None, 0
 
     def close_group(self) -> None:
-        """The snapshot is complete: drop the references to the sources and the buffers it did not reuse; on GPU,
-        an event marks the end of the copies."""
+        """The snapshot is complete: drop the sources and the unused buffers; on GPU, an event ends the copies."""
         self._held = [host for _, host in self._group.values()]
         on_gpu = any(str(key[0]).startswith("cuda") for key in self._group)
         self._group, self._free = {}, {}
@@ -62,8 +47,7 @@ class HostStaging:
             self.event.record()
 
     def snapshot(self, obj: Any) -> Any:
-        """A copy of ``obj`` whose tensors live in this staging's host buffers; containers are copied, shared
-        objects stay shared."""
+        """A copy of ``obj`` whose tensors live in the host buffers; shared objects stay shared."""
         return self._copy(obj, {})
 
     def _copy(self, obj: Any, memo: dict[int, Any]) -> Any:
@@ -120,7 +104,8 @@ class HostStaging:
 
 
 class BackgroundWriter:
-    """One save in flight at a time, written by one thread; ``stats`` counts saves, waits and staged bytes."""
+    """One group of operations (a save's writes, removals, link) in flight at a time, run in order by one thread;
+    one that fails stops the group and is raised at the next wait. ``stats``: saves, waits, staged bytes."""
 
     def __init__(self, name: str = "solo-checkpoint-writer") -> None:
         self.name = name

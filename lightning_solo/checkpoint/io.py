@@ -1,11 +1,5 @@
-"""SoloCheckpointIO: checkpoints that are either the old complete file or the new complete file, never
-half of one, and that prove it when they are read back.
-
-A save streams ``torch.save`` output into a temp file *in the target's directory* (so ``$TMPDIR`` on another
-filesystem, or full, does not matter), hashing it on the way, appends the manifest
-(:mod:`~lightning_solo.checkpoint.manifest`), flushes and fsyncs it, checks that it reads back, renames it over
-the target with ``os.replace`` and fsyncs the directory. Temp files that a killed process left behind are
-removed the next time this IO writes into that directory.
+"""SoloCheckpointIO: a checkpoint is the old complete file or the new one, never half of one, and proves it when
+read back: temp file in the target's directory, sha256 and manifest, fsync, ``os.replace``. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -58,13 +52,10 @@ class SoloCheckpointIO(TorchCheckpointIO):
         weights_only: default for loads. ``True`` refuses checkpoints holding arbitrary pickled objects
             (they can run code when loaded); pass ``weights_only=False`` to a load, or here, to opt in for
             files you trust.
-        verify_after_write: re-read and re-hash the temp file before it replaces the target. Off by default:
-            the sha256 is taken from the very bytes handed to the file, and every write gets a cheap
-            structural check (size and manifest read back from the file's end) before the rename; the
-            re-read mostly hits the page cache, so it proves little for its cost (about +50% save time,
-            see benchmarks/RESULTS.md). Loads and auto-resume always verify in full.
-        require_manifest: refuse to load files without a manifest (e.g. written by stock Lightning). By
-            default they load with a warning, since there is nothing to verify them against.
+        verify_after_write: re-read and re-hash the temp file before the rename (about +50% save time); off,
+            size and manifest are read back from the file's end. Loads and auto-resume always verify in full.
+        require_manifest: refuse to load files without a manifest (stock Lightning's); by default they load with
+            a warning.
         fsync: flush file and directory to stable storage (turn off only for throwaway runs on slow disks).
         stale_after_s: temp files from another host are treated as abandoned after this many seconds (on
             this host a temp file is abandoned as soon as the process that wrote it is gone).
@@ -93,7 +84,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
         self.stale_after_s = float(stale_after_s)
         self._cleaned_dirs: set[str] = set()
         self.removed_temp_files: list[str] = []
-        self._stager: tuple[int, Callable[..., None]] | None = None
+        self._stager: tuple[int, Any] | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -111,14 +102,12 @@ class SoloCheckpointIO(TorchCheckpointIO):
             self.removed_temp_files += clean_stale_temp_files(directory, self.stale_after_s)
             self._cleaned_dirs.add(directory)
         manifest = _manifest_fields(checkpoint, {"trigger": "train", **(storage_options or {})})
-        stager = getattr(self, "_stager", None)
-        if stager is not None and stager[0] == threading.get_ident():
-            return stager[1](self, checkpoint, path, manifest)
+        if (writer := self.background()) is not None:
+            return writer.stage(self, checkpoint, path, manifest)
         self.write_file(checkpoint, path, manifest)
 
     def write_file(self, checkpoint: Any, path: str, manifest: dict[str, Any]) -> None:
-        """The write itself: temp file in ``path``'s directory, ``torch.save``, manifest, fsync, ``os.replace``.
-        Runs in ``save_checkpoint``, or on the background thread for a staged save."""
+        """The write itself (in ``save_checkpoint``, or on the background thread for a staged save)."""
         _atomic_write(
             path,
             lambda f: torch.save(checkpoint, f),
@@ -128,14 +117,19 @@ class SoloCheckpointIO(TorchCheckpointIO):
         )
 
     @contextlib.contextmanager
-    def staging(self, stage: Callable[[Any, Any, str, dict[str, Any]], None]) -> Iterator[None]:
-        """Within the block, a ``save_checkpoint`` from this thread calls ``stage(io, checkpoint, path,
-        manifest)`` instead of writing (:class:`~lightning_solo.checkpoint.background.BackgroundWriter`)."""
-        previous, self._stager = getattr(self, "_stager", None), (threading.get_ident(), stage)
+    def staging(self, writer: Any) -> Iterator[None]:
+        """Within the block, this thread's saves are staged on ``writer``
+        (:class:`~lightning_solo.checkpoint.background.BackgroundWriter`) instead of written."""
+        previous, self._stager = getattr(self, "_stager", None), (threading.get_ident(), writer)
         try:
             yield
         finally:
             self._stager = previous
+
+    def background(self) -> Any:
+        """The writer staging this thread's saves (:meth:`staging`), or ``None``."""
+        stager = getattr(self, "_stager", None)
+        return stager[1] if stager is not None and stager[0] == threading.get_ident() else None
 
     @override
     def load_checkpoint(
@@ -182,10 +176,6 @@ def load_weights_only(path, map_location: Any = None, weights_only: bool = True)
             " (trainer.fit(..., weights_only=False), SoloCheckpointIO(weights_only=False), or"
             f" torch.load(..., weights_only=False)). torch said: {err}"
         ) from err
-
-
-# ---------------------------------------------------------------------------------------------------------
-# writing
 
 
 class _HashingWriter:
@@ -239,8 +229,7 @@ def _atomic_write(
         _fsync_dir(directory)
 
 
-def _umask() -> int:
-    # os.umask can only be read by setting it; /proc has it without that race (Linux >= 4.7).
+def _umask() -> int:  # /proc has it without os.umask's set-to-read race (Linux >= 4.7)
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -250,8 +239,7 @@ def _umask() -> int:
         return mask
 
 
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on every platform/filesystem, hence best effort.
+def _fsync_dir(directory: str) -> None:  # the rename itself durable, where the filesystem allows
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -265,11 +253,8 @@ def _fsync_dir(directory: str) -> None:
 
 
 def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 3600.0) -> list[str]:
-    """Remove temp files that a crashed writer left in ``directory``; returns their paths.
-
-    A temp file from this host is stale once the process that wrote it is gone; one from another host
-    (shared filesystem) once it is older than ``stale_after_s``. Live writers' files are left alone.
-    """
+    """Remove temp files that a crashed writer left in ``directory`` (this host's once their process is gone,
+    another host's once older than ``stale_after_s``); returns their paths."""
     removed: list[str] = []
     host = socket.gethostname()
     try:

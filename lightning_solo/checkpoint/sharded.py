@@ -1,17 +1,13 @@
-"""Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically and verified.
-
-Example::
-
-    save_sharded({"state_dict": model_state, "optimizer_0": optim_state}, meta, "ckpts/last.ckpt", rank, barrier)
-    verify_sharded("ckpts/last.ckpt")     # -> meta.pt's manifest, or CheckpointVerificationError
-
-See docs/checkpoints.md."""
+"""Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically (into a temporary one,
+renamed on commit) and verified, synchronously or by DCP's ``async_save``. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +31,63 @@ def save_sharded(
     barrier: Callable[[], None],
     io: SoloCheckpointIO | None = None,
 ) -> None:
-    """Collective: every rank writes its shards of ``state`` with ``torch.distributed.checkpoint.save``; rank 0
-    adds ``meta`` (with a manifest) and swaps the directory in for ``path``. ``path`` must be the same on all
-    ranks."""
+    """Collective: every rank writes its shards of ``state`` into a temporary directory; rank 0 adds ``meta`` (with
+    a manifest) and renames it to ``path`` (the same on all ranks)."""
     import torch.distributed.checkpoint as dcp
 
+    path, tmp = _temporary(path, rank, barrier)
+    dcp.save(state, checkpoint_id=tmp)
+    barrier()
+    if rank == 0:
+        _commit(meta, tmp, path, io)
+    barrier()
+
+
+def save_sharded_async(
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    path: str | os.PathLike,
+    rank: int,
+    barrier: Callable[[], None],
+    group: Any,
+    io: SoloCheckpointIO | None = None,
+) -> tuple[Future, Callable[[], None]]:
+    """:func:`save_sharded` by DCP's ``async_save`` (it copies the state, then writes on a thread; its collectives on
+    the gloo ``group``): returns its future and the commit, to run after it (it waits for it)."""
+    import torch.distributed.checkpoint as dcp
+
+    path, tmp = _temporary(path, rank, barrier)
+    future: Any = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+    meta = copy.deepcopy(meta)
+
+    def commit() -> None:
+        future.result()  # rank 0's ends after every rank's shards and the .metadata are written
+        if rank == 0:
+            _commit(meta, tmp, path, io)
+
+    return future, commit
+
+
+def _temporary(path: str | os.PathLike, rank: int, barrier: Callable[[], None]) -> tuple[Path, Path]:
     path = Path(path).absolute()
     tmp = path.parent / f".{path.name}{_TMP_MARK}dir"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    barrier()
-    if rank == 0:
-        (io or SoloCheckpointIO()).save_checkpoint(meta, tmp / META, storage_options={"sharded": True})
-        _fsync_dir(str(tmp))
-        old = path.parent / f".{path.name}{_TMP_MARK}old"
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)  # a directory cannot be replaced in one step: old aside, new in, old away
-        os.replace(tmp, path)
-        _fsync_dir(str(path.parent))
+    return path, tmp
+
+
+def _commit(meta: dict[str, Any], tmp: Path, path: Path, io: SoloCheckpointIO | None) -> None:
+    (io or SoloCheckpointIO()).save_checkpoint(meta, tmp / META, storage_options={"sharded": True})
+    _fsync_dir(str(tmp))
+    old = path.parent / f".{path.name}{_TMP_MARK}old"
+    if path.exists():
         shutil.rmtree(old, ignore_errors=True)
-    barrier()
+        os.replace(path, old)  # a directory cannot be replaced in one step: old aside, new in, old away
+    os.replace(tmp, path)
+    _fsync_dir(str(path.parent))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_sharded_manifest(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -1,18 +1,5 @@
 """SoloFSDP: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every device of every node, applied
-by the strategy with sound defaults, on GPUs and on CPU (gloo).
-
-Example::
-
-    trainer = L.Trainer(accelerator="gpu", devices=8, strategy=SoloFSDP(), callbacks=[WarmupScaledLR()])
-    trainer.fit(model, dm)   # checkpoints: torch distributed checkpoint directories, verified; then
-    # python -m lightning_solo.consolidate outputs/.../last.ckpt model.pt   -> one file, weights_only-loadable
-
-Built on Lightning's ``ModelParallelStrategy`` (FSDP2, a data-parallel device mesh, DCP save/load), which asks the
-LightningModule to shard itself in ``configure_model``; SoloFSDP does it when the module does not. Lightning's
-``FSDPStrategy`` (FSDP1) refuses CPU, and torch's FSDP1 needs a device id there; FSDP2 runs on a gloo CPU mesh.
-Each choice is a Decision: what gets its own shard group (:func:`decide_wrap`), the mixed-precision policy
-(:func:`decide_fsdp_precision`, and fp32 BatchNorm parameters under bf16: :func:`decide_bn_precision`), the state
-dict.
+by the strategy with sound defaults, on GPUs and on CPU (gloo); each choice a Decision. See docs/multi-node.md.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.manifest import read_manifest, verify
-from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
+from lightning_solo.checkpoint.sharded import save_sharded, save_sharded_async, verify_sharded
 from lightning_solo.core.checks import check_bool, check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.precision.rule import capabilities, device_capability
@@ -185,6 +172,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         self.average_bn_stats = check_bool("average_bn_stats", average_bn_stats)
         self._bn_layers: list[torch_compat.BatchNormBase] = []
         self.checkpoint_io = SoloCheckpointIO()
+        self._dcp: tuple[Any, Any] | None = None  # async sharded saves: DCP's gloo group, the write in flight
         if cluster_environment is not None:
             self.cluster_environment = cluster_environment
         self.decisions: dict[str, Decision] = {}
@@ -299,7 +287,25 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         io = self.checkpoint_io if isinstance(self.checkpoint_io, SoloCheckpointIO) else None
-        save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io)
+        writer = io.background() if io is not None else None  # SoloCheckpoint(async_save=True), on every rank
+        if writer is None:
+            save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io)
+            return
+        # DCP's collectives run on its thread: a group of their own, and one write in flight at a time.
+        group, future = self._dcp or (torch.distributed.new_group(backend="gloo", timeout=self._timeout), None)
+        if future is not None:
+            future.result()
+        future, commit = save_sharded_async(state, checkpoint, path, self.global_rank, self.barrier, group, io)
+        self._dcp = (group, future)
+        writer.add(commit, label=path)
+
+    @override
+    def teardown(self) -> None:
+        group, future = self._dcp or (None, None)
+        if group is not None and future.done():  # else a write still uses it (SoloCheckpoint timed out waiting)
+            torch.distributed.destroy_process_group(group)
+        self._dcp = None
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
