@@ -27,7 +27,6 @@ from lightning_solo.checkpoint.manifest import read_manifest
 from lightning_solo.checkpoint.sharded import read_sharded_manifest
 from lightning_solo.core.checks import check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
-from lightning_solo.fsdp.strategy import SoloFSDP
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         elif not self.async_save:
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
-            self._writer = _writer(trainer)
+            self._writer = BackgroundWriter()  # every rank: SoloFSDP's write their shards
             self._decide(Decision("async_save", True, "host snapshot at the save, written by a background thread"))
         else:
             self._decide(Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously"))
@@ -188,9 +187,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._auto = auto  # a save before two steps ran: decide at the next one
             auto["save_s"] = 0.0
             return
-        decision = self._decide(decide_async_save(auto["save_s"], step_s))
+        decision = self._decide(decide_async_save(*trainer.strategy.broadcast((auto["save_s"], step_s))))
         if decision.value:
-            self._writer = _writer(trainer)
+            self._writer = BackgroundWriter()  # every rank: SoloFSDP's write their shards
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -208,13 +207,16 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return None
         if writer is None or not isinstance(io, SoloCheckpointIO):
             return super()._save_checkpoint(trainer, filepath)
-        # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused.
+        # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused. The
+        # other ranks wait for rank 0's write in a barrier (the watchdog sees who waits for what).
         writer.wait(None, "the next save")
+        trainer.strategy.barrier("background checkpoint write")
         with self._group(), io.staging(writer):
             super()._save_checkpoint(trainer, filepath)
 
-    def _wait_for_write(self, why: str) -> None:
-        """The fit's end, an exception: wait (bounded) for the write in flight; say so if it is still going."""
+    def wait_for_write(self, why: str) -> None:
+        """The fit's end, an exception, a SLURM requeue: wait (at most ``async_timeout_s``) for the write in flight;
+        say so if it is still going."""
         writer = self._writer
         if writer is None:
             return
@@ -232,7 +234,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        self._wait_for_write("the fit ended")  # before the strategy's teardown
+        if self._writer is not None:  # before the strategy's teardown; the others in a barrier, as at a save
+            self.wait_for_write("the fit ended")
+            trainer.strategy.barrier("background checkpoint write")
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -309,7 +313,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # Deliberately not the parent's: it calls trainer.save_checkpoint (a barrier) and file_exists (an
         # all-reduce) on the failing rank alone, which hangs until the process-group timeout (#20187).
-        self._wait_for_write(f"{type(exception).__name__} raised")
+        self.wait_for_write(f"{type(exception).__name__} raised")
         if not self._should_save_on_exception(trainer) or not trainer.is_global_zero or self.dirpath is None:
             return
         if trainer.world_size > 1 and not torch.distributed.is_initialized():
@@ -351,12 +355,6 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         else:
             self.exception_checkpoint_path = path
             log.warning("saved %s after %s: %s", path, type(exception).__name__, exception)
-
-
-def _writer(trainer) -> BackgroundWriter | None:
-    """Rank 0's writer; every rank's where each writes its own shards (SoloFSDP's sharded checkpoints)."""
-    sharded = isinstance(trainer.strategy, SoloFSDP) and trainer.strategy.state_dict_type == "sharded"
-    return BackgroundWriter() if trainer.is_global_zero or sharded else None
 
 
 def _swap_link(trainer, filepath: str, linkpath: str) -> None:
