@@ -147,8 +147,6 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             if removed:
                 self._decide(Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed"))
 
-    # -- rank symmetry ------------------------------------------------------------------------------------
-
     @override
     def check_monitor_top_k(self, trainer, current: torch.Tensor | None = None) -> bool:
         # The parent returns early when the metric is missing, before its collective: a metric logged on
@@ -157,11 +155,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return False
         return super().check_monitor_top_k(trainer, current)
 
-    # -- background writes (async_save=True) -----------------------------------------------------------------
-
     @contextlib.contextmanager
-    def _group(self, trainer=None) -> Iterator[None]:
-        # The writes, rotations and link of one hook call form one group, written in order after the hook.
+    def _group(self, trainer=None) -> Iterator[None]:  # one hook's writes, removals and link: written after it
         self._group_depth += 1
         try:
             yield
@@ -243,8 +238,6 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._writer = None
         super().teardown(trainer, pl_module, stage)
 
-    # -- `last` is the newest state ---------------------------------------------------------------------------
-
     # Lightning 2.6 writes `last` only in a step where it also wrote a top-k checkpoint, so once the monitored
     # metric stops improving `last` falls behind and a resume would lose that work. Both hooks run on every
     # rank (the save is collective).
@@ -278,8 +271,6 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
-    # -- never delete the only good checkpoint -------------------------------------------------------------
-
     @override
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         successor = self._last_checkpoint_saved
@@ -292,8 +283,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
         self._run_or_queue(remove, trainer)
 
-    def _run_or_queue(self, op: Any, trainer) -> None:
-        # Rank 0's file operations (rotation, link) wait for the write before them (only rank 0 has a writer).
+    def _run_or_queue(self, op: Any, trainer) -> None:  # rotation and link run after the write before them
         if self._writer is None:
             op()
         else:
@@ -306,8 +296,6 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         # `last` at all. A new link under a temporary name, renamed over the old one, is atomic.
         self._run_or_queue(lambda: _swap_link(trainer, filepath, linkpath), trainer)
         trainer.strategy.barrier()
-
-    # -- exceptions -----------------------------------------------------------------------------------------
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -327,14 +315,8 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
-                if isinstance(io, SoloCheckpointIO):
-                    note = {
-                        "trigger": "exception",
-                        "exception": f"{type(exception).__name__}: {exception}"[:500],
-                    }
-                    io.save_checkpoint(checkpoint, path, storage_options=note)
-                else:
-                    io.save_checkpoint(checkpoint, path)
+                note = {"trigger": "exception", "exception": f"{type(exception).__name__}: {exception}"[:500]}
+                io.save_checkpoint(checkpoint, path, storage_options=note if isinstance(io, SoloCheckpointIO) else None)
                 outcome["error"] = None
             except BaseException as err:  # noqa: BLE001 - reported below; the original exception wins
                 outcome["error"] = err
@@ -343,13 +325,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         # other ranks; the training exception must surface even then.
         worker = threading.Thread(target=save, name="solo-exception-checkpoint", daemon=True)
         worker.start()
-        worker.join(self.exception_save_timeout_s)
+        worker.join(worker_timeout := self.exception_save_timeout_s)
         if "error" not in outcome:
-            log.warning(
-                "gave up saving %s after %.0f s (a hook waited on other ranks)",
-                path,
-                self.exception_save_timeout_s,
-            )
+            log.warning("gave up saving %s after %.0f s (a hook waited on other ranks)", path, worker_timeout)
         elif outcome["error"] is not None:
             log.warning("could not save %s: %r", path, outcome["error"])
         else:
@@ -376,8 +354,6 @@ def _intact(trainer, successor: str | None, filepath: str) -> bool:
         return read_sharded_manifest(successor) is not None
     if not os.path.isfile(successor):
         return False
-    if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):
-        # The IO verified the file before renaming it into place; its manifest still being readable at the
-        # end of the file is the cheap check that nothing truncated it since.
+    if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):  # verified before its rename: not truncated since
         return read_manifest(successor) is not None
     return os.path.getsize(successor) > 0

@@ -17,8 +17,6 @@ from lightning_solo.core.decision import Decision
 
 log = logging.getLogger(__name__)
 
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
 
 class HostStaging:
     """Host copies of a checkpoint's tensors, storage by storage (views stay views), in buffers reused from one save
@@ -47,33 +45,18 @@ class HostStaging:
             self.event.record()
 
     def snapshot(self, obj: Any) -> Any:
-        """A copy of ``obj`` whose tensors live in the host buffers; shared objects stay shared."""
-        return self._copy(obj, {})
-
-    def _copy(self, obj: Any, memo: dict[int, Any]) -> Any:
-        if isinstance(obj, _IMMUTABLE):
-            return obj
-        if id(obj) in memo:
-            return memo[id(obj)]
-        out: Any
-        if isinstance(obj, torch.Tensor):
-            out = self._tensor(obj)
-        elif isinstance(obj, dict):
-            out = copy.copy(obj)  # keeps the type and attributes (a state_dict's _metadata)
-            memo[id(obj)] = out
-            for key, value in obj.items():
-                out[key] = self._copy(value, memo)
-        elif isinstance(obj, list):
-            out = []
-            memo[id(obj)] = out
-            out.extend(self._copy(value, memo) for value in obj)
-        elif isinstance(obj, tuple):
-            items = [self._copy(value, memo) for value in obj]
-            out = obj._make(items) if hasattr(obj, "_make") else type(obj)(items)
-        else:
-            out = copy.deepcopy(obj)
-        memo[id(obj)] = out
-        return out
+        """A deep copy of ``obj`` whose tensors live in the host buffers; shared objects stay shared."""
+        memo: dict[int, Any] = {}  # each tensor's staged copy, found through dicts, lists and tuples
+        stack, seen = [obj], set()
+        while stack:
+            item = stack.pop()
+            if id(item) not in seen:
+                seen.add(id(item))
+                if isinstance(item, torch.Tensor):
+                    memo[id(item)] = self._tensor(item)
+                elif isinstance(item, (dict, list, tuple)):
+                    stack.extend(item.values() if isinstance(item, dict) else item)
+        return copy.deepcopy(obj, memo)
 
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)
@@ -107,8 +90,7 @@ class BackgroundWriter:
     """One group of operations (a save's writes, removals, link) in flight at a time, run in order by one thread;
     one that fails stops the group and is raised at the next wait. ``stats``: saves, waits, staged bytes."""
 
-    def __init__(self, name: str = "solo-checkpoint-writer") -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.staging = HostStaging()
         self._ops: list[tuple[str, Callable[[], None]]] = []
         self._thread: threading.Thread | None = None
@@ -167,7 +149,7 @@ class BackgroundWriter:
                 ops.clear()  # the snapshot's dicts; the buffers stay for the next save
                 self.stats["write_s_last"] = time.perf_counter() - start
 
-        self._thread = threading.Thread(target=run, name=self.name, daemon=False)
+        self._thread = threading.Thread(target=run, name="solo-checkpoint-writer", daemon=False)
         self._thread.start()
 
     def wait(self, timeout_s: float | None, why: str) -> bool:

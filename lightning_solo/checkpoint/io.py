@@ -49,16 +49,14 @@ class SoloCheckpointIO(TorchCheckpointIO):
     """Atomic, fsynced, self-verifying checkpoint files (local paths; remote URLs go to Lightning's IO).
 
     Args:
-        weights_only: default for loads. ``True`` refuses checkpoints holding arbitrary pickled objects
-            (they can run code when loaded); pass ``weights_only=False`` to a load, or here, to opt in for
-            files you trust.
+        weights_only: default for loads: ``True`` refuses pickled Python objects (they can run code when loaded).
         verify_after_write: re-read and re-hash the temp file before the rename (about +50% save time); off,
             size and manifest are read back from the file's end. Loads and auto-resume always verify in full.
         require_manifest: refuse to load files without a manifest (stock Lightning's); by default they load with
             a warning.
         fsync: flush file and directory to stable storage (turn off only for throwaway runs on slow disks).
-        stale_after_s: temp files from another host are treated as abandoned after this many seconds (on
-            this host a temp file is abandoned as soon as the process that wrote it is gone).
+        stale_after_s: another host's temp files are abandoned after this long (this host's: once their process is
+            gone).
     """
 
     def __init__(
@@ -70,17 +68,10 @@ class SoloCheckpointIO(TorchCheckpointIO):
         stale_after_s: float = 3600.0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("weights_only", weights_only),
-            ("verify_after_write", verify_after_write),
-            ("require_manifest", require_manifest),
-            ("fsync", fsync),
-        ):
-            check_bool(name, value)
-        self.weights_only = weights_only
-        self.verify_after_write = verify_after_write
-        self.require_manifest = require_manifest
-        self.fsync = fsync
+        self.weights_only = check_bool("weights_only", weights_only)
+        self.verify_after_write = check_bool("verify_after_write", verify_after_write)
+        self.require_manifest = check_bool("require_manifest", require_manifest)
+        self.fsync = check_bool("fsync", fsync)
         self.stale_after_s = float(stale_after_s)
         self._cleaned_dirs: set[str] = set()
         self.removed_temp_files: list[str] = []
@@ -108,13 +99,30 @@ class SoloCheckpointIO(TorchCheckpointIO):
 
     def write_file(self, checkpoint: Any, path: str, manifest: dict[str, Any]) -> None:
         """The write itself (in ``save_checkpoint``, or on the background thread for a staged save)."""
-        _atomic_write(
-            path,
-            lambda f: torch.save(checkpoint, f),
-            manifest,
-            fsync=self.fsync,
-            verify_after_write=self.verify_after_write,
-        )
+        directory, base = os.path.split(path)
+        prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
+            with os.fdopen(fd, "w+b") as raw:
+                writer = _HashingWriter(raw)
+                torch.save(checkpoint, writer)
+                manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
+                manifest = _append_manifest(raw, writer.size, manifest)
+                raw.flush()
+                if self.fsync:
+                    os.fsync(raw.fileno())
+            if self.verify_after_write:
+                verify(tmp)
+            elif read_manifest(tmp) != manifest or os.path.getsize(tmp) != _file_size(manifest):
+                raise CheckpointVerificationError(tmp, "the written file does not read back as written")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
 
     @contextlib.contextmanager
     def staging(self, writer: Any) -> Iterator[None]:
@@ -195,40 +203,6 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def _atomic_write(
-    path: str,
-    dump: Callable[[Any], None],
-    manifest: dict[str, Any],
-    *,
-    fsync: bool = True,
-    verify_after_write: bool = True,
-) -> None:
-    directory, base = os.path.split(path)
-    prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
-        with os.fdopen(fd, "w+b") as raw:
-            writer = _HashingWriter(raw)
-            dump(writer)
-            manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
-            manifest = _append_manifest(raw, writer.size, manifest)
-            raw.flush()
-            if fsync:
-                os.fsync(raw.fileno())
-        if verify_after_write:
-            verify(tmp)
-        elif read_manifest(tmp) != manifest or os.path.getsize(tmp) != _file_size(manifest):
-            raise CheckpointVerificationError(tmp, "the written file does not read back as written")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        _fsync_dir(directory)
-
-
 def _umask() -> int:  # /proc has it without os.umask's set-to-read race (Linux >= 4.7)
     try:
         with open("/proc/self/status") as f:
@@ -240,16 +214,12 @@ def _umask() -> int:  # /proc has it without os.umask's set-to-read race (Linux 
 
 
 def _fsync_dir(directory: str) -> None:  # the rename itself durable, where the filesystem allows
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 3600.0) -> list[str]:
@@ -261,24 +231,13 @@ def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 
         names = os.listdir(directory)
     except FileNotFoundError:
         return removed
-    for name in names:
-        match = _TMP_RE.match(name)
-        if match is None:
-            continue
-        path = os.path.join(directory, name)
-        if match["host"] == host:
-            stale = not _pid_alive(int(match["pid"]))
-        else:
-            try:
-                stale = time.time() - os.path.getmtime(path) > stale_after_s
-            except FileNotFoundError:
-                continue
-        if stale:
-            try:
+    for match in filter(None, map(_TMP_RE.match, names)):
+        path = os.path.join(directory, match.string)
+        with contextlib.suppress(FileNotFoundError):  # another process removed it first
+            mine = match["host"] == host
+            if (not _pid_alive(int(match["pid"]))) if mine else time.time() - os.path.getmtime(path) > stale_after_s:
                 os.remove(path)
                 removed.append(path)
-            except FileNotFoundError:
-                pass
     if removed:
         log.info("removed %d stale checkpoint temp file(s) in %s", len(removed), directory)
     return removed

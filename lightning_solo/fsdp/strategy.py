@@ -32,10 +32,8 @@ Precision = Literal["auto", "bf16-mixed", "32-true"]
 def decide_fsdp_precision(
     precision: str, device: torch.device, levels: list[int] | None = None
 ) -> tuple[Any, Decision]:
-    """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``. ``"auto"``: bf16 parameters with fp32
-    gradient reduction when every rank's GPU has bf16 natively (``levels``: every rank's
-    :func:`~lightning_solo.ddp.precision.rule.device_capability`, as SoloDDP agrees them; emulated bf16 does not
-    count), fp32 elsewhere (CPU included). The output (logits, hence the loss) stays fp32."""
+    """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``; ``"auto"``: bf16 where every rank's GPU
+    has it natively (``levels``: every rank's ``device_capability``), fp32 elsewhere. The output stays fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision not in ("auto", "bf16-mixed", "32-true"):
@@ -52,18 +50,15 @@ def decide_fsdp_precision(
 
 
 def group_policy_for(policy: Any, top_level: bool) -> Any:
-    """``policy`` for a shard group: its output cast to fp32 only where the LightningModule's own code takes it
-    (a top-level group); a nested group hands bf16 on to the bf16 layers around it."""
+    """``policy`` for a shard group: output cast to fp32 in a top-level group only (nested ones hand bf16 on)."""
     if policy is None or top_level:
         return policy
     return dataclasses.replace(policy, output_dtype=None)
 
 
 def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
-    """FSDP2's policy for the BatchNorm layers that hold parameters when the model's policy is bf16: fp32
-    parameters, each layer its own shard group, the input left as it comes (bf16 inside a bf16 group), as under
-    ``torch.autocast``. A bf16 weight beside BatchNorm's fp32 running statistics stops the first step
-    (``expected scalar type BFloat16 but found Float``); FSDP2 casts a whole group to one dtype."""
+    """FSDP2's policy for BatchNorm layers with parameters under a bf16 model: fp32 parameters, each layer its own
+    shard group, the input as it comes (as under ``torch.autocast``). See docs/multi-node.md."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if policy is None or not layers:
@@ -79,10 +74,8 @@ def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
 def decide_wrap(
     module: nn.Module, wrap_classes: list[str] | None, min_num_params: int
 ) -> tuple[list[nn.Module], Decision]:
-    """The modules that get their own shard group, innermost first: those whose class is in ``wrap_classes``;
-    without it, every module holding ``min_num_params`` parameters not already in such a group (torch's
-    size-based policy). The LightningModule's direct children with parameters close the list: FSDP2 gathers a
-    group's parameters in its ``forward``, which Lightning never calls on the LightningModule itself."""
+    """The modules that get their own shard group, innermost first: those of ``wrap_classes``, else those holding
+    ``min_num_params`` parameters not yet in a group; then the LightningModule's children with parameters."""
     chosen: list[nn.Module] = []
 
     def visit(m: nn.Module) -> int:  # parameters of m not yet in a chosen group
@@ -107,9 +100,7 @@ def decide_wrap(
 
 
 def decide_bn_stats(average: bool, layers: int, world_size: int) -> Decision:
-    """Whether the BatchNorm running statistics are averaged over the ranks. FSDP, unlike DDP, does not broadcast
-    buffers: each rank keeps the statistics of its own batches, so the ranks would evaluate with different ones
-    and a checkpoint would keep one rank's."""
+    """Whether the BatchNorm running statistics are averaged over the ranks (FSDP broadcasts no buffers)."""
     if not average:
         return Decision("bn_stats", "per rank", "average_bn_stats=False: each rank keeps its own, as stock")
     if not layers or world_size == 1:
@@ -122,8 +113,7 @@ def decide_bn_stats(average: bool, layers: int, world_size: int) -> Decision:
 
 
 class SoloFSDP(DecisionLog, ModelParallelStrategy):
-    """FSDP2 over all ranks (parameters, gradients and optimizer state sharded), checkpoints through torch's
-    distributed checkpoint, written atomically and verified.
+    """FSDP2 over all ranks; checkpoints through torch's distributed checkpoint, written atomically and verified.
 
     Args:
         precision: ``"auto"`` (bf16 on GPUs that have it, else fp32), ``"bf16-mixed"`` or ``"32-true"``.
@@ -179,9 +169,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # ModelParallelStrategy makes no launcher in a process another started (rank 0's popen launcher, torchrun),
-        # so such a rank skips the launcher's split of the CPU threads (OMP_NUM_THREADS, torch.set_num_threads)
-        # that rank 0 made, and the ranks differ. DDPStrategy always makes one; so does SoloFSDP.
+        # Always a launcher, as DDPStrategy: every rank splits the CPU threads alike (docs/multi-node.md).
         assert self.cluster_environment is not None
         self._launcher = lightning_compat.SubprocessScriptLauncher(
             self.cluster_environment, self.num_processes, self.num_nodes
@@ -189,7 +177,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Pure FSDP: one data-parallel dimension over every rank of every node, no tensor parallelism.
+        # One data-parallel dimension over every rank of every node, no tensor parallelism.
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
