@@ -32,21 +32,16 @@ log = logging.getLogger(__name__)
 
 
 class SoloCheckpoint(DecisionLog, ModelCheckpoint):
-    """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is
-    rank-symmetric, crash-safe and exception-safe.
+    """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is rank-symmetric,
+    crash-safe and exception-safe. See docs/checkpoints.md.
 
     Args:
-        keep_last_k: keep the ``k`` newest checkpoints by global step (shorthand for
-            ``monitor="step", mode="max", save_top_k=k``); cannot be combined with ``monitor``.
+        keep_last_k: keep the ``k`` newest checkpoints by global step (not with ``monitor``).
         save_last: ``True`` by default: ``last.ckpt`` is what auto-resume and humans look for.
-        save_on_exception: on an exception, rank 0 writes ``on_exception.ckpt`` from its local state, with no
-            collective; auto-resume ignores it unless asked.
+        save_on_exception: rank 0 writes ``on_exception.ckpt`` from its own state, with no collective.
         exception_save_timeout_s: how long that save may take before it is abandoned.
-        async_save: ``True``: the state is copied at the save and written by a background thread (under SoloFSDP's
-            sharded checkpoints, DCP's ``async_save`` on every rank); rotation and ``last`` move once it is
-            committed. ``False`` (default): every rank waits for the write. ``"auto"``: background writes if the
-            first save blocked over two steps.
-        async_timeout_s: how long the fit's end or an exception waits for a background write.
+        async_save: ``True``: written by a background thread; ``"auto"``: if the first save blocked over two steps.
+        async_timeout_s: how long the fit's end, an exception or a requeue waits for a background write.
     """
 
     EXCEPTION_NAME = "on_exception"
@@ -79,8 +74,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             check_int("keep_last_k", keep_last_k)
             if monitor is not None:
                 raise ValueError(
-                    f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
-                    f" monitor={monitor!r}; use save_top_k for the best k by a metric"
+                    f"keep_last_k cannot be combined with monitor={monitor!r}; save_top_k keeps the best k"
                 )
             if save_top_k != 1 or mode != "min":
                 raise ValueError("keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode")
@@ -137,7 +131,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         elif not self.async_save:
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
-            self._writer = BackgroundWriter()  # every rank: SoloFSDP's write their shards
+            self._writer = BackgroundWriter()  # every rank's: SoloFSDP's ranks write their shards
             self._decide(Decision("async_save", True, "host snapshot at the save, written by a background thread"))
         else:
             self._decide(Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously"))
@@ -149,8 +143,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
     @override
     def check_monitor_top_k(self, trainer, current: torch.Tensor | None = None) -> bool:
-        # The parent returns early when the metric is missing, before its collective: a metric logged on
-        # some ranks only would leave the others waiting in reduce_boolean_decision. Agree on presence first.
+        # The ranks agree that the metric is there first: the parent's collective comes after its early return.
         if not trainer.strategy.reduce_boolean_decision(current is not None, all=True):
             return False
         return super().check_monitor_top_k(trainer, current)
@@ -173,18 +166,16 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._auto["starts"] = [*self._auto["starts"][-16:], time.perf_counter()]
 
     def _decide_auto(self, trainer) -> None:
-        auto, self._auto = self._auto, None
+        auto = self._auto
         assert auto is not None
-        starts = auto["starts"]
-        steps = [b - a for a, b in itertools.pairwise(starts[1:])]  # the first may include the loader's start
-        step_s = statistics.median(steps) if steps else None
-        if step_s is None:
-            self._auto = auto  # a save before two steps ran: decide at the next one
+        steps = [b - a for a, b in itertools.pairwise(auto["starts"][1:])]  # the first may include the loader's start
+        if not steps:  # a save before three steps ran: decide at the next one
             auto["save_s"] = 0.0
             return
-        decision = self._decide(decide_async_save(*trainer.strategy.broadcast((auto["save_s"], step_s))))
-        if decision.value:
-            self._writer = BackgroundWriter()  # every rank: SoloFSDP's write their shards
+        self._auto = None
+        measured = trainer.strategy.broadcast((auto["save_s"], statistics.median(steps)))  # rank 0's, on every rank
+        if self._decide(decide_async_save(*measured)).value:
+            self._writer = BackgroundWriter()
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -217,13 +208,9 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return
         pending = writer.in_flight
         if not writer.wait(self.async_timeout_s, why):
+            error = "the background checkpoint write of %s did not finish within async_timeout_s=%.0f s (%s); it was"
             log.error(
-                "the background checkpoint write of %s did not finish within async_timeout_s=%.0f s (%s); it was"
-                " told to stop; the newest committed checkpoint in %s is what a resume will use",
-                pending,
-                self.async_timeout_s,
-                why,
-                self.dirpath,
+                error + " told to stop; a resume uses the newest committed one", pending, self.async_timeout_s, why
             )
         self._decide(Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them"))
 
@@ -261,15 +248,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._last_saved_step = trainer.global_step
 
     def _refresh_last(self, trainer) -> None:
-        if (
-            not self.save_last
-            or trainer.fast_dev_run
-            or trainer.sanity_checking
-            or trainer.state.fn != "fit"
-            or getattr(self, "_last_saved_step", None) == trainer.global_step
+        done = getattr(self, "_last_saved_step", None) == trainer.global_step
+        if self.save_last and not (
+            trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit" or done
         ):
-            return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
@@ -299,8 +282,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # Deliberately not the parent's: it calls trainer.save_checkpoint (a barrier) and file_exists (an
-        # all-reduce) on the failing rank alone, which hangs until the process-group timeout (#20187).
+        # Not the parent's: its barrier and all-reduce on the failing rank alone hang until the timeout (#20187).
         self.wait_for_write(f"{type(exception).__name__} raised")
         if not self._should_save_on_exception(trainer) or not trainer.is_global_zero or self.dirpath is None:
             return
@@ -321,8 +303,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             except BaseException as err:  # noqa: BLE001 - reported below; the original exception wins
                 outcome["error"] = err
 
-        # A thread, because a LightningModule/callback hook inside dump_checkpoint could still wait on the
-        # other ranks; the training exception must surface even then.
+        # A thread: a hook inside dump_checkpoint may wait on the other ranks; the exception must surface even then.
         worker = threading.Thread(target=save, name="solo-exception-checkpoint", daemon=True)
         worker.start()
         worker.join(worker_timeout := self.exception_save_timeout_s)

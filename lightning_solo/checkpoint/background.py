@@ -97,14 +97,8 @@ class BackgroundWriter:
         self._pending: str | None = None
         self._error: BaseException | None = None
         self._cancel = threading.Event()
-        self.stats: dict[str, Any] = {
-            "saves": 0,
-            "waits": 0,
-            "wait_s_total": 0.0,
-            "wait_s_max": 0.0,
-            "write_s_last": None,
-            "staged_bytes_max": 0,
-        }
+        self.stats: dict[str, Any] = dict.fromkeys(("saves", "waits", "staged_bytes_max"), 0)
+        self.stats.update(wait_s_total=0.0, wait_s_max=0.0, write_s_last=None)
 
     @property
     def in_flight(self) -> str | None:

@@ -50,13 +50,10 @@ class SoloCheckpointIO(TorchCheckpointIO):
 
     Args:
         weights_only: default for loads: ``True`` refuses pickled Python objects (they can run code when loaded).
-        verify_after_write: re-read and re-hash the temp file before the rename (about +50% save time); off,
-            size and manifest are read back from the file's end. Loads and auto-resume always verify in full.
-        require_manifest: refuse to load files without a manifest (stock Lightning's); by default they load with
-            a warning.
-        fsync: flush file and directory to stable storage (turn off only for throwaway runs on slow disks).
-        stale_after_s: another host's temp files are abandoned after this long (this host's: once their process is
-            gone).
+        verify_after_write: re-read and re-hash the temp file before the rename (about +50% save time).
+        require_manifest: refuse to load files without a manifest (stock Lightning's), else loaded with a warning.
+        fsync: flush file and directory to stable storage.
+        stale_after_s: another host's temp files are abandoned after this long (this host's: with their process).
     """
 
     def __init__(
@@ -105,7 +102,7 @@ class SoloCheckpointIO(TorchCheckpointIO):
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
             with os.fdopen(fd, "w+b") as raw:
-                writer = _HashingWriter(raw)
+                writer: Any = _HashingWriter(raw)
                 torch.save(checkpoint, writer)
                 manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
                 manifest = _append_manifest(raw, writer.size, manifest)
@@ -179,10 +176,8 @@ def load_weights_only(path, map_location: Any = None, weights_only: bool = True)
         if not weights_only:
             raise
         raise UnsafeCheckpointError(
-            f"{os.fspath(path)!r} contains pickled Python objects that weights_only=True refuses to load, because"
-            " unpickling them can run arbitrary code. If you trust this file, load it with weights_only=False"
-            " (trainer.fit(..., weights_only=False), SoloCheckpointIO(weights_only=False), or"
-            f" torch.load(..., weights_only=False)). torch said: {err}"
+            f"{os.fspath(path)!r} holds pickled Python objects, which weights_only=True refuses (unpickling can run"
+            f" code). A file you trust: weights_only=False (in fit, SoloCheckpointIO or torch.load). torch: {err}"
         ) from err
 
 

@@ -12,8 +12,10 @@ import struct
 import time
 from typing import Any
 
+import lightning
 import torch
 
+from lightning_solo._version import __version__
 from lightning_solo.core.ranks import world_size
 
 MANIFEST_FORMAT = "lightning_solo.checkpoint"
@@ -62,10 +64,6 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:  # covers the manifest's 
 
 
 def _manifest_fields(checkpoint: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    import lightning
-
-    from lightning_solo._version import __version__
-
     ckpt = checkpoint if isinstance(checkpoint, dict) else {}
     return {
         "format": MANIFEST_FORMAT,

@@ -30,52 +30,35 @@ def save_sharded(
     rank: int,
     barrier: Callable[[], None],
     io: SoloCheckpointIO | None = None,
-) -> None:
+    group: Any = None,
+) -> tuple[Future, Callable[[], None]] | None:
     """Collective: every rank writes its shards of ``state`` into a temporary directory; rank 0 adds ``meta`` (with
-    a manifest) and renames it to ``path`` (the same on all ranks)."""
+    a manifest) and renames it to ``path`` (the same on all ranks). With a gloo ``group``, DCP's ``async_save``
+    copies the state and writes it on a thread (its collectives on ``group``): returns its future and the commit."""
     import torch.distributed.checkpoint as dcp
 
-    path, tmp = _temporary(path, rank, barrier)
-    dcp.save(state, checkpoint_id=tmp)
-    barrier()
-    if rank == 0:
-        _commit(meta, tmp, path, io)
-    barrier()
-
-
-def save_sharded_async(
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    path: str | os.PathLike,
-    rank: int,
-    barrier: Callable[[], None],
-    group: Any,
-    io: SoloCheckpointIO | None = None,
-) -> tuple[Future, Callable[[], None]]:
-    """:func:`save_sharded` by DCP's ``async_save`` (it copies the state, then writes on a thread; its collectives on
-    the gloo ``group``): returns its future and the commit, to run after it (it waits for it)."""
-    import torch.distributed.checkpoint as dcp
-
-    path, tmp = _temporary(path, rank, barrier)
-    future: Any = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
-    meta = copy.deepcopy(meta)
-
-    def commit() -> None:
-        future.result()  # rank 0's ends after every rank's shards and the .metadata are written
-        if rank == 0:
-            _commit(meta, tmp, path, io)
-
-    return future, commit
-
-
-def _temporary(path: str | os.PathLike, rank: int, barrier: Callable[[], None]) -> tuple[Path, Path]:
     path = Path(path).absolute()
     tmp = path.parent / f".{path.name}{_TMP_MARK}dir"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     barrier()
-    return path, tmp
+    if group is not None:
+        future: Any = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+        meta = copy.deepcopy(meta)
+
+        def commit() -> None:
+            future.result()  # rank 0's ends after every rank's shards and the .metadata are written
+            if rank == 0:
+                _commit(meta, tmp, path, io)
+
+        return future, commit
+    dcp.save(state, checkpoint_id=tmp)
+    barrier()
+    if rank == 0:
+        _commit(meta, tmp, path, io)
+    barrier()
+    return None
 
 
 def _commit(meta: dict[str, Any], tmp: Path, path: Path, io: SoloCheckpointIO | None) -> None:
@@ -96,8 +79,7 @@ def read_sharded_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
-    """Check a sharded checkpoint: ``meta.pt`` against its manifest, and every shard DCP's ``.metadata`` names is
-    there and long enough; return the manifest or raise :class:`CheckpointVerificationError`."""
+    """``meta.pt``'s manifest once it and every shard ``.metadata`` names check; else CheckpointVerificationError."""
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)

@@ -21,7 +21,7 @@ from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.checkpoint.manifest import read_manifest, verify
-from lightning_solo.checkpoint.sharded import save_sharded, save_sharded_async, verify_sharded
+from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.core.checks import check_bool, check_int, check_number
 from lightning_solo.core.decision import Decision, DecisionLog
 from lightning_solo.ddp.precision.rule import capabilities, device_capability
@@ -64,10 +64,7 @@ def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
     if policy is None or not layers:
         return None, Decision("fsdp_bn_precision", "as the model", "no BatchNorm layer" if layers else "fp32")
     bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    why = (
-        f"{layers} BatchNorm layer(s) keep fp32 parameters beside their fp32 running statistics (each its own "
-        "shard group, gathered from forward to backward) and take the activations in bf16, as under torch.autocast"
-    )
+    why = f"{layers} BatchNorm layer(s): fp32 parameters, each its own shard group, bf16 activations as under autocast"
     return bn_policy, Decision("fsdp_bn_precision", "32-true", why)
 
 
@@ -89,10 +86,8 @@ def decide_wrap(
 
     visit(module)
     if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(module).__name__} holds parameters itself: SoloFSDP shards its submodules, so keep them in a "
-            "submodule, or shard the model yourself in configure_model()"
-        )
+        name = type(module).__name__
+        raise ValueError(f"{name} holds parameters itself: keep them in a submodule, or shard it in configure_model()")
     roots = [c for c in module.children() if c not in chosen and any(True for _ in c.parameters())]
     rule = f"classes {wrap_classes}" if wrap_classes else f">= {min_num_params:,} parameters"
     why = f"{len(chosen)} module(s) by {rule}, then {len(roots)} top-level module(s)"
@@ -105,10 +100,7 @@ def decide_bn_stats(average: bool, layers: int, world_size: int) -> Decision:
         return Decision("bn_stats", "per rank", "average_bn_stats=False: each rank keeps its own, as stock")
     if not layers or world_size == 1:
         return Decision("bn_stats", "per rank", "no BatchNorm layer" if not layers else "one rank")
-    why = (
-        f"{layers} BatchNorm layer(s): running mean and variance averaged over the {world_size} ranks before each "
-        "evaluation, checkpoint and the fit's end (FSDP keeps each rank's own); average_bn_stats=False: stock"
-    )
+    why = f"{layers} BatchNorm layer(s): statistics averaged over {world_size} ranks before evaluations and checkpoints"
     return Decision("bn_stats", "mean over ranks", why)
 
 
@@ -117,16 +109,12 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     Args:
         precision: ``"auto"`` (bf16 on GPUs that have it, else fp32), ``"bf16-mixed"`` or ``"32-true"``.
-        wrap_classes: class names that each get their own shard group (e.g. ``["BasicBlock", "Bottleneck"]``,
-            ``["TransformerEncoderLayer"]``); ``None``: by size, ``min_num_params``.
+        wrap_classes: class names that each get their own shard group; ``None``: by size, ``min_num_params``.
         min_num_params: the size rule's threshold.
-        reshard_after_forward: free gathered parameters after forward (ZeRO-3, least memory); ``False`` keeps them
-            until backward (ZeRO-2-like, less communication).
-        state_dict: ``"sharded"``: one DCP directory per checkpoint, each rank writes its shards (consolidate with
-            ``python -m lightning_solo.consolidate``); ``"full"``: one file gathered on rank 0.
+        reshard_after_forward: free gathered parameters after forward (least memory); ``False``: after backward.
+        state_dict: ``"sharded"``: a DCP directory per checkpoint; ``"full"``: one file gathered on rank 0.
         timeout: collective timeout, seconds or a ``timedelta``.
-        average_bn_stats: average the BatchNorm running statistics over the ranks before each evaluation,
-            checkpoint and the fit's end (:func:`decide_bn_stats`); ``False``: each rank keeps its own, as stock.
+        average_bn_stats: average BatchNorm running statistics over the ranks (:func:`decide_bn_stats`).
     """
 
     strategy_name = "solo_fsdp"
@@ -191,9 +179,8 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         if is_overridden("configure_model", self.lightning_module):
             self._decide(Decision("fsdp_wrap", "configure_model", "the LightningModule shards itself"))
         else:
-            levels = (  # agreed by every rank (a collective), as SoloDDP's precision "auto"
-                capabilities(self.root_device) if self.precision == "auto" and self.root_device.type == "cuda" else None
-            )
+            auto_gpu = self.precision == "auto" and self.root_device.type == "cuda"
+            levels = capabilities(self.root_device) if auto_gpu else None  # agreed by every rank (a collective)
             policy, decision = decide_fsdp_precision(self.precision, self.root_device, levels)
             self._decide(decision)
             groups, decision = decide_wrap(self.model, self.wrap_classes, self.min_num_params)
@@ -283,15 +270,16 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         group, future = self._dcp or (torch.distributed.new_group(backend="gloo", timeout=self._timeout), None)
         if future is not None:
             future.result()
-        future, commit = save_sharded_async(state, checkpoint, path, self.global_rank, self.barrier, group, io)
+        saved = save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io, group)
+        assert saved is not None
+        future, commit = saved
         self._dcp = (group, future)
         writer.add(commit, label=path)
 
     @override
     def teardown(self) -> None:
-        group, future = self._dcp or (None, None)
-        if group is not None and future.done():  # else a write still uses it (SoloCheckpoint timed out waiting)
-            torch.distributed.destroy_process_group(group)
+        if self._dcp is not None and self._dcp[1].done():  # else a write still uses it (a wait for it timed out)
+            torch.distributed.destroy_process_group(self._dcp[0])
         self._dcp = None
         super().teardown()
 
@@ -314,14 +302,10 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     def settings(self) -> dict[str, Any]:
         """The effective FSDP settings, for the run summary."""
+        names = ("world_size", "num_nodes", "precision", "wrap_classes", "min_num_params", "reshard_after_forward")
         return {
-            "world_size": self.world_size,
-            "num_nodes": self.num_nodes,
+            **{name: getattr(self, name) for name in names},
             "backend": self.process_group_backend,
-            "precision": self.precision,
-            "wrap_classes": self.wrap_classes,
-            "min_num_params": self.min_num_params,
-            "reshard_after_forward": self.reshard_after_forward,
             "state_dict": self.state_dict_type,
             "timeout_s": self._timeout.total_seconds() if self._timeout else None,
             "average_bn_stats": self.average_bn_stats,
