@@ -8,6 +8,8 @@ one, and loses nothing at the edges.
   test_checkpoint_faults.py): the newest committed checkpoint always verifies and loads, a complete temp file is
   never chosen;
 * an exception on one rank while rank 0 writes: the newest committed checkpoint is valid;
+* a SIGTERM stop, a SLURM requeue and a notebook's two fits (2 gloo ranks each, the write made slow) each wait for
+  the write in flight; the watchdog, its thresholds below the write's time, reports nothing while a rank waits;
 * rotation only after the commit, a failed background write raised and nothing rotated past it, the fit's end
   bounded by ``async_timeout_s``; the host staging keeps views shared and holds one snapshot.
 """
