@@ -8,6 +8,8 @@ one, and loses nothing at the edges.
   test_checkpoint_faults.py): the newest committed checkpoint always verifies and loads, a complete temp file is
   never chosen;
 * an exception on one rank while rank 0 writes: the newest committed checkpoint is valid;
+* a SIGTERM stop, a SLURM requeue and a notebook's two fits (2 gloo ranks each, the write made slow) each wait for
+  the write in flight; the watchdog, its thresholds below the write's time, reports nothing while a rank waits;
 * rotation only after the commit, a failed background write raised and nothing rotated past it, the fit's end
   bounded by ``async_timeout_s``; the host staging keeps views shared and holds one snapshot.
 """
@@ -20,6 +22,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,7 +43,7 @@ from lightning_solo.checkpoint import (
     verify,
 )
 from lightning_solo.checkpoint.background import HostStaging, decide_async_save
-from tests.helpers import run_driver
+from tests.helpers import REPO, run_driver
 from tests.helpers.modules import TinyModule
 
 
@@ -306,6 +309,125 @@ def test_exception_on_one_rank_during_a_background_write_keeps_the_newest_commit
     assert chosen is not None and ".solo-tmp-" not in chosen
     assert verify(chosen)["global_step"] in (1, 2, 3)
     assert torch.load(chosen, weights_only=True)["state_dict"].keys()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the stops that end a fit early wait for the write in flight: SIGTERM, a SLURM requeue, a notebook's fits
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_sigterm_stop_waits_for_the_write_in_flight(tmp_path):
+    # 2 ranks (popen launcher), a save every 2 steps, each write 2 s; rank 1 gets SIGTERM at step 5, while a write is
+    # in flight; the ranks stop together a step or two later.
+    script = REPO / "tests" / "scripts" / "async_sigterm_fit.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=140)  # fmt: skip
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ended"] in ("SIGTERMException", "SystemExit"), (result, proc.stderr[-3000:])
+    manifest = verify(tmp_path / "ckpt" / "on_sigterm.ckpt")
+    stop = manifest["global_step"]
+    assert manifest["trigger"] == "sigterm" and stop >= 5
+    # Right after the fit: every save up to the stop committed (the last one was in flight), none cut off mid-write.
+    saves = [f"epoch=0-step={step}.ckpt" for step in range(2, stop + 1, 2)]
+    assert result["listing"] == sorted([*saves, "on_sigterm.ckpt"]), result["listing"]
+    assert (
+        torch.load(tmp_path / "ckpt" / saves[-1], weights_only=True)["global_step"]
+        == verify(tmp_path / "ckpt" / saves[-1])["global_step"]
+        == 2 * (stop // 2)
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_slurm_requeue_waits_for_the_write_in_flight(tmp_path):
+    from tests.test_slurm import _kill, _launch, _wait_for
+
+    # 2 tasks of a SLURM job, a save every 2 steps written 3 s: a write is in flight when rank 1 gets the signal.
+    # The stub scontrol lists the checkpoint directory when SlurmRequeue calls it (SLURM ends the job then).
+    ckpt_dir, listing = tmp_path / "out" / "ckpt", tmp_path / "listing"
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "scontrol"
+    stub.write_text(f'#!/bin/sh\nls -a {ckpt_dir} > {listing}\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    stub.chmod(0o755)
+    (tmp_path / "out").mkdir()
+    procs = _launch(tmp_path, 2, {"SLOW_STEPS": "1", "ASYNC_CKPT": "1", "REQUEUE_SIGNAL": "SIGUSR2"})
+    try:
+        for rank in range(2):
+            _wait_for(tmp_path / "out" / f"progress{rank}", procs, 120, tmp_path)
+        os.kill(procs[1].pid, signal.SIGUSR2)
+        _wait_for(tmp_path / "scontrol.log", procs, 90, tmp_path)
+    finally:
+        _kill(procs)  # as SLURM does on a requeue
+    step = verify(tmp_path / "out" / "run" / "hpc_ckpt_1.ckpt")["global_step"]
+    newest = 2 * ((step - 1) // 2)  # the save before the requeue's step: its write began at most 2 steps earlier
+    names = listing.read_text().split()
+    assert f"epoch=0-step={newest}.ckpt" in names and not [n for n in names if ".solo-tmp-" in n], names
+    assert verify(ckpt_dir / f"epoch=0-step={newest}.ckpt")["global_step"] == newest
+
+
+def _notebook_fit(ckpt_dir, max_steps: int) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork", checkpoint_io=SlowIO(delay_s=1.5)),
+        max_steps=max_steps,
+        callbacks=[SoloCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, keep_last_k=2, async_save=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.dirname(ckpt_dir),
+    )
+    trainer.fit(TinyModule(samples=256), ckpt_path=resolve_ckpt_path("auto", ckpt_dir))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_notebooks_fits_each_wait_for_their_last_write(tmp_path):
+    # A parent that fits twice with forked ranks (a notebook's way): each fit returns once its last write committed,
+    # and the second resumes from the first's.
+    ckpt_dir = str(tmp_path / "ckpt")
+    _notebook_fit(ckpt_dir, 4)
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert verify(os.path.join(ckpt_dir, "last.ckpt"))["global_step"] == 4
+    _notebook_fit(ckpt_dir, 8)
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert torch.load(os.path.join(ckpt_dir, "last.ckpt"), weights_only=True)["global_step"] == 8
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the watchdog: a rank waiting for its own background write is at work, not stalled
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_watchdog_takes_a_wait_for_a_background_write_as_work(tmp_path):
+    # Each write 6 s, the watchdog's allowances 1-3 s: the save at step 6 waits for step 3's write (rank 1 waits in
+    # the save's barrier meanwhile), the fit's end for step 6's. Before, that wait was reported as rank 0 "in
+    # on_train_batch_end" past its allowance.
+    watchdog = {"factor": 2.0, "margin_s": 1.0, "first_s": 3.0, "interval_s": 0.2}
+    callback = SoloCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, keep_last_k=2, async_save=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SoloDDP(start_method="fork", checkpoint_io=SlowIO(delay_s=6.0), watchdog=watchdog),
+        max_steps=7,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,  # where the watchdog writes its reports
+    )
+    start = time.monotonic()
+    trainer.fit(TinyModule(samples=256))
+    assert time.monotonic() - start > 12  # both waits happened
+    assert not (tmp_path / "hang").exists(), (tmp_path / "hang" / "reports.txt").read_text()
+    assert verify(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 7  # the fit's end waited for its write
+    assert trainer.strategy.decisions["watchdog"].value
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -179,6 +179,51 @@ def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
     assert 1e-4 < ((bf16 - ddp).norm() / ddp.norm()).item() < 3e-2
 
 
+def _full(path) -> dict:
+    """A sharded checkpoint's tensors, gathered into one dict (torch's dcp_to_torch_save)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, f"{path}.pt")
+    return torch.load(f"{path}.pt", weights_only=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_async_sharded_checkpoints_equal_sync_ones_commit_whole_and_resume_exactly(tmp_path):
+    script = REPO / "tests" / "scripts" / "fsdp_async_fit.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=230)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    sync, run, resumed = result["sync"], result["async"], result["resume"]
+    assert (sync["async_save"], run["async_save"]) == (False, True)
+    # The fit's end waited for the last write: both epochs' directories and `last` committed, nothing temporary.
+    assert run["listing"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert run["waits"]["saves"] == 2 and run["waits"]["wait_s_max"] > 0.3  # the DCP writes were 0.6 s late
+    # A step after the first save, its write in flight: `last` not yet there, a resume takes only what committed.
+    (seen,) = run["in_flight"]
+    assert "last.ckpt" not in seen["listing"] and any(".solo-tmp-" in n for n in seen["listing"]), seen
+    assert seen["chosen"] is None or (".solo-tmp-" not in seen["chosen"] and seen["chosen"].endswith(".ckpt"))
+    # Each async checkpoint holds exactly its step (training went on during the write): as the sync run's.
+    for name in ("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"):
+        assert verify_sharded(out / "async" / name)["global_step"] == verify_sharded(out / "sync" / name)["global_step"]
+        expected, got = _full(out / "sync" / name), _full(out / "async" / name)
+        assert expected.keys() == got.keys() == {"state_dict", "optimizer_0"}
+        for key, value in expected["state_dict"].items():
+            assert torch.equal(got["state_dict"][key], value), (name, key)
+        assert str(got["optimizer_0"]) == str(expected["optimizer_0"]), name
+    step4, step8 = _full(out / "async" / "epoch=0-step=4.ckpt"), _full(out / "async" / "epoch=1-step=8.ckpt")
+    assert any(not torch.equal(step4["state_dict"][k], v) for k, v in step8["state_dict"].items())
+    # Resumed from the async `last` (step 8) with ckpt_path="auto": it ends where the uninterrupted run ends.
+    assert (resumed["start_step"], resumed["global_step"]) == (8, 12)
+    assert resumed["weights"] == sync["weights"]
+
+
 @pytest.mark.cli
 @pytest.mark.multiproc
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_solo._compat import lightning as lightning_compat
+from lightning_solo.callbacks.solo_checkpoint import SoloCheckpoint
 from lightning_solo.checkpoint.io import SoloCheckpointIO
 from lightning_solo.core import cluster
 from lightning_solo.core.checks import check_int
@@ -92,6 +93,9 @@ class SlurmRequeue(DecisionLog, L.Callback):
         self.checkpoint_path = path
         rank_zero_info(f"SlurmRequeue: {self._signum.name}: saved {path}; requeueing")
         trainer.should_stop = True
+        for callback in trainer.checkpoint_callbacks:  # a background write in flight commits before the requeue
+            if isinstance(callback, SoloCheckpoint):
+                callback.wait_for_write("SLURM requeue")
         if trainer.is_global_zero:
             self._requeue(trainer)
 

@@ -1,17 +1,5 @@
-"""SoloCheckpoint: Lightning's ModelCheckpoint made safe under DDP and against crashes.
-
-Example::
-
-    import lightning as L
-    from lightning_solo import SoloDDP
-    from lightning_solo.callbacks import SoloCheckpoint
-    from lightning_solo.checkpoint import resolve_ckpt_path
-
-    ckpt = SoloCheckpoint(dirpath="ckpts", every_n_train_steps=100, keep_last_k=3, save_on_exception=True)
-    trainer = L.Trainer(strategy=SoloDDP(), callbacks=[ckpt])
-    trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "ckpts"))   # newest checkpoint that verifies
-
-See docs/checkpoints.md."""
+"""SoloCheckpoint: Lightning's ModelCheckpoint made rank-symmetric, crash-safe and exception-safe, optionally
+written in the background. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -44,21 +32,16 @@ log = logging.getLogger(__name__)
 
 
 class SoloCheckpoint(DecisionLog, ModelCheckpoint):
-    """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is
-    rank-symmetric, crash-safe and exception-safe.
+    """A :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (all its arguments work) that is rank-symmetric,
+    crash-safe and exception-safe. See docs/checkpoints.md.
 
     Args:
-        keep_last_k: keep the ``k`` newest checkpoints by global step (shorthand for
-            ``monitor="step", mode="max", save_top_k=k``); cannot be combined with ``monitor``.
+        keep_last_k: keep the ``k`` newest checkpoints by global step (not with ``monitor``).
         save_last: ``True`` by default: ``last.ckpt`` is what auto-resume and humans look for.
-        save_on_exception: on an exception, rank 0 writes ``on_exception.ckpt`` from its local state, with no
-            collective (see the module docstring); auto-resume ignores it unless asked.
+        save_on_exception: rank 0 writes ``on_exception.ckpt`` from its own state, with no collective.
         exception_save_timeout_s: how long that save may take before it is abandoned.
-        async_save: ``True``: at a save, rank 0 copies the state into host memory and a background thread writes
-            it (same atomic write and manifest); rotation and ``last`` move once it is committed; the next save,
-            the fit's end and an exception wait for it. ``False`` (default): every rank waits for the write.
-            ``"auto"``: the first save is synchronous and timed; background writes if it blocked over two steps.
-        async_timeout_s: how long the fit's end or an exception waits for a background write.
+        async_save: ``True``: written by a background thread; ``"auto"``: if the first save blocked over two steps.
+        async_timeout_s: how long the fit's end, an exception or a requeue waits for a background write.
     """
 
     EXCEPTION_NAME = "on_exception"
@@ -91,8 +74,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             check_int("keep_last_k", keep_last_k)
             if monitor is not None:
                 raise ValueError(
-                    f"keep_last_k keeps the newest checkpoints by step and cannot be combined with"
-                    f" monitor={monitor!r}; use save_top_k for the best k by a metric"
+                    f"keep_last_k cannot be combined with monitor={monitor!r}; save_top_k keeps the best k"
                 )
             if save_top_k != 1 or mode != "min":
                 raise ValueError("keep_last_k sets save_top_k and mode itself; pass keep_last_k or save_top_k/mode")
@@ -149,7 +131,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         elif not self.async_save:
             self._decide(Decision("async_save", False, "every rank waits until rank 0 has written (default)"))
         elif isinstance(io, SoloCheckpointIO) and stage == "fit":
-            self._writer = BackgroundWriter() if trainer.is_global_zero else None
+            self._writer = BackgroundWriter()  # every rank's: SoloFSDP's ranks write their shards
             self._decide(Decision("async_save", True, "host snapshot at the save, written by a background thread"))
         else:
             self._decide(Decision("async_save", False, "set, but it needs SoloCheckpointIO; saving synchronously"))
@@ -159,21 +141,15 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             if removed:
                 self._decide(Decision("stale_temp_files", len(removed), "left by a writer that crashed; removed"))
 
-    # -- rank symmetry ------------------------------------------------------------------------------------
-
     @override
     def check_monitor_top_k(self, trainer, current: torch.Tensor | None = None) -> bool:
-        # The parent returns early when the metric is missing, before its collective: a metric logged on
-        # some ranks only would leave the others waiting in reduce_boolean_decision. Agree on presence first.
+        # The ranks agree that the metric is there first: the parent's collective comes after its early return.
         if not trainer.strategy.reduce_boolean_decision(current is not None, all=True):
             return False
         return super().check_monitor_top_k(trainer, current)
 
-    # -- background writes (async_save=True) -----------------------------------------------------------------
-
     @contextlib.contextmanager
-    def _group(self, trainer=None) -> Iterator[None]:
-        # The writes, rotations and link of one hook call form one group, written in order after the hook.
+    def _group(self, trainer=None) -> Iterator[None]:  # one hook's writes, removals and link: written after it
         self._group_depth += 1
         try:
             yield
@@ -190,17 +166,15 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             self._auto["starts"] = [*self._auto["starts"][-16:], time.perf_counter()]
 
     def _decide_auto(self, trainer) -> None:
-        auto, self._auto = self._auto, None
+        auto = self._auto
         assert auto is not None
-        starts = auto["starts"]
-        steps = [b - a for a, b in itertools.pairwise(starts[1:])]  # the first may include the loader's start
-        step_s = statistics.median(steps) if steps else None
-        if step_s is None:
-            self._auto = auto  # a save before two steps ran: decide at the next one
+        steps = [b - a for a, b in itertools.pairwise(auto["starts"][1:])]  # the first may include the loader's start
+        if not steps:  # a save before three steps ran: decide at the next one
             auto["save_s"] = 0.0
             return
-        decision = self._decide(decide_async_save(auto["save_s"], step_s))
-        if decision.value and trainer.is_global_zero:
+        self._auto = None
+        measured = trainer.strategy.broadcast((auto["save_s"], statistics.median(steps)))  # rank 0's, on every rank
+        if self._decide(decide_async_save(*measured)).value:
             self._writer = BackgroundWriter()
 
     @override
@@ -219,37 +193,37 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
             return None
         if writer is None or not isinstance(io, SoloCheckpointIO):
             return super()._save_checkpoint(trainer, filepath)
-        # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused.
+        # Before the save's collectives and per-rank files: at most one save in flight, its buffers reused. The
+        # other ranks wait for rank 0's write in a barrier (the watchdog sees who waits for what).
         writer.wait(None, "the next save")
-        with self._group(), io.staging(writer.stage):
+        trainer.strategy.barrier("background checkpoint write")
+        with self._group(), io.staging(writer):
             super()._save_checkpoint(trainer, filepath)
 
-    def _wait_for_write(self, why: str) -> None:
-        """The fit's end, an exception: wait (bounded) for the write in flight; say so if it is still going."""
+    def wait_for_write(self, why: str) -> None:
+        """The fit's end, an exception, a SLURM requeue: wait (at most ``async_timeout_s``) for the write in flight;
+        say so if it is still going."""
         writer = self._writer
         if writer is None:
             return
         pending = writer.in_flight
         if not writer.wait(self.async_timeout_s, why):
+            error = "the background checkpoint write of %s did not finish within async_timeout_s=%.0f s (%s); it was"
             log.error(
-                "the background checkpoint write of %s did not finish within async_timeout_s=%.0f s (%s); it was"
-                " told to stop; the newest committed checkpoint in %s is what a resume will use",
-                pending,
-                self.async_timeout_s,
-                why,
-                self.dirpath,
+                error + " told to stop; a resume uses the newest committed one", pending, self.async_timeout_s, why
             )
         self._decide(Decision("async_save_waits", dict(writer.stats), "background writes and the waits for them"))
 
     @override
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        try:
-            self._wait_for_write("the fit ended")
-        finally:
-            self._writer = None
-            super().teardown(trainer, pl_module, stage)
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._writer is not None:  # before the strategy's teardown; the others in a barrier, as at a save
+            self.wait_for_write("the fit ended")
+            trainer.strategy.barrier("background checkpoint write")
 
-    # -- `last` is the newest state ---------------------------------------------------------------------------
+    @override
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._writer = None
+        super().teardown(trainer, pl_module, stage)
 
     # Lightning 2.6 writes `last` only in a step where it also wrote a top-k checkpoint, so once the monitored
     # metric stops improving `last` falls behind and a resume would lose that work. Both hooks run on every
@@ -274,17 +248,11 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._last_saved_step = trainer.global_step
 
     def _refresh_last(self, trainer) -> None:
-        if (
-            not self.save_last
-            or trainer.fast_dev_run
-            or trainer.sanity_checking
-            or trainer.state.fn != "fit"
-            or getattr(self, "_last_saved_step", None) == trainer.global_step
+        done = getattr(self, "_last_saved_step", None) == trainer.global_step
+        if self.save_last and not (
+            trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit" or done
         ):
-            return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    # -- never delete the only good checkpoint -------------------------------------------------------------
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
@@ -298,8 +266,7 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
 
         self._run_or_queue(remove, trainer)
 
-    def _run_or_queue(self, op: Any, trainer) -> None:
-        # Rank 0's file operations (rotation, link) wait for the write before them (only rank 0 has a writer).
+    def _run_or_queue(self, op: Any, trainer) -> None:  # rotation and link run after the write before them
         if self._writer is None:
             op()
         else:
@@ -313,13 +280,10 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
         self._run_or_queue(lambda: _swap_link(trainer, filepath, linkpath), trainer)
         trainer.strategy.barrier()
 
-    # -- exceptions -----------------------------------------------------------------------------------------
-
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # Deliberately not the parent's: it calls trainer.save_checkpoint (a barrier) and file_exists (an
-        # all-reduce) on the failing rank alone, which hangs until the process-group timeout (#20187).
-        self._wait_for_write(f"{type(exception).__name__} raised")
+        # Not the parent's: its barrier and all-reduce on the failing rank alone hang until the timeout (#20187).
+        self.wait_for_write(f"{type(exception).__name__} raised")
         if not self._should_save_on_exception(trainer) or not trainer.is_global_zero or self.dirpath is None:
             return
         if trainer.world_size > 1 and not torch.distributed.is_initialized():
@@ -333,29 +297,18 @@ class SoloCheckpoint(DecisionLog, ModelCheckpoint):
                 if hasattr(trainer.strategy, "add_resume_state"):  # SoloDDP: what every other checkpoint carries
                     trainer.strategy.add_resume_state(checkpoint, collective=False)
                 io = trainer.strategy.checkpoint_io
-                if isinstance(io, SoloCheckpointIO):
-                    note = {
-                        "trigger": "exception",
-                        "exception": f"{type(exception).__name__}: {exception}"[:500],
-                    }
-                    io.save_checkpoint(checkpoint, path, storage_options=note)
-                else:
-                    io.save_checkpoint(checkpoint, path)
+                note = {"trigger": "exception", "exception": f"{type(exception).__name__}: {exception}"[:500]}
+                io.save_checkpoint(checkpoint, path, storage_options=note if isinstance(io, SoloCheckpointIO) else None)
                 outcome["error"] = None
             except BaseException as err:  # noqa: BLE001 - reported below; the original exception wins
                 outcome["error"] = err
 
-        # A thread, because a LightningModule/callback hook inside dump_checkpoint could still wait on the
-        # other ranks; the training exception must surface even then.
+        # A thread: a hook inside dump_checkpoint may wait on the other ranks; the exception must surface even then.
         worker = threading.Thread(target=save, name="solo-exception-checkpoint", daemon=True)
         worker.start()
-        worker.join(self.exception_save_timeout_s)
+        worker.join(worker_timeout := self.exception_save_timeout_s)
         if "error" not in outcome:
-            log.warning(
-                "gave up saving %s after %.0f s (a hook waited on other ranks)",
-                path,
-                self.exception_save_timeout_s,
-            )
+            log.warning("gave up saving %s after %.0f s (a hook waited on other ranks)", path, worker_timeout)
         elif outcome["error"] is not None:
             log.warning("could not save %s: %r", path, outcome["error"])
         else:
@@ -382,8 +335,6 @@ def _intact(trainer, successor: str | None, filepath: str) -> bool:
         return read_sharded_manifest(successor) is not None
     if not os.path.isfile(successor):
         return False
-    if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):
-        # The IO verified the file before renaming it into place; its manifest still being readable at the
-        # end of the file is the cheap check that nothing truncated it since.
+    if isinstance(trainer.strategy.checkpoint_io, SoloCheckpointIO):  # verified before its rename: not truncated since
         return read_manifest(successor) is not None
     return os.path.getsize(successor) > 0

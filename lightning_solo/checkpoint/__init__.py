@@ -1,17 +1,6 @@
-"""Checkpoint files: atomic, verified writes and loads (``io``, ``manifest``), the newest valid one
-(``select``), sharded directories (``sharded``) and per-rank files beside a checkpoint (``rank_shards``); the
-map of the package is docs/design.md; the files, resume and exact resume: docs/checkpoints.md.
-
-Example::
-
-    import lightning as L
-    from lightning_solo import SoloDDP
-    from lightning_solo.checkpoint import SoloCheckpointIO, resolve_ckpt_path, verify
-
-    trainer = L.Trainer(strategy=SoloDDP())          # SoloCheckpointIO is SoloDDP's default
-    trainer.fit(model, ckpt_path=resolve_ckpt_path("auto", "outputs/checkpoints"))
-    verify("outputs/checkpoints/last.ckpt")          # -> the manifest, or CheckpointVerificationError
-"""
+"""Checkpoint files: atomic, verified writes and loads (``io``, ``manifest``), the newest valid one (``select``),
+sharded directories (``sharded``), per-rank files beside a checkpoint (``rank_shards``), background writes
+(``background``). See docs/checkpoints.md."""
 
 from lightning_solo.checkpoint.io import (
     SoloCheckpointIO,

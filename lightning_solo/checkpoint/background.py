@@ -1,18 +1,5 @@
 """Background checkpoint writes: the state is copied into host memory at the save (a snapshot), and one thread
-writes it with :class:`~lightning_solo.checkpoint.io.SoloCheckpointIO`'s atomic write while training goes on.
-
-Example::
-
-    writer = BackgroundWriter()
-    with io.staging(writer.stage):                 # io.save_checkpoint now snapshots instead of writing
-        io.save_checkpoint(checkpoint, "ckpt/step=5.ckpt")
-    writer.add(lambda: io.remove_checkpoint("ckpt/step=4.ckpt"))   # runs only after that write committed
-    writer.submit()                                # one thread writes; training goes on
-    writer.wait(timeout_s=600, why="the fit ended")
-
-A group of operations (the writes, rotation and link of one save) runs in order on one thread; an operation
-that fails stops the group (nothing is rotated past a failed write) and its error is raised at the next wait.
-At most one group is in flight: the next save waits for it (measured). See docs/checkpoints.md.
+writes it (and then the save's removals and link, in order) while training goes on. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -30,13 +17,10 @@ from lightning_solo.core.decision import Decision
 
 log = logging.getLogger(__name__)
 
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
 
 class HostStaging:
-    """Host copies of a checkpoint's tensors, storage by storage (so views and shared storages stay shared, as
-    ``torch.save`` writes them). Buffers are reused from one save to the next; on GPU they are pinned and filled
-    with non-blocking copies followed by an event. At most one snapshot is held."""
+    """Host copies of a checkpoint's tensors, storage by storage (views stay views), in buffers reused from one save
+    to the next (pinned, filled without blocking, on GPU). At most one snapshot is held."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
@@ -52,8 +36,7 @@ class HostStaging:
         self._held, self.event, self.nbytes = [], None, 0
 
     def close_group(self) -> None:
-        """The snapshot is complete: drop the references to the sources and the buffers it did not reuse; on GPU,
-        an event marks the end of the copies."""
+        """The snapshot is complete: drop the sources and the unused buffers; on GPU, an event ends the copies."""
         self._held = [host for _, host in self._group.values()]
         on_gpu = any(str(key[0]).startswith("cuda") for key in self._group)
         self._group, self._free = {}, {}
@@ -62,34 +45,18 @@ class HostStaging:
             self.event.record()
 
     def snapshot(self, obj: Any) -> Any:
-        """A copy of ``obj`` whose tensors live in this staging's host buffers; containers are copied, shared
-        objects stay shared."""
-        return self._copy(obj, {})
-
-    def _copy(self, obj: Any, memo: dict[int, Any]) -> Any:
-        if isinstance(obj, _IMMUTABLE):
-            return obj
-        if id(obj) in memo:
-            return memo[id(obj)]
-        out: Any
-        if isinstance(obj, torch.Tensor):
-            out = self._tensor(obj)
-        elif isinstance(obj, dict):
-            out = copy.copy(obj)  # keeps the type and attributes (a state_dict's _metadata)
-            memo[id(obj)] = out
-            for key, value in obj.items():
-                out[key] = self._copy(value, memo)
-        elif isinstance(obj, list):
-            out = []
-            memo[id(obj)] = out
-            out.extend(self._copy(value, memo) for value in obj)
-        elif isinstance(obj, tuple):
-            items = [self._copy(value, memo) for value in obj]
-            out = obj._make(items) if hasattr(obj, "_make") else type(obj)(items)
-        else:
-            out = copy.deepcopy(obj)
-        memo[id(obj)] = out
-        return out
+        """A deep copy of ``obj`` whose tensors live in the host buffers; shared objects stay shared."""
+        memo: dict[int, Any] = {}  # each tensor's staged copy, found through dicts, lists and tuples
+        stack, seen = [obj], set()
+        while stack:
+            item = stack.pop()
+            if id(item) not in seen:
+                seen.add(id(item))
+                if isinstance(item, torch.Tensor):
+                    memo[id(item)] = self._tensor(item)
+                elif isinstance(item, (dict, list, tuple)):
+                    stack.extend(item.values() if isinstance(item, dict) else item)
+        return copy.deepcopy(obj, memo)
 
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)
@@ -120,24 +87,18 @@ class HostStaging:
 
 
 class BackgroundWriter:
-    """One save in flight at a time, written by one thread; ``stats`` counts saves, waits and staged bytes."""
+    """One group of operations (a save's writes, removals, link) in flight at a time, run in order by one thread;
+    one that fails stops the group and is raised at the next wait. ``stats``: saves, waits, staged bytes."""
 
-    def __init__(self, name: str = "solo-checkpoint-writer") -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.staging = HostStaging()
         self._ops: list[tuple[str, Callable[[], None]]] = []
         self._thread: threading.Thread | None = None
         self._pending: str | None = None
         self._error: BaseException | None = None
         self._cancel = threading.Event()
-        self.stats: dict[str, Any] = {
-            "saves": 0,
-            "waits": 0,
-            "wait_s_total": 0.0,
-            "wait_s_max": 0.0,
-            "write_s_last": None,
-            "staged_bytes_max": 0,
-        }
+        self.stats: dict[str, Any] = dict.fromkeys(("saves", "waits", "staged_bytes_max"), 0)
+        self.stats.update(wait_s_total=0.0, wait_s_max=0.0, write_s_last=None)
 
     @property
     def in_flight(self) -> str | None:
@@ -182,7 +143,7 @@ class BackgroundWriter:
                 ops.clear()  # the snapshot's dicts; the buffers stay for the next save
                 self.stats["write_s_last"] = time.perf_counter() - start
 
-        self._thread = threading.Thread(target=run, name=self.name, daemon=False)
+        self._thread = threading.Thread(target=run, name="solo-checkpoint-writer", daemon=False)
         self._thread.start()
 
     def wait(self, timeout_s: float | None, why: str) -> bool:

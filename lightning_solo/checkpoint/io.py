@@ -1,11 +1,5 @@
-"""SoloCheckpointIO: checkpoints that are either the old complete file or the new complete file, never
-half of one, and that prove it when they are read back.
-
-A save streams ``torch.save`` output into a temp file *in the target's directory* (so ``$TMPDIR`` on another
-filesystem, or full, does not matter), hashing it on the way, appends the manifest
-(:mod:`~lightning_solo.checkpoint.manifest`), flushes and fsyncs it, checks that it reads back, renames it over
-the target with ``os.replace`` and fsyncs the directory. Temp files that a killed process left behind are
-removed the next time this IO writes into that directory.
+"""SoloCheckpointIO: a checkpoint is the old complete file or the new one, never half of one, and proves it when
+read back: temp file in the target's directory, sha256 and manifest, fsync, ``os.replace``. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -55,19 +49,11 @@ class SoloCheckpointIO(TorchCheckpointIO):
     """Atomic, fsynced, self-verifying checkpoint files (local paths; remote URLs go to Lightning's IO).
 
     Args:
-        weights_only: default for loads. ``True`` refuses checkpoints holding arbitrary pickled objects
-            (they can run code when loaded); pass ``weights_only=False`` to a load, or here, to opt in for
-            files you trust.
-        verify_after_write: re-read and re-hash the temp file before it replaces the target. Off by default:
-            the sha256 is taken from the very bytes handed to the file, and every write gets a cheap
-            structural check (size and manifest read back from the file's end) before the rename; the
-            re-read mostly hits the page cache, so it proves little for its cost (about +50% save time,
-            see benchmarks/RESULTS.md). Loads and auto-resume always verify in full.
-        require_manifest: refuse to load files without a manifest (e.g. written by stock Lightning). By
-            default they load with a warning, since there is nothing to verify them against.
-        fsync: flush file and directory to stable storage (turn off only for throwaway runs on slow disks).
-        stale_after_s: temp files from another host are treated as abandoned after this many seconds (on
-            this host a temp file is abandoned as soon as the process that wrote it is gone).
+        weights_only: default for loads: ``True`` refuses pickled Python objects (they can run code when loaded).
+        verify_after_write: re-read and re-hash the temp file before the rename (about +50% save time).
+        require_manifest: refuse to load files without a manifest (stock Lightning's), else loaded with a warning.
+        fsync: flush file and directory to stable storage.
+        stale_after_s: another host's temp files are abandoned after this long (this host's: with their process).
     """
 
     def __init__(
@@ -79,21 +65,14 @@ class SoloCheckpointIO(TorchCheckpointIO):
         stale_after_s: float = 3600.0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("weights_only", weights_only),
-            ("verify_after_write", verify_after_write),
-            ("require_manifest", require_manifest),
-            ("fsync", fsync),
-        ):
-            check_bool(name, value)
-        self.weights_only = weights_only
-        self.verify_after_write = verify_after_write
-        self.require_manifest = require_manifest
-        self.fsync = fsync
+        self.weights_only = check_bool("weights_only", weights_only)
+        self.verify_after_write = check_bool("verify_after_write", verify_after_write)
+        self.require_manifest = check_bool("require_manifest", require_manifest)
+        self.fsync = check_bool("fsync", fsync)
         self.stale_after_s = float(stale_after_s)
         self._cleaned_dirs: set[str] = set()
         self.removed_temp_files: list[str] = []
-        self._stager: tuple[int, Callable[..., None]] | None = None
+        self._stager: tuple[int, Any] | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -111,31 +90,51 @@ class SoloCheckpointIO(TorchCheckpointIO):
             self.removed_temp_files += clean_stale_temp_files(directory, self.stale_after_s)
             self._cleaned_dirs.add(directory)
         manifest = _manifest_fields(checkpoint, {"trigger": "train", **(storage_options or {})})
-        stager = getattr(self, "_stager", None)
-        if stager is not None and stager[0] == threading.get_ident():
-            return stager[1](self, checkpoint, path, manifest)
+        if (writer := self.background()) is not None:
+            return writer.stage(self, checkpoint, path, manifest)
         self.write_file(checkpoint, path, manifest)
 
     def write_file(self, checkpoint: Any, path: str, manifest: dict[str, Any]) -> None:
-        """The write itself: temp file in ``path``'s directory, ``torch.save``, manifest, fsync, ``os.replace``.
-        Runs in ``save_checkpoint``, or on the background thread for a staged save."""
-        _atomic_write(
-            path,
-            lambda f: torch.save(checkpoint, f),
-            manifest,
-            fsync=self.fsync,
-            verify_after_write=self.verify_after_write,
-        )
+        """The write itself (in ``save_checkpoint``, or on the background thread for a staged save)."""
+        directory, base = os.path.split(path)
+        prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
+            with os.fdopen(fd, "w+b") as raw:
+                writer: Any = _HashingWriter(raw)
+                torch.save(checkpoint, writer)
+                manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
+                manifest = _append_manifest(raw, writer.size, manifest)
+                raw.flush()
+                if self.fsync:
+                    os.fsync(raw.fileno())
+            if self.verify_after_write:
+                verify(tmp)
+            elif read_manifest(tmp) != manifest or os.path.getsize(tmp) != _file_size(manifest):
+                raise CheckpointVerificationError(tmp, "the written file does not read back as written")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
 
     @contextlib.contextmanager
-    def staging(self, stage: Callable[[Any, Any, str, dict[str, Any]], None]) -> Iterator[None]:
-        """Within the block, a ``save_checkpoint`` from this thread calls ``stage(io, checkpoint, path,
-        manifest)`` instead of writing (:class:`~lightning_solo.checkpoint.background.BackgroundWriter`)."""
-        previous, self._stager = getattr(self, "_stager", None), (threading.get_ident(), stage)
+    def staging(self, writer: Any) -> Iterator[None]:
+        """Within the block, this thread's saves are staged on ``writer``
+        (:class:`~lightning_solo.checkpoint.background.BackgroundWriter`) instead of written."""
+        previous, self._stager = getattr(self, "_stager", None), (threading.get_ident(), writer)
         try:
             yield
         finally:
             self._stager = previous
+
+    def background(self) -> Any:
+        """The writer staging this thread's saves (:meth:`staging`), or ``None``."""
+        stager = getattr(self, "_stager", None)
+        return stager[1] if stager is not None and stager[0] == threading.get_ident() else None
 
     @override
     def load_checkpoint(
@@ -177,15 +176,9 @@ def load_weights_only(path, map_location: Any = None, weights_only: bool = True)
         if not weights_only:
             raise
         raise UnsafeCheckpointError(
-            f"{os.fspath(path)!r} contains pickled Python objects that weights_only=True refuses to load, because"
-            " unpickling them can run arbitrary code. If you trust this file, load it with weights_only=False"
-            " (trainer.fit(..., weights_only=False), SoloCheckpointIO(weights_only=False), or"
-            f" torch.load(..., weights_only=False)). torch said: {err}"
+            f"{os.fspath(path)!r} holds pickled Python objects, which weights_only=True refuses (unpickling can run"
+            f" code). A file you trust: weights_only=False (in fit, SoloCheckpointIO or torch.load). torch: {err}"
         ) from err
-
-
-# ---------------------------------------------------------------------------------------------------------
-# writing
 
 
 class _HashingWriter:
@@ -205,42 +198,7 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def _atomic_write(
-    path: str,
-    dump: Callable[[Any], None],
-    manifest: dict[str, Any],
-    *,
-    fsync: bool = True,
-    verify_after_write: bool = True,
-) -> None:
-    directory, base = os.path.split(path)
-    prefix = f".{base}.{os.getpid()}@{socket.gethostname()}{_TMP_MARK}"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the mode open() would give
-        with os.fdopen(fd, "w+b") as raw:
-            writer = _HashingWriter(raw)
-            dump(writer)
-            manifest = {**manifest, "sha256": writer.sha.hexdigest(), "size": writer.size}
-            manifest = _append_manifest(raw, writer.size, manifest)
-            raw.flush()
-            if fsync:
-                os.fsync(raw.fileno())
-        if verify_after_write:
-            verify(tmp)
-        elif read_manifest(tmp) != manifest or os.path.getsize(tmp) != _file_size(manifest):
-            raise CheckpointVerificationError(tmp, "the written file does not read back as written")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        _fsync_dir(directory)
-
-
-def _umask() -> int:
-    # os.umask can only be read by setting it; /proc has it without that race (Linux >= 4.7).
+def _umask() -> int:  # /proc has it without os.umask's set-to-read race (Linux >= 4.7)
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -250,50 +208,31 @@ def _umask() -> int:
         return mask
 
 
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on every platform/filesystem, hence best effort.
-    try:
+def _fsync_dir(directory: str) -> None:  # the rename itself durable, where the filesystem allows
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def clean_stale_temp_files(directory: str | os.PathLike, stale_after_s: float = 3600.0) -> list[str]:
-    """Remove temp files that a crashed writer left in ``directory``; returns their paths.
-
-    A temp file from this host is stale once the process that wrote it is gone; one from another host
-    (shared filesystem) once it is older than ``stale_after_s``. Live writers' files are left alone.
-    """
+    """Remove temp files that a crashed writer left in ``directory`` (this host's once their process is gone,
+    another host's once older than ``stale_after_s``); returns their paths."""
     removed: list[str] = []
     host = socket.gethostname()
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return removed
-    for name in names:
-        match = _TMP_RE.match(name)
-        if match is None:
-            continue
-        path = os.path.join(directory, name)
-        if match["host"] == host:
-            stale = not _pid_alive(int(match["pid"]))
-        else:
-            try:
-                stale = time.time() - os.path.getmtime(path) > stale_after_s
-            except FileNotFoundError:
-                continue
-        if stale:
-            try:
+    for match in filter(None, map(_TMP_RE.match, names)):
+        path = os.path.join(directory, match.string)
+        with contextlib.suppress(FileNotFoundError):  # another process removed it first
+            mine = match["host"] == host
+            if (not _pid_alive(int(match["pid"]))) if mine else time.time() - os.path.getmtime(path) > stale_after_s:
                 os.remove(path)
                 removed.append(path)
-            except FileNotFoundError:
-                pass
     if removed:
         log.info("removed %d stale checkpoint temp file(s) in %s", len(removed), directory)
     return removed

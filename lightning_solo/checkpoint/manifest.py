@@ -1,10 +1,5 @@
-"""The checkpoint manifest: its format, stored as the zip comment of the checkpoint itself, and the checks that
-read it back and verify a file against it.
-
-The manifest (sha256 and size of the ``torch.save`` payload, global step, epoch, world size, library
-versions) is stored as the zip archive comment of the checkpoint itself: one file, one atomic rename, so a
-crash can never pair a new checkpoint with an old manifest. ``torch.load`` and ``zipfile`` ignore the
-comment, so the file stays an ordinary checkpoint for every other tool.
+"""The checkpoint manifest (sha256 and size of the ``torch.save`` payload, step, epoch, world size, versions), stored
+as the zip comment of the checkpoint itself, and the checks that verify a file against it. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -17,8 +12,10 @@ import struct
 import time
 from typing import Any
 
+import lightning
 import torch
 
+from lightning_solo._version import __version__
 from lightning_solo.core.ranks import world_size
 
 MANIFEST_FORMAT = "lightning_solo.checkpoint"
@@ -36,10 +33,6 @@ class CheckpointVerificationError(ValueError):
         self.path = os.fspath(path)
         self.reason = reason
         super().__init__(f"checkpoint {self.path!r} failed verification: {reason}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# writing
 
 
 def _comment_bytes(manifest: dict[str, Any]) -> bytes:
@@ -65,17 +58,12 @@ def _append_manifest(raw, payload_size: int, manifest: dict[str, Any]) -> dict[s
     return manifest
 
 
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    # The payload hash does not cover the manifest's own fields (step, epoch, ...); this does.
+def _manifest_digest(manifest: dict[str, Any]) -> str:  # covers the manifest's own fields (step, epoch, ...)
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     return hashlib.sha256(_comment_bytes(body)).hexdigest()
 
 
 def _manifest_fields(checkpoint: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    import lightning
-
-    from lightning_solo._version import __version__
-
     ckpt = checkpoint if isinstance(checkpoint, dict) else {}
     return {
         "format": MANIFEST_FORMAT,
@@ -96,10 +84,6 @@ def _manifest_fields(checkpoint: Any, extra: dict[str, Any]) -> dict[str, Any]:
 
 def _as_int(value: Any) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# reading and verifying
 
 
 def _tail(path) -> tuple[int, bytes]:

@@ -1,12 +1,5 @@
-"""State that differs per rank, kept beside a checkpoint as one verified file per rank: PowerSGD's error
-feedback, post-local-SGD's replicas between averages.
-
-Example::
-
-    record = rank_shards.write(ckpt_path, "powersgd", {"layer.weight": error})   # every rank (a collective)
-    mine = rank_shards.read(ckpt_path, record, dist.get_rank(), "PowerSGD error feedback")
-
-See docs/checkpoints.md."""
+"""State that differs per rank (PowerSGD's error feedback, post-local-SGD's replicas), kept beside a checkpoint as
+one verified file per rank: ``write`` (a collective) and ``read``. See docs/checkpoints.md."""
 
 import glob
 import hashlib
@@ -80,9 +73,7 @@ def _write_file(stem: str, state: Any) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    # This rank's shards of earlier saves to this path: the two newest stay, the checkpoint file on disk may
-    # still be one of theirs until rank 0 has replaced it (with SoloCheckpoint(async_save=True) rank 0 may
-    # still be writing the previous save while the others write this one).
+    # This rank's older shards for this path: the two newest stay (the file on disk may still be one of theirs).
     older = sorted((p for p in glob.glob(f"{glob.escape(stem)}.*.pt") if p != path), key=os.path.getmtime)
     for stale in older[:-2]:
         os.remove(stale)

@@ -39,10 +39,8 @@ def decide_resume(
     include_exception: bool = False,
     extra: Iterable[str | os.PathLike] = (),
 ) -> Decision:
-    """The newest checkpoint in ``dirpath`` (or among the ``extra`` files, e.g. :func:`hpc_checkpoints`) that
-    verifies (by global step, then write time), and why the newer ones were passed over. Checkpoints written
-    while handling an exception (they may hold a half-finished step) are only considered with
-    ``include_exception=True``."""
+    """The newest checkpoint in ``dirpath`` or ``extra`` that verifies (by step, then time), and why newer ones were
+    passed over; one written during an exception (maybe mid-step) only with ``include_exception=True``."""
     extra_paths = [Path(p) for p in extra]
     if dirpath is None and not extra_paths:
         return Decision("resume", None, "no checkpoint directory is configured; starting fresh")
@@ -92,8 +90,7 @@ def checkpoint_dir(trainer) -> str | None:
 
 
 def hpc_checkpoints(trainer) -> list[Path]:
-    """The ``hpc_ckpt_<n>.ckpt`` files in ``default_root_dir``: written on SLURM's requeue signal by Lightning's
-    handler or :class:`~lightning_solo.callbacks.requeue.SlurmRequeue`, candidates for ``resume=auto`` too."""
+    """The ``hpc_ckpt_<n>.ckpt`` files (SLURM requeue's) in ``default_root_dir``: candidates for ``resume=auto``."""
     return sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
 
 
@@ -102,9 +99,8 @@ def resolve_ckpt_path(
     dirpath: str | os.PathLike | None,
     extra: Iterable[str | os.PathLike] = (),
 ) -> str | None:
-    """Map the runner's ``resume`` value to ``Trainer.fit(ckpt_path=...)``: ``None`` stays ``None``,
-    ``"auto"`` becomes the newest checkpoint in ``dirpath`` (or ``extra``) that verifies (or ``None``, logged
-    either way), anything else is passed through (Lightning's ``"last"``/``"best"`` included)."""
+    """The runner's ``resume`` as ``Trainer.fit(ckpt_path=...)``: ``"auto"``: the newest checkpoint in ``dirpath`` (or
+    ``extra``) that verifies, or ``None`` (logged); anything else as it is (Lightning's ``"last"``/``"best"`` too)."""
     if ckpt_path is None or os.fspath(ckpt_path) != "auto":
         return None if ckpt_path is None else os.fspath(ckpt_path)
     decision = decide_resume(dirpath, extra=extra)

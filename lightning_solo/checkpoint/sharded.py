@@ -1,17 +1,13 @@
-"""Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically and verified.
-
-Example::
-
-    save_sharded({"state_dict": model_state, "optimizer_0": optim_state}, meta, "ckpts/last.ckpt", rank, barrier)
-    verify_sharded("ckpts/last.ckpt")     # -> meta.pt's manifest, or CheckpointVerificationError
-
-See docs/checkpoints.md."""
+"""Sharded checkpoints (torch distributed checkpoint, DCP): a directory written atomically (into a temporary one,
+renamed on commit) and verified, synchronously or by DCP's ``async_save``. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +30,11 @@ def save_sharded(
     rank: int,
     barrier: Callable[[], None],
     io: SoloCheckpointIO | None = None,
-) -> None:
-    """Collective: every rank writes its shards of ``state`` with ``torch.distributed.checkpoint.save``; rank 0
-    adds ``meta`` (with a manifest) and swaps the directory in for ``path``. ``path`` must be the same on all
-    ranks."""
+    group: Any = None,
+) -> tuple[Future, Callable[[], None]] | None:
+    """Collective: every rank writes its shards of ``state`` into a temporary directory; rank 0 adds ``meta`` (with
+    a manifest) and renames it to ``path`` (the same on all ranks). With a gloo ``group``, DCP's ``async_save``
+    copies the state and writes it on a thread (its collectives on ``group``): returns its future and the commit."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path).absolute()
@@ -46,19 +43,34 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     barrier()
+    if group is not None:
+        future: Any = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+        meta = copy.deepcopy(meta)
+
+        def commit() -> None:
+            future.result()  # rank 0's ends after every rank's shards and the .metadata are written
+            if rank == 0:
+                _commit(meta, tmp, path, io)
+
+        return future, commit
     dcp.save(state, checkpoint_id=tmp)
     barrier()
     if rank == 0:
-        (io or SoloCheckpointIO()).save_checkpoint(meta, tmp / META, storage_options={"sharded": True})
-        _fsync_dir(str(tmp))
-        old = path.parent / f".{path.name}{_TMP_MARK}old"
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)  # a directory cannot be replaced in one step: old aside, new in, old away
-        os.replace(tmp, path)
-        _fsync_dir(str(path.parent))
-        shutil.rmtree(old, ignore_errors=True)
+        _commit(meta, tmp, path, io)
     barrier()
+    return None
+
+
+def _commit(meta: dict[str, Any], tmp: Path, path: Path, io: SoloCheckpointIO | None) -> None:
+    (io or SoloCheckpointIO()).save_checkpoint(meta, tmp / META, storage_options={"sharded": True})
+    _fsync_dir(str(tmp))
+    old = path.parent / f".{path.name}{_TMP_MARK}old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)  # a directory cannot be replaced in one step: old aside, new in, old away
+    os.replace(tmp, path)
+    _fsync_dir(str(path.parent))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_sharded_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -67,8 +79,7 @@ def read_sharded_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
-    """Check a sharded checkpoint: ``meta.pt`` against its manifest, and every shard DCP's ``.metadata`` names is
-    there and long enough; return the manifest or raise :class:`CheckpointVerificationError`."""
+    """``meta.pt``'s manifest once it and every shard ``.metadata`` names check; else CheckpointVerificationError."""
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)

@@ -1,16 +1,6 @@
 """``python -m lightning_solo.consolidate CKPT_DIR OUT.ckpt``: one ordinary checkpoint file from a sharded one.
-
-A sharded checkpoint (:mod:`lightning_solo.checkpoint.sharded`, written by ``SoloFSDP``) is verified, then its
-shards are gathered with torch's ``dcp_to_torch_save`` on this machine, no process group needed. The output is a
-Lightning-style checkpoint (``state_dict`` with plain tensors, plus epoch, step, loops, callbacks from ``meta.pt``;
-the optimizer state only with ``--optimizer``) written by ``SoloCheckpointIO`` (atomic, with a manifest), so it
-loads with ``torch.load(..., weights_only=True)`` into a plain model, and ``lightning_solo.app.export`` takes it.
-
-Example::
-
-    python -m lightning_solo.consolidate outputs/train/<run>/checkpoints/last.ckpt model.ckpt
-    state = torch.load("model.ckpt", weights_only=True)["state_dict"]
-    net.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+Verified first, gathered without a process group, written by ``SoloCheckpointIO``: ``state_dict`` of plain tensors,
+``meta.pt``'s epoch, step, loops and callbacks, the optimizer with ``--optimizer``. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_solo.checkpoint.io import SoloCheckpointIO, load_weights_only
-from lightning_solo.checkpoint.manifest import CheckpointVerificationError
+from lightning_solo.checkpoint.manifest import CheckpointVerificationError, verify
 from lightning_solo.checkpoint.sharded import META, verify_sharded
 
 
@@ -44,8 +34,6 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, optimizer: bool 
     if optimizer:
         checkpoint["optimizer_states"] = [full[k] for k in sorted(full) if k.startswith("optimizer_")]
     SoloCheckpointIO().save_checkpoint(checkpoint, dst, storage_options={"consolidated_from": str(src)})
-    from lightning_solo.checkpoint.manifest import verify
-
     return verify(dst)
 
 

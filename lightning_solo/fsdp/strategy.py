@@ -1,18 +1,5 @@
 """SoloFSDP: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every device of every node, applied
-by the strategy with sound defaults, on GPUs and on CPU (gloo).
-
-Example::
-
-    trainer = L.Trainer(accelerator="gpu", devices=8, strategy=SoloFSDP(), callbacks=[WarmupScaledLR()])
-    trainer.fit(model, dm)   # checkpoints: torch distributed checkpoint directories, verified; then
-    # python -m lightning_solo.consolidate outputs/.../last.ckpt model.pt   -> one file, weights_only-loadable
-
-Built on Lightning's ``ModelParallelStrategy`` (FSDP2, a data-parallel device mesh, DCP save/load), which asks the
-LightningModule to shard itself in ``configure_model``; SoloFSDP does it when the module does not. Lightning's
-``FSDPStrategy`` (FSDP1) refuses CPU, and torch's FSDP1 needs a device id there; FSDP2 runs on a gloo CPU mesh.
-Each choice is a Decision: what gets its own shard group (:func:`decide_wrap`), the mixed-precision policy
-(:func:`decide_fsdp_precision`, and fp32 BatchNorm parameters under bf16: :func:`decide_bn_precision`), the state
-dict.
+by the strategy with sound defaults, on GPUs and on CPU (gloo); each choice a Decision. See docs/multi-node.md.
 """
 
 from __future__ import annotations
@@ -45,10 +32,8 @@ Precision = Literal["auto", "bf16-mixed", "32-true"]
 def decide_fsdp_precision(
     precision: str, device: torch.device, levels: list[int] | None = None
 ) -> tuple[Any, Decision]:
-    """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``. ``"auto"``: bf16 parameters with fp32
-    gradient reduction when every rank's GPU has bf16 natively (``levels``: every rank's
-    :func:`~lightning_solo.ddp.precision.rule.device_capability`, as SoloDDP agrees them; emulated bf16 does not
-    count), fp32 elsewhere (CPU included). The output (logits, hence the loss) stays fp32."""
+    """FSDP2's ``MixedPrecisionPolicy`` (``None``: fp32) for ``precision``; ``"auto"``: bf16 where every rank's GPU
+    has it natively (``levels``: every rank's ``device_capability``), fp32 elsewhere. The output stays fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision not in ("auto", "bf16-mixed", "32-true"):
@@ -65,37 +50,29 @@ def decide_fsdp_precision(
 
 
 def group_policy_for(policy: Any, top_level: bool) -> Any:
-    """``policy`` for a shard group: its output cast to fp32 only where the LightningModule's own code takes it
-    (a top-level group); a nested group hands bf16 on to the bf16 layers around it."""
+    """``policy`` for a shard group: output cast to fp32 in a top-level group only (nested ones hand bf16 on)."""
     if policy is None or top_level:
         return policy
     return dataclasses.replace(policy, output_dtype=None)
 
 
 def decide_bn_precision(policy: Any, layers: int) -> tuple[Any, Decision]:
-    """FSDP2's policy for the BatchNorm layers that hold parameters when the model's policy is bf16: fp32
-    parameters, each layer its own shard group, the input left as it comes (bf16 inside a bf16 group), as under
-    ``torch.autocast``. A bf16 weight beside BatchNorm's fp32 running statistics stops the first step
-    (``expected scalar type BFloat16 but found Float``); FSDP2 casts a whole group to one dtype."""
+    """FSDP2's policy for BatchNorm layers with parameters under a bf16 model: fp32 parameters, each layer its own
+    shard group, the input as it comes (as under ``torch.autocast``). See docs/multi-node.md."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if policy is None or not layers:
         return None, Decision("fsdp_bn_precision", "as the model", "no BatchNorm layer" if layers else "fp32")
     bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    why = (
-        f"{layers} BatchNorm layer(s) keep fp32 parameters beside their fp32 running statistics (each its own "
-        "shard group, gathered from forward to backward) and take the activations in bf16, as under torch.autocast"
-    )
+    why = f"{layers} BatchNorm layer(s): fp32 parameters, each its own shard group, bf16 activations as under autocast"
     return bn_policy, Decision("fsdp_bn_precision", "32-true", why)
 
 
 def decide_wrap(
     module: nn.Module, wrap_classes: list[str] | None, min_num_params: int
 ) -> tuple[list[nn.Module], Decision]:
-    """The modules that get their own shard group, innermost first: those whose class is in ``wrap_classes``;
-    without it, every module holding ``min_num_params`` parameters not already in such a group (torch's
-    size-based policy). The LightningModule's direct children with parameters close the list: FSDP2 gathers a
-    group's parameters in its ``forward``, which Lightning never calls on the LightningModule itself."""
+    """The modules that get their own shard group, innermost first: those of ``wrap_classes``, else those holding
+    ``min_num_params`` parameters not yet in a group; then the LightningModule's children with parameters."""
     chosen: list[nn.Module] = []
 
     def visit(m: nn.Module) -> int:  # parameters of m not yet in a chosen group
@@ -109,10 +86,8 @@ def decide_wrap(
 
     visit(module)
     if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(module).__name__} holds parameters itself: SoloFSDP shards its submodules, so keep them in a "
-            "submodule, or shard the model yourself in configure_model()"
-        )
+        name = type(module).__name__
+        raise ValueError(f"{name} holds parameters itself: keep them in a submodule, or shard it in configure_model()")
     roots = [c for c in module.children() if c not in chosen and any(True for _ in c.parameters())]
     rule = f"classes {wrap_classes}" if wrap_classes else f">= {min_num_params:,} parameters"
     why = f"{len(chosen)} module(s) by {rule}, then {len(roots)} top-level module(s)"
@@ -120,36 +95,26 @@ def decide_wrap(
 
 
 def decide_bn_stats(average: bool, layers: int, world_size: int) -> Decision:
-    """Whether the BatchNorm running statistics are averaged over the ranks. FSDP, unlike DDP, does not broadcast
-    buffers: each rank keeps the statistics of its own batches, so the ranks would evaluate with different ones
-    and a checkpoint would keep one rank's."""
+    """Whether the BatchNorm running statistics are averaged over the ranks (FSDP broadcasts no buffers)."""
     if not average:
         return Decision("bn_stats", "per rank", "average_bn_stats=False: each rank keeps its own, as stock")
     if not layers or world_size == 1:
         return Decision("bn_stats", "per rank", "no BatchNorm layer" if not layers else "one rank")
-    why = (
-        f"{layers} BatchNorm layer(s): running mean and variance averaged over the {world_size} ranks before each "
-        "evaluation, checkpoint and the fit's end (FSDP keeps each rank's own); average_bn_stats=False: stock"
-    )
+    why = f"{layers} BatchNorm layer(s): statistics averaged over {world_size} ranks before evaluations and checkpoints"
     return Decision("bn_stats", "mean over ranks", why)
 
 
 class SoloFSDP(DecisionLog, ModelParallelStrategy):
-    """FSDP2 over all ranks (parameters, gradients and optimizer state sharded), checkpoints through torch's
-    distributed checkpoint, written atomically and verified.
+    """FSDP2 over all ranks; checkpoints through torch's distributed checkpoint, written atomically and verified.
 
     Args:
         precision: ``"auto"`` (bf16 on GPUs that have it, else fp32), ``"bf16-mixed"`` or ``"32-true"``.
-        wrap_classes: class names that each get their own shard group (e.g. ``["BasicBlock", "Bottleneck"]``,
-            ``["TransformerEncoderLayer"]``); ``None``: by size, ``min_num_params``.
+        wrap_classes: class names that each get their own shard group; ``None``: by size, ``min_num_params``.
         min_num_params: the size rule's threshold.
-        reshard_after_forward: free gathered parameters after forward (ZeRO-3, least memory); ``False`` keeps them
-            until backward (ZeRO-2-like, less communication).
-        state_dict: ``"sharded"``: one DCP directory per checkpoint, each rank writes its shards (consolidate with
-            ``python -m lightning_solo.consolidate``); ``"full"``: one file gathered on rank 0.
+        reshard_after_forward: free gathered parameters after forward (least memory); ``False``: after backward.
+        state_dict: ``"sharded"``: a DCP directory per checkpoint; ``"full"``: one file gathered on rank 0.
         timeout: collective timeout, seconds or a ``timedelta``.
-        average_bn_stats: average the BatchNorm running statistics over the ranks before each evaluation,
-            checkpoint and the fit's end (:func:`decide_bn_stats`); ``False``: each rank keeps its own, as stock.
+        average_bn_stats: average BatchNorm running statistics over the ranks (:func:`decide_bn_stats`).
     """
 
     strategy_name = "solo_fsdp"
@@ -185,15 +150,14 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         self.average_bn_stats = check_bool("average_bn_stats", average_bn_stats)
         self._bn_layers: list[torch_compat.BatchNormBase] = []
         self.checkpoint_io = SoloCheckpointIO()
+        self._dcp: tuple[Any, Any] | None = None  # async sharded saves: DCP's gloo group, the write in flight
         if cluster_environment is not None:
             self.cluster_environment = cluster_environment
         self.decisions: dict[str, Decision] = {}
 
     @override
     def _configure_launcher(self) -> None:
-        # ModelParallelStrategy makes no launcher in a process another started (rank 0's popen launcher, torchrun),
-        # so such a rank skips the launcher's split of the CPU threads (OMP_NUM_THREADS, torch.set_num_threads)
-        # that rank 0 made, and the ranks differ. DDPStrategy always makes one; so does SoloFSDP.
+        # Always a launcher, as DDPStrategy: every rank splits the CPU threads alike (docs/multi-node.md).
         assert self.cluster_environment is not None
         self._launcher = lightning_compat.SubprocessScriptLauncher(
             self.cluster_environment, self.num_processes, self.num_nodes
@@ -201,7 +165,7 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Pure FSDP: one data-parallel dimension over every rank of every node, no tensor parallelism.
+        # One data-parallel dimension over every rank of every node, no tensor parallelism.
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
@@ -215,9 +179,8 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         if is_overridden("configure_model", self.lightning_module):
             self._decide(Decision("fsdp_wrap", "configure_model", "the LightningModule shards itself"))
         else:
-            levels = (  # agreed by every rank (a collective), as SoloDDP's precision "auto"
-                capabilities(self.root_device) if self.precision == "auto" and self.root_device.type == "cuda" else None
-            )
+            auto_gpu = self.precision == "auto" and self.root_device.type == "cuda"
+            levels = capabilities(self.root_device) if auto_gpu else None  # agreed by every rank (a collective)
             policy, decision = decide_fsdp_precision(self.precision, self.root_device, levels)
             self._decide(decision)
             groups, decision = decide_wrap(self.model, self.wrap_classes, self.min_num_params)
@@ -299,7 +262,26 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         io = self.checkpoint_io if isinstance(self.checkpoint_io, SoloCheckpointIO) else None
-        save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io)
+        writer = io.background() if io is not None else None  # SoloCheckpoint(async_save=True), on every rank
+        if writer is None:
+            save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io)
+            return
+        # DCP's collectives run on its thread: a group of their own, and one write in flight at a time.
+        group, future = self._dcp or (torch.distributed.new_group(backend="gloo", timeout=self._timeout), None)
+        if future is not None:
+            future.result()
+        saved = save_sharded(state, checkpoint, path, self.global_rank, self.barrier, io, group)
+        assert saved is not None
+        future, commit = saved
+        self._dcp = (group, future)
+        writer.add(commit, label=path)
+
+    @override
+    def teardown(self) -> None:
+        if self._dcp is not None and self._dcp[1].done():  # else a write still uses it (a wait for it timed out)
+            torch.distributed.destroy_process_group(self._dcp[0])
+        self._dcp = None
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -320,14 +302,10 @@ class SoloFSDP(DecisionLog, ModelParallelStrategy):
 
     def settings(self) -> dict[str, Any]:
         """The effective FSDP settings, for the run summary."""
+        names = ("world_size", "num_nodes", "precision", "wrap_classes", "min_num_params", "reshard_after_forward")
         return {
-            "world_size": self.world_size,
-            "num_nodes": self.num_nodes,
+            **{name: getattr(self, name) for name in names},
             "backend": self.process_group_backend,
-            "precision": self.precision,
-            "wrap_classes": self.wrap_classes,
-            "min_num_params": self.min_num_params,
-            "reshard_after_forward": self.reshard_after_forward,
             "state_dict": self.state_dict_type,
             "timeout_s": self._timeout.total_seconds() if self._timeout else None,
             "average_bn_stats": self.average_bn_stats,

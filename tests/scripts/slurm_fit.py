@@ -2,7 +2,8 @@
 
     SLURM_PROCID=0 ... python tests/scripts/slurm_fit.py OUT_DIR MAX_STEPS
 
-``SLOW_STEPS=1``: 0.3 s per step, so that the test can signal mid-run. ``SUBMITIT_EXECUTOR=slurm``: submitit's
+``SLOW_STEPS=1``: 0.3 s per step, so that the test can signal mid-run. ``ASYNC_CKPT=1``: SoloCheckpoint every 2
+steps into OUT_DIR/ckpt, written in the background, each background write 3 s; ``REQUEUE_SIGNAL``: SlurmRequeue's signal. ``SUBMITIT_EXECUTOR=slurm``: submitit's
 signal handler is installed first, as in a job of hydra's submitit launcher. Each rank writes OUT_DIR/progress<k>
 once past step 3, OUT_DIR/seen<k>.json (who owns the signal) then, and OUT_DIR/end<k>.json at the end of fit;
 ``fit(ckpt_path=None)`` resumes from Lightning's newest ``hpc_ckpt`` on SLURM.
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
 from lightning_solo._compat import lightning as lightning_compat
-from lightning_solo.callbacks import SlurmRequeue
+from lightning_solo.callbacks import SlurmRequeue, SoloCheckpoint
+from lightning_solo.checkpoint import SoloCheckpointIO
+
+
+class SlowIO(SoloCheckpointIO):
+    def write_file(self, checkpoint, path, manifest):
+        if threading.current_thread() is not threading.main_thread():  # a background write; the stop's own is not
+            time.sleep(3.0)
+        super().write_file(checkpoint, path, manifest)
 
 
 class Task:
@@ -89,16 +99,20 @@ def main(out: Path, max_steps: int) -> None:
         JobEnvironment()._handle_signals(JobPaths(out / "submitit", job_id=os.environ["SLURM_JOB_ID"]), delayed)
     L.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
-    requeue = SlurmRequeue()
+    requeue = SlurmRequeue(signal=os.environ.get("REQUEUE_SIGNAL"))
+    callbacks = [requeue, Record(out, requeue)]
+    background = bool(os.environ.get("ASYNC_CKPT"))
+    if background:
+        callbacks.append(SoloCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, keep_last_k=3, async_save=True))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["SLURM_NTASKS_PER_NODE"]),
-        strategy=SoloDDP(),
-        callbacks=[requeue, Record(out, requeue)],
+        strategy=SoloDDP(checkpoint_io=SlowIO()) if background else SoloDDP(),
+        callbacks=callbacks,
         max_steps=max_steps,
         default_root_dir=out / "run",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=background,
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -22,6 +22,7 @@ OPTIMIZER_STEP = "optimizer step"
 VALIDATION = "validation"
 SANITY_CHECK = "sanity check"  # Lightning's validation before training: not a sample of a validation's time
 CHECKPOINT_SAVE = "checkpoint save"
+CHECKPOINT_WRITE = "background checkpoint write"  # waiting for its own (where.py): work the others wait for
 DONE = "done"
 FAILED = "failed"  # the fit ended with an exception on this rank
 ORDER = {SETUP: -1, SANITY_CHECK: -1, VALIDATION: 0, CHECKPOINT_SAVE: 0, DATA_WAIT: 1, BATCH_START: 2, TRAINING_STEP: 3,

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_solo.ddp.watchdog.heartbeat import BACKWARD, DONE, FAILED, ORDER, Heartbeat
+from lightning_solo.ddp.watchdog.heartbeat import BACKWARD, CHECKPOINT_WRITE, DONE, FAILED, ORDER, Heartbeat
 
 DDP_ALL_REDUCE = "DDP's gradient all-reduce"
 # The two lists docs/multi-node.md ("When a run hangs") states word for word, and the tests assert.
@@ -145,6 +145,8 @@ def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Ve
     finished = [v for v in views if v.beat is not None and v.beat.phase in (DONE, FAILED)]
     if finished and (proof := [v for v in late if v.beat.phase not in _AFTER_TRAINING]):  # type: ignore[union-attr]
         return _verdict(views, proof, END, silent_after_s)
+    if any(v.beat is not None and v.beat.phase == CHECKPOINT_WRITE for v in active):
+        return None  # a rank waits for its background checkpoint write, the others for it: work, not a stall
     # A heartbeat published late (the interpreter lock held) tells of a phase that may be over: the next one says.
     late_beat = [v for v in busy if v.beat is not None and v.beat.late]
     if over := [

@@ -8,6 +8,8 @@ from types import FrameType
 
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
+from lightning_solo.checkpoint.background import BackgroundWriter
+from lightning_solo.ddp.watchdog.heartbeat import CHECKPOINT_WRITE
 
 LOADER_START = "loader start"  # a loader's first batch of an epoch: its workers start (worker_init_fn) and fetch
 # Hooks that are a step's or a batch's own work: the phase SoloDDP's hooks marked stands.
@@ -26,6 +28,7 @@ ONCE_HOOKS = frozenset({
 _HOOK_CODES = lightning_compat.hook_call_codes()
 _NEXT_CODE = torch_compat.dataloader_next_code()
 _START_CODES = torch_compat.dataloader_start_codes()
+_WRITE_WAIT = BackgroundWriter.wait.__code__
 _DEPTH = 200  # frames looked at, innermost first
 
 
@@ -37,6 +40,8 @@ def where(frame: FrameType | None) -> str | None:
         if frame is None:
             return None
         code = frame.f_code
+        if code is _WRITE_WAIT:
+            return CHECKPOINT_WRITE
         if code in _START_CODES:
             return LOADER_START
         if code is _NEXT_CODE:
