@@ -133,6 +133,17 @@ CASES = [
         "rank 0 finished training",
     ),
     (
+        "a rank waits 100 s for its background checkpoint write, the other for it: known work, no report",
+        [view(0, hb.CHECKPOINT_WRITE, 100), view(1, "on_train_end", 99, collective="barrier 'x'", seq=3)],
+        None, None, None,
+    ),
+    (
+        "a rank gone during a background write: still the end",
+        [view(0, hb.CHECKPOINT_WRITE, 5), view(1, hb.TRAINING_STEP, 1, gone=True)],
+        END, (1,), "rank 1 is gone (its process ended; its last heartbeat: training_step at step 6); rank 0 is in "
+        "background checkpoint write at step 6",
+    ),
+    (
         "no heartbeat yet from a rank while another waits",
         [view(0, hb.BACKWARD, 40), RankView(1, None)],
         REPORT, (1,), f"rank 1 has sent no heartbeat; {BACKWARD_0}",
