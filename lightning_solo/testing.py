@@ -1,6 +1,5 @@
-"""For tests, benchmarks and notebooks: :func:`run_ranks` (a function on N real ranks of a gloo group on this
-machine) and :class:`HostSyncRecorder` (what would stall the host on a GPU, counted on any device). See
-docs/testing.md."""
+"""For tests, benchmarks and notebooks: :func:`run_ranks` (N real gloo ranks) and :class:`HostSyncRecorder`
+(what would stall the host on a GPU). See docs/testing.md."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ _PORTS = random.SystemRandom()
 
 
 def free_port() -> int:
-    """A free TCP port below Linux's ephemeral range (32768-60999), from which gloo's connections and every
-    port-0 bind take theirs: a store told to listen there cannot lose its port to one of them meanwhile."""
+    """A free TCP port below Linux's ephemeral range, so that no port-0 bind takes it before the store listens."""
     for _ in range(200):
         port = _PORTS.randrange(20000, 32768)  # not the global RNG: seeded alike in every test process
         with socket.socket() as s:
@@ -78,9 +76,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 
 class HostSyncRecorder:
-    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, copies of host
-    data onto the device, and all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). :meth:`watch` marks
-    the device's tensors on the CPU. See docs/testing.md."""
+    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, uploads of host
+    data, all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). See docs/testing.md."""
 
     _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
@@ -133,8 +130,7 @@ class HostSyncRecorder:
 
 @dataclass(frozen=True)
 class HostSync:
-    """One event of :class:`HostSyncRecorder`: ``kind`` is ``"read"`` (device to host) or ``"upload"`` (host
-    data onto the device); ``site`` the innermost ``file:line`` outside torch."""
+    """One event: ``kind`` ``"read"`` or ``"upload"``; ``site`` the innermost ``file:line`` outside torch."""
 
     kind: str
     op: str
@@ -212,10 +208,7 @@ class _DispatchSide(DispatchMode):
 
 
 def _host_copy(rec: HostSyncRecorder, source: Any, result: Any) -> Any:
-    """On a GPU a read returns a new host tensor; on the CPU torch may return ``source`` itself: copy it, so that
-    reading the host copy later counts as nothing, as it would on a GPU."""
-    import torch
-
+    """A read's result as a new host tensor, as on a GPU (on the CPU torch may return ``source`` itself)."""
     if result is source:  # called inside the function mode's handler: the mode is off here
         result = source.clone()
     if isinstance(result, torch.Tensor):  # a host tensor now, whatever op made it

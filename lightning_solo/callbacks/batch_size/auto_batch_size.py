@@ -20,8 +20,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class AutoBatchSize(DecisionLog, Callback):
-    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget (arguments:
-    docs/diagnostics.md)."""
+    """The per-device batch whose peak memory is ``fraction ± tolerance`` of the budget (docs/diagnostics.md)."""
 
     def __init__(
         self,

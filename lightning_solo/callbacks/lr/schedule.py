@@ -1,5 +1,4 @@
-"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR` as pure math, and the
-options it is built from. See docs/lr-scaling.md."""
+"""WarmupScaledLR's lr multiplier as pure math, and the options it is built from. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class LRSchedule:
 
 @dataclass(frozen=True)
 class ScheduleOptions:
-    """WarmupScaledLR's schedule arguments, checked when made (a bad value fails at construction). ``warmup``: the
-    one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given, if any; none means 5% of the run."""
+    """WarmupScaledLR's schedule arguments, checked when made; ``warmup``: the one warmup argument given, if any."""
 
     rule: str = "linear"
     reference_batch_size: int = 256
@@ -167,8 +165,7 @@ def warmup_length(kind: str, amount: float, total_steps: int, steps_per_epoch: i
 
 
 def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
-    """The optimizer steps of the whole fit, counted from where the loop stands. ``open_ended_ok``: a run with
-    no fixed length is fine (warmup in steps, no decay) and counts as endless."""
+    """The optimizer steps of the whole fit from where the loop stands; endless if ``open_ended_ok``, else raises."""
     total = trainer.estimated_stepping_batches
     if math.isinf(total):
         if not open_ended_ok:

@@ -1,5 +1,4 @@
-"""WarmupScaledLR: the learning rate scaled to the global batch, with gradual warmup (Goyal et al. 2017).
-See docs/lr-scaling.md."""
+"""WarmupScaledLR: the learning rate scaled to the global batch, with gradual warmup. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class WarmupScaledLR(DecisionLog, Callback):
-    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe
-    (arguments: docs/lr-scaling.md)."""
+    """Scale every param group's lr to the global batch and warm up to it (arguments: docs/lr-scaling.md)."""
 
     def __init__(
         self,
@@ -55,7 +53,6 @@ class WarmupScaledLR(DecisionLog, Callback):
         check_int("per_device_batch_size", per_device_batch_size, optional=True)
         self.per_device_batch_size = per_device_batch_size
         self.log_lr = log_lr
-
         self.decisions: dict[str, Decision] = {}
         self.schedule: LRSchedule | None = None
         self.global_batch: int | None = None
@@ -214,8 +211,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         steps_per_epoch: int | None = None,
         base_lr: float | None = None,
     ) -> Path:
-        """PNG of the lr over the run: the schedule of the last fit, or the one for ``global_batch`` and
-        ``total_steps`` (to see a planned run before training)."""
+        """PNG of the lr over the run: the last fit's schedule, or the one for ``global_batch`` and ``total_steps``."""
         if global_batch is None and total_steps is None and self.schedule is not None:
             schedule, steps_per_epoch = self.schedule, steps_per_epoch or self.steps_per_epoch
         elif global_batch is None or total_steps is None:

@@ -1,5 +1,4 @@
-"""The launcher's variables (torchrun, SLURM, Lightning's own) and the process-group backend, checked: pure
-functions of a mapping (``os.environ`` in use, a dict in tests)."""
+"""The launcher's variables (torchrun, SLURM, Lightning's) and the process-group backend, checked (pure)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ _SLURM_PAIRS = (("SLURM_PROCID", "RANK"), ("SLURM_NTASKS", "WORLD_SIZE"), ("SLUR
 def check_launch_env(
     env: Mapping[str, str], *, placement: Mapping[str, int] | None = None, gpus_visible: int | None = None
 ) -> list[Finding]:
-    """Problems with the distributed variables in ``env``: not integers, out of range, missing partners,
-    disagreeing with SLURM's, or with ``placement`` (what the running process group says: ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``NODE_RANK`` -> int). ``gpus_visible``: this node's GPU count, when on GPU."""
+    """Problems with the distributed variables in ``env``, also against ``placement`` (the process group's
+    ``RANK``, ``WORLD_SIZE``, ... -> int) and ``gpus_visible`` (this node's GPUs, on GPU)."""
     found: list[Finding] = []
     values: dict[str, int] = {}
 
@@ -82,8 +80,7 @@ def check_launch_env(
 
 
 def check_backend(backend: str | None, device_type: str) -> Finding | None:
-    """An error when the process-group ``backend`` cannot carry ``device_type`` tensors, a warning when it is
-    a slow choice for them; ``None`` when it suits."""
+    """An error when ``backend`` cannot carry ``device_type`` tensors, a warning when it is slow for them."""
     if not backend:
         return None
     per_device = dict(p.split(":", 1) for p in backend.split(",") if ":" in p) if ":" in backend else None

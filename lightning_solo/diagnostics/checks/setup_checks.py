@@ -1,6 +1,4 @@
-"""Warnings, each with its fix, about a training setup that works but wastes the devices.
-
-See docs/diagnostics.md."""
+"""Warnings, each with its fix, about a training setup that works but wastes the devices. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -119,8 +117,7 @@ def cores_per_process(local_processes: int) -> int:
 
 
 def _sharded(sampler) -> bool:
-    """A sampler, or one it wraps (``.sampler``), that splits by rank: a ``DistributedSampler`` or anything with
-    ``num_replicas`` and ``rank``."""
+    """A sampler, or one it wraps (``.sampler``), that splits by rank (has ``num_replicas`` and ``rank``)."""
     seen = 0
     while sampler is not None and seen < 8:
         if isinstance(sampler, DistributedSampler) or (hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")):
