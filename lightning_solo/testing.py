@@ -1,5 +1,4 @@
-"""For tests, benchmarks and notebooks: :func:`run_ranks` (N real gloo ranks) and :class:`HostSyncRecorder`
-(what would stall the host on a GPU). See docs/testing.md."""
+"""For tests, benchmarks and notebooks: :func:`run_ranks` and :class:`HostSyncRecorder`. See docs/testing.md."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 
 class HostSyncRecorder:
-    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, uploads of host
-    data, all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). See docs/testing.md."""
+    """Records, on any device, what would stall the host on a GPU: device reads, host uploads, all-reduces."""
 
     _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
@@ -138,13 +136,14 @@ class HostSync:
     step: int | None
 
 
-class _FunctionSide(TorchFunctionMode):
-    """The Python-level calls: reads and moves that do not reach the dispatcher on the CPU (``.cpu()``, ``.to``,
-    ``.tolist()``) and ``torch.tensor(..., device=)``."""
-
+class _Side:
     def __init__(self, rec: HostSyncRecorder) -> None:
         super().__init__()
         self.rec = rec
+
+
+class _FunctionSide(_Side, TorchFunctionMode):
+    """The Python-level calls that do not reach the dispatcher on the CPU (``.cpu()``, ``.to``, ``torch.tensor``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec, kwargs = self.rec, kwargs or {}
@@ -178,13 +177,8 @@ class _FunctionSide(TorchFunctionMode):
         return result
 
 
-class _DispatchSide(DispatchMode):
-    """The ops: what a device tensor computes stays on the device; reads the C++ side makes; copies between host
-    and device tensors; all-reduces."""
-
-    def __init__(self, rec: HostSyncRecorder) -> None:
-        super().__init__()
-        self.rec = rec
+class _DispatchSide(_Side, DispatchMode):
+    """The ops: results of device tensors, reads the C++ side makes, host-device copies, all-reduces."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rec, kwargs = self.rec, kwargs or {}
@@ -201,7 +195,7 @@ class _DispatchSide(DispatchMode):
             if into != source and not (non_blocking and not into):  # into pinned memory: the host goes on
                 rec._record("upload" if into else "read", name)
         result = func(*args, **kwargs)
-        # A copy leaves its destination where it is; any other op computes on the device from a device tensor.
+        # Any op but a copy computes on the device from a device tensor.
         if rec._tracking and short != "copy_" and any(rec.on_device(t) for t in _tensors((args, kwargs))):
             rec._mark(result)
         return result

@@ -1,5 +1,4 @@
-"""OrderedPredictions: what each validate/test/predict step predicts, per sample, in one file in dataset order.
-See docs/evaluation.md."""
+"""OrderedPredictions: every eval step's per-sample predictions in one file in dataset order. See docs/evaluation.md."""
 
 from __future__ import annotations
 

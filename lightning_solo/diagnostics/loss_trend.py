@@ -17,8 +17,7 @@ _REMEDIES = (
 
 @dataclass
 class LossTrend:
-    """Moving averages (span ``window``) of the loss and its squared deviation, and the spikes, climbs and
-    see-saw they show (docs/diagnostics.md)."""
+    """Moving averages of the loss and its deviation, and the spikes, climbs, see-saw seen (docs/diagnostics.md)."""
 
     window: int = 50
     spike_factor: float = 2.0

@@ -1,5 +1,4 @@
-"""LossWatch: a non-finite loss or gradient on any rank stops every rank; the loss's trend becomes advice.
-See docs/diagnostics.md."""
+"""LossWatch: a non-finite loss or gradient on any rank stops every rank. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

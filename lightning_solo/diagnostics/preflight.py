@@ -1,5 +1,4 @@
-"""Preflight: before a fit spends hours, every rank checks its launch, its peers and its training setup.
-See docs/diagnostics.md."""
+"""Preflight: every rank checks its launch, its peers and its training setup. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

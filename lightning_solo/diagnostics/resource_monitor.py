@@ -1,5 +1,4 @@
-"""ResourceMonitor: every rank's CPU, memory and GPU use, logged as the min and max across ranks.
-See docs/diagnostics.md."""
+"""ResourceMonitor: every rank's CPU, memory and GPU use, logged as min and max. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

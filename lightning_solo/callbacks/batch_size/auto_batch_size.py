@@ -1,5 +1,4 @@
-"""AutoBatchSize: the per-device batch whose measured peak memory is a target fraction of the device, under DDP.
-See docs/diagnostics.md."""
+"""AutoBatchSize: the per-device batch whose peak memory is a target fraction of the device. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The param groups as WarmupScaledLR drives them: the user's lr × the factor from each batch's start through the
-optimizer's update, the user's lr otherwise. See docs/lr-scaling.md."""
+"""The param groups as WarmupScaledLR drives them: the user's lr × a factor around each step. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 

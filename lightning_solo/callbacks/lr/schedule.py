@@ -29,8 +29,7 @@ def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The multiplier of the base lr at each optimizer step (built from checked :class:`ScheduleOptions`);
-    ``start_factor`` is capped at ``scale`` so that warmup never lowers the lr."""
+    """The base lr's multiplier per optimizer step; ``start_factor`` capped at ``scale`` (warmup never lowers it)."""
 
     scale: float
     warmup_steps: int
@@ -176,8 +175,7 @@ def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
         return 2**62
     batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
     if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
-        # After a resume at another world size the steps already done had other epoch lengths, and SoloDDP
-        # restarts the interrupted epoch on the new shards.
+        # After a resume at another world size, done steps had other epoch lengths; the epoch restarts on new shards.
         per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         by_epochs = (

@@ -70,8 +70,7 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # LearningRateMonitor reads param_group["lr"] at batch start; it must run after we set it there.
-        # pop/insert moves us to an earlier, already visited slot, so the hook loop skips no callback.
+        # Before any LearningRateMonitor (it reads the lr at batch start); an earlier slot: the hook loop skips none.
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         monitors = [i for i, cb in enumerate(callbacks) if isinstance(cb, LearningRateMonitor)]
         me = next(i for i, cb in enumerate(callbacks) if cb is self)
@@ -153,8 +152,7 @@ class WarmupScaledLR(DecisionLog, Callback):
     ) -> None:
         if self._groups is not None:
             self._groups.apply_all()
-        # Only on the batches the loggers write, as LearningRateMonitor does: a logged float becomes a tensor on the
-        # device, a blocking host-to-device copy on GPUs, which on every batch would stall the host each step.
+        # Only on the batches the loggers write: each logged float is a blocking host-to-device copy on GPUs.
         if self._log and lightning_compat.should_update_logs(trainer):
             for opt, names in zip(trainer.optimizers, self._names):
                 for g, name in zip(opt.param_groups, names):
@@ -162,8 +160,7 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # Outside optimizer.step (AMP's GradScaler path, which may skip the step): the user's lr back, so that a
-        # scheduler stepping after a skipped step never sees the factor; the step's pre-hook applies it again.
+        # The user's lr back outside optimizer.step (a GradScaler may skip it); the step's pre-hook applies it again.
         if self._groups is not None:
             self._groups.unapply_outside_step(optimizer)
 

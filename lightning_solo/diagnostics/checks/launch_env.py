@@ -25,14 +25,11 @@ def check_launch_env(
     def bad(name: str, message: str) -> None:
         found.append(Finding(f"env.{name}", message, error=True))
 
-    for name in _COUNTS:
-        raw = env.get(name)
-        if raw is None:
-            continue
-        if not raw.strip().isdigit():
-            bad(name, f"{name}={raw!r} is not a non-negative integer")
+    for name in (n for n in _COUNTS if n in env):
+        if env[name].strip().isdigit():
+            values[name] = int(env[name])
         else:
-            values[name] = int(raw)
+            bad(name, f"{name}={env[name]!r} is not a non-negative integer")
 
     rank, world, local = values.get("RANK"), values.get("WORLD_SIZE"), values.get("LOCAL_RANK")
     local_world = values.get("LOCAL_WORLD_SIZE")

@@ -51,18 +51,15 @@ def gather_ranks(
     row = [*window.values(), *total.values(), *(float(extra.get(k, 0.0)) for k in EXTRA)]
     row += [value for bin_ in bins for value in bin_.values()]
     n, head = len(FIELDS), 2 * len(FIELDS) + len(EXTRA)
-    out = []
-    for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist():
-        rest = values[head:]
-        out.append(
-            {
-                "window": values[:n],
-                "total": values[n : 2 * n],
-                **dict(zip(EXTRA, values[2 * n : head])),
-                "bins": [rest[i : i + n] for i in range(0, len(rest), n)],
-            }
-        )
-    return out
+    return [
+        {
+            "window": values[:n],
+            "total": values[n : 2 * n],
+            **dict(zip(EXTRA, values[2 * n : head])),
+            "bins": [values[i : i + n] for i in range(head, len(values), n)],
+        }
+        for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist()
+    ]
 
 
 def rank_times(sums: list[float]) -> RankTimes:

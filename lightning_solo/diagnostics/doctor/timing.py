@@ -28,8 +28,7 @@ class Sums:
 
     def add(self, other: Sums, pending: bool = True) -> None:
         """Add ``other``'s sums, and its CUDA intervals unless ``pending`` is False (read back into both later)."""
-        for i, value in enumerate(other.v):
-            self.v[i] += value
+        self.v = [a + b for a, b in zip(self.v, other.v)]
         self.loss = self.loss + other.loss
         if pending:
             self.pending += other.pending
@@ -51,8 +50,7 @@ class ExposedComm:
         self.iterations = 0  # DDP iterations read so far, over every wrapper followed
 
     def watch(self, model: Any) -> None:
-        """Follow ``model`` (an identity check per batch): a new DDP wrapper gets the sample rate, the one it
-        replaced is read out; also times SyncBN's collectives."""
+        """Follow ``model``: a new DDP wrapper gets the sample rate, the one it replaced is read out."""
         SYNCBN_WAIT.listen(self)
         if model is self._ddp or not isinstance(model, DistributedDataParallel):
             return
@@ -113,8 +111,7 @@ def recorded_iterations(iteration: int, rate: int) -> int:
 
 
 class StepTimer:
-    """One rank's time split from the batch and optimizer hooks: CUDA events on CUDA, else the host clock. Bins
-    of ``bin_steps`` optimizer steps (DDP's data is read once per bin) double in width past ``max_bins``."""
+    """One rank's time split (CUDA events, else the host clock) in bins of ``bin_steps``, doubled past ``max_bins``."""
 
     def __init__(
         self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 16, max_bins: int = 256

@@ -175,9 +175,7 @@ def _compression_may_pay(setup: Setup) -> bool:
 def _straggler_remedies(
     share: float, slowest: int, behind: float, ranks: Sequence[RankTimes], typical: RankTimes, setup: Setup
 ) -> list[Remedy]:
-    if len(ranks) < 2:
-        return []
-    slow = ranks[slowest]
+    slow = ranks[slowest]  # one rank: no excess, a share of 0 (no remedy)
     excess = {f: getattr(slow, f) - getattr(typical, f) for f in ("data_ms", "compute_ms", "optimizer_ms")}
     where = max(excess, key=excess.__getitem__)
     if where == "data_ms":
