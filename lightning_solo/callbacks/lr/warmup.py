@@ -166,9 +166,8 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._groups is not None:
+        if self._groups is not None:  # the hooks go at teardown
             self._groups.unapply_all()
-            self._groups.remove()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

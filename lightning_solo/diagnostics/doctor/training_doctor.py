@@ -73,8 +73,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        standalone = any(isinstance(cb, LossWatch) for cb in callbacks)
+        standalone = any(isinstance(cb, LossWatch) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._watch = None if standalone else self.loss_watch
         if self._watch is not None:
             self._watch.on_train_start(trainer, pl_module)
