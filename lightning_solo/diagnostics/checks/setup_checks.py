@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.ddp.strategy import SoloDDP
+from lightning_solo.ddp.syncbn import SoloSyncBatchNorm
 from lightning_solo.diagnostics.checks.finding import Finding
 
 
@@ -100,7 +101,7 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
         sharded=(_sharded(loader.sampler) or _sharded(loader.batch_sampler)) if loader is not None else None,
         data_parallel=tuple(n or "the model" for n, m in model.named_modules() if isinstance(m, nn.DataParallel)),
         unsynced_batchnorm=sum(
-            isinstance(m, BatchNormBase) and not isinstance(m, nn.SyncBatchNorm) and not _solo_synced(m)
+            isinstance(m, BatchNormBase) and not isinstance(m, (nn.SyncBatchNorm, SoloSyncBatchNorm))
             for m in model.modules()
         ),
         sync_batchnorm_threshold=trainer.strategy.sync_batchnorm_threshold
@@ -124,9 +125,3 @@ def _sharded(sampler) -> bool:
             return True
         sampler, seen = getattr(sampler, "sampler", None), seen + 1
     return False
-
-
-def _solo_synced(module: nn.Module) -> bool:
-    from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
-
-    return isinstance(module, SoloSyncBatchNorm)
