@@ -1,6 +1,4 @@
-"""For tests, benchmarks and notebooks: :func:`run_ranks` (a function on N real ranks of a gloo group on this
-machine) and :class:`HostSyncRecorder` (what would stall the host on a GPU, counted on any device). See
-docs/testing.md."""
+"""For tests, benchmarks and notebooks: :func:`run_ranks` and :class:`HostSyncRecorder`. See docs/testing.md."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ _PORTS = random.SystemRandom()
 
 
 def free_port() -> int:
-    """A free TCP port below Linux's ephemeral range (32768-60999), from which gloo's connections and every
-    port-0 bind take theirs: a store told to listen there cannot lose its port to one of them meanwhile."""
+    """A free TCP port below Linux's ephemeral range, so that no port-0 bind takes it before the store listens."""
     for _ in range(200):
         port = _PORTS.randrange(20000, 32768)  # not the global RNG: seeded alike in every test process
         with socket.socket() as s:
@@ -78,9 +75,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
 
 class HostSyncRecorder:
-    """Records, on any device, what would stall the host on a GPU: reads of a device tensor's value, copies of host
-    data onto the device, and all-reduces (``rec.syncs``, ``rec.events``, ``rec.allreduces``). :meth:`watch` marks
-    the device's tensors on the CPU. See docs/testing.md."""
+    """Records, on any device, what would stall the host on a GPU: device reads, host uploads, all-reduces."""
 
     _READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
     _FACTORIES = frozenset({"tensor", "as_tensor", "asarray"})
@@ -133,8 +128,7 @@ class HostSyncRecorder:
 
 @dataclass(frozen=True)
 class HostSync:
-    """One event of :class:`HostSyncRecorder`: ``kind`` is ``"read"`` (device to host) or ``"upload"`` (host
-    data onto the device); ``site`` the innermost ``file:line`` outside torch."""
+    """One event: ``kind`` ``"read"`` or ``"upload"``; ``site`` the innermost ``file:line`` outside torch."""
 
     kind: str
     op: str
@@ -142,13 +136,14 @@ class HostSync:
     step: int | None
 
 
-class _FunctionSide(TorchFunctionMode):
-    """The Python-level calls: reads and moves that do not reach the dispatcher on the CPU (``.cpu()``, ``.to``,
-    ``.tolist()``) and ``torch.tensor(..., device=)``."""
-
+class _Side:
     def __init__(self, rec: HostSyncRecorder) -> None:
         super().__init__()
         self.rec = rec
+
+
+class _FunctionSide(_Side, TorchFunctionMode):
+    """The Python-level calls that do not reach the dispatcher on the CPU (``.cpu()``, ``.to``, ``torch.tensor``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec, kwargs = self.rec, kwargs or {}
@@ -182,13 +177,8 @@ class _FunctionSide(TorchFunctionMode):
         return result
 
 
-class _DispatchSide(DispatchMode):
-    """The ops: what a device tensor computes stays on the device; reads the C++ side makes; copies between host
-    and device tensors; all-reduces."""
-
-    def __init__(self, rec: HostSyncRecorder) -> None:
-        super().__init__()
-        self.rec = rec
+class _DispatchSide(_Side, DispatchMode):
+    """The ops: results of device tensors, reads the C++ side makes, host-device copies, all-reduces."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rec, kwargs = self.rec, kwargs or {}
@@ -205,17 +195,14 @@ class _DispatchSide(DispatchMode):
             if into != source and not (non_blocking and not into):  # into pinned memory: the host goes on
                 rec._record("upload" if into else "read", name)
         result = func(*args, **kwargs)
-        # A copy leaves its destination where it is; any other op computes on the device from a device tensor.
+        # Any op but a copy computes on the device from a device tensor.
         if rec._tracking and short != "copy_" and any(rec.on_device(t) for t in _tensors((args, kwargs))):
             rec._mark(result)
         return result
 
 
 def _host_copy(rec: HostSyncRecorder, source: Any, result: Any) -> Any:
-    """On a GPU a read returns a new host tensor; on the CPU torch may return ``source`` itself: copy it, so that
-    reading the host copy later counts as nothing, as it would on a GPU."""
-    import torch
-
+    """A read's result as a new host tensor, as on a GPU (on the CPU torch may return ``source`` itself)."""
     if result is source:  # called inside the function mode's handler: the mode is off here
         result = source.clone()
     if isinstance(result, torch.Tensor):  # a host tensor now, whatever op made it

@@ -167,13 +167,15 @@ def test_plot_a_planned_schedule(tmp_path):
         (dict(decay="step"), "decay='step' needs decay_milestones"),
         (dict(decay="step", decay_milestones=[30, 60]), "fractions of the run"),
         (dict(start_factor=-1.0), "start_factor must be >= 0"),
+        (dict(min_lr_factor=1.5), r"min_lr_factor must be in \[0, 1\]"),
+        (dict(decay_gamma=0.0), r"decay_gamma must be in \(0, 1\]"),
     ],
 )
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WarmupScaledLR(**kwargs)
     with pytest.raises(ValueError, match=r"warmup .* is longer than the run"):
-        LRSchedule(scale=2.0, warmup_steps=11, total_steps=10)
+        WarmupScaledLR(warmup_steps=11).options.build(global_batch=256, total_steps=10, steps_per_epoch=None)
 
 
 def test_warmup_longer_than_the_run_fails_at_fit(tmp_path):

@@ -1,5 +1,4 @@
-"""OrderedPredictions: what each validate/test/predict step predicts, per sample, in one file in dataset order.
-See docs/evaluation.md."""
+"""OrderedPredictions: every eval step's per-sample predictions in one file in dataset order. See docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ class OrderedPredictions(Callback):
 
     @override
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        """Also the test and predict batches' hook: this batch's rows, kept for the epoch's end."""
+        """Also the test and predict batches' hook."""
         if trainer.sanity_checking or _stage(trainer) not in self.stages:
             return
         predictions = outputs.get(self.key) if isinstance(outputs, Mapping) else outputs
@@ -63,7 +62,7 @@ class OrderedPredictions(Callback):
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Also the test and predict epochs' hook: every rank gathers its rows to rank 0, which writes them."""
+        """Also the test and predict epochs' hook: rank 0 gathers every rank's rows and writes them."""
         rows, self._rows, stage = self._rows, {}, _stage(trainer)
         if trainer.sanity_checking or stage not in self.stages:
             return

@@ -1,2 +1,1 @@
-"""Diagnostics: pure checks and measurements and the callbacks that feed them; they name library settings
-(``DataLoader(num_workers=...)``), which the runner maps to its config keys. Map: docs/design.md."""
+"""Diagnostics: pure checks and measurements and the callbacks that feed them. Map: docs/design.md."""

@@ -1,5 +1,4 @@
-"""The loss against its own running trend, and across ranks: pure arithmetic on the numbers
-:class:`~lightning_solo.callbacks.LossWatch` collects."""
+"""The loss against its running trend and across ranks: pure arithmetic on LossWatch's numbers."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ _REMEDIES = (
 
 @dataclass
 class LossTrend:
-    """Exponential moving averages (span ``window``) of the loss and its squared deviation, and the spikes,
-    climbs and see-saw they show (defined in docs/diagnostics.md)."""
+    """Moving averages of the loss and its deviation, and the spikes, climbs, see-saw seen (docs/diagnostics.md)."""
 
     window: int = 50
     spike_factor: float = 2.0
@@ -47,8 +45,7 @@ class LossTrend:
             setattr(self, name, state[name])
         self.events = {kind: [tuple(e) for e in seen] for kind, seen in state["events"].items()}
         if self.lowest is not None:  # a tuple again, whatever sequence the saved state held
-            value, step = self.lowest
-            self.lowest = (value, step)
+            self.lowest = (self.lowest[0], self.lowest[1])
 
     def update(self, step: int, loss: float) -> str | None:
         """Fold in one step's loss; the kind of event it shows (``"spike"``, ``"climb"``, ``"seesaw"``) or ``None``."""
@@ -113,9 +110,8 @@ def rank_spread(
     threshold: float = 0.1,
     z_min: float = 6.0,
 ) -> Finding | None:
-    """A warning when the ranks' mean losses over the same steps differ by more than ``threshold`` of their
-    mean and by more than ``z_min`` standard errors (step-to-step noise alone does not do that); else ``None``.
-    ``means[r]``, ``variances[r]``, ``counts[r]``: rank r's step losses over the interval."""
+    """A warning when the ranks' mean losses (``means[r]``, ...: rank r's over the same steps) differ by more
+    than ``threshold`` of their mean and by more than ``z_min`` standard errors; else ``None``."""
     ranks = [r for r, n in enumerate(counts) if n > 0 and math.isfinite(means[r])]
     if len(ranks) < 2:
         return None

@@ -1,5 +1,4 @@
-"""LossWatch: a non-finite loss or gradient on any rank stops every rank, before any checkpoint holds it; spikes,
-a climbing trend and a loss that differs between ranks become advice. See docs/diagnostics.md."""
+"""LossWatch: a non-finite loss or gradient on any rank stops every rank. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def decide_stop(stop_before_step: bool) -> Decision:
 
 @dataclass
 class _Check:
-    """One optimizer step's check in flight: its values copied to the host without waiting; read by :meth:`read`."""
+    """One optimizer step's check in flight: its values copied to the host without waiting."""
 
     step: int
     epoch: int
@@ -74,8 +73,7 @@ class _Check:
 
 
 class LossWatch(DecisionLog, L.Callback):
-    """Stops every rank on a non-finite loss or gradient norm; advises on the loss's trend (arguments:
-    docs/diagnostics.md)."""
+    """Stops every rank on a non-finite loss or gradient norm (arguments: docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -98,7 +96,7 @@ class LossWatch(DecisionLog, L.Callback):
         self._advice: dict[str, str] = {}
         self.trend = LossTrend(window=window, spike_factor=spike_factor, rise=rise)
         self._restored: dict[str, Any] | None = None
-        self._trainer_ref: L.Trainer | None = None  # the fit's, for a save that reads the check in flight
+        self._trainer_ref: L.Trainer | None = None
         self._pending: _Check | None = None  # the last optimizer step's check, not read yet
 
     @override
@@ -148,7 +146,7 @@ class LossWatch(DecisionLog, L.Callback):
         self._settle_pending(trainer)
 
     def _settle_pending(self, trainer: L.Trainer) -> None:
-        """Read the check in flight (every rank reads the same sums, so every rank stops or none does)."""
+        """Read the check in flight (the same sums on every rank: every rank stops or none does)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._settle(trainer, pending)
@@ -167,7 +165,7 @@ class LossWatch(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The check in flight is read first, on every rank alike: a non-finite step stops the run before a save.
+        # The check in flight first: a non-finite step stops the run before a save.
         if self._pending is not None and self._trainer_ref is not None:
             self._settle_pending(self._trainer_ref)
         return {"trend": self.trend.state_dict(), "advice": dict(self._advice)}
@@ -177,8 +175,7 @@ class LossWatch(DecisionLog, L.Callback):
         self._restored = state_dict
 
     def _grad_norm(self, optimizer, device: torch.device) -> torch.Tensor:
-        # Sharded gradients (FSDP's DTensors): this rank's shard; a non-finite value shows on its own rank and the
-        # all-reduced flag stops every rank.
+        # FSDP's DTensors: this rank's shard (the all-reduced flag stops every rank).
         grads = [
             getattr(p.grad, "to_local", lambda g=p.grad: g)()
             for group in optimizer.param_groups
@@ -239,7 +236,7 @@ class LossWatch(DecisionLog, L.Callback):
 
     @property
     def advice(self) -> list[str]:
-        """What the loss suggests changing, one line per kind of trouble seen (the run summary prints these)."""
+        """What the loss suggests changing, one line per kind of trouble seen."""
         return list(self._advice.values())
 
 

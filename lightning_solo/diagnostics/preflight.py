@@ -1,5 +1,4 @@
-"""Preflight: before a fit spends hours, every rank checks its launch, its peers and its training setup.
-See docs/diagnostics.md."""
+"""Preflight: every rank checks its launch, its peers and its training setup. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ class Preflight(DecisionLog, L.Callback):
         self._decide(Decision("preflight", verdict, self._checked))
 
     def _settle(self, found: list[Finding]) -> None:
-        """Raise on every rank (they all hold the same ``found``) for errors, or for anything when strict; else
-        keep the warnings and say them once."""
+        """Raise on every rank (all hold the same ``found``) for errors, or any finding when strict; else warn."""
         stop = [f for f in found if f.error or self.strict]
         if stop:
             lines = "\n".join(f"  - {f}" for f in stop)

@@ -1,5 +1,4 @@
-"""ProfilerWindow: torch's profiler over a window of training batches, one trace per GLOBAL rank.
-See docs/diagnostics.md."""
+"""ProfilerWindow: torch's profiler over a window of batches, one trace per global rank. See docs/diagnostics.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""ResourceMonitor: CPU, resident memory and (NVML, the ``gpu`` extra) GPU use of every rank, sampled by
-:class:`ResourceSampler` and logged as the min and max across ranks. See docs/diagnostics.md."""
+"""ResourceMonitor: every rank's CPU, memory and GPU use, logged as min and max. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ _GIB = 2**30
 
 
 def decide_sources(device: torch.device) -> Decision:
-    """psutil always; NVML for a CUDA device when it can be read (torch maps the device through it)."""
+    """psutil always; NVML for a CUDA device when it can be read."""
     if device.type != "cuda":
         return Decision("resource_monitor.sources", ["psutil"], f"{device.type} device: CPU and RSS via psutil")
     try:
@@ -104,7 +103,6 @@ class ResourceMonitor(DecisionLog, L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Every rank ends the fit: a last sample, even of a run shorter than the interval.
         if self._last_sampled != trainer.global_step:
             self._sample(trainer, trainer.global_step)
 

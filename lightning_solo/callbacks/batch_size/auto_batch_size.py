@@ -1,5 +1,4 @@
-"""AutoBatchSize: the per-device batch whose measured peak memory is a target fraction of the device, under DDP.
-See docs/diagnostics.md."""
+"""AutoBatchSize: the per-device batch whose peak memory is a target fraction of the device. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class AutoBatchSize(DecisionLog, Callback):
-    """Find the per-device batch whose peak memory lies in ``fraction ± tolerance`` of the budget (arguments:
-    docs/diagnostics.md)."""
+    """The per-device batch whose peak memory is ``fraction ± tolerance`` of the budget (docs/diagnostics.md)."""
 
     def __init__(
         self,

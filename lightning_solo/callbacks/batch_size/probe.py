@@ -1,5 +1,4 @@
-"""Peak memory of one training step at a given per-device batch, as a fraction of a budget.
-See docs/diagnostics.md."""
+"""Peak memory of one training step at a given per-device batch, as a fraction of a budget. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ import torch
 
 from lightning_solo.core import cpu_malloc
 
-# What the memory running out looks like besides torch.OutOfMemoryError: a cudaMalloc failure outside the caching
-# allocator, cuDNN or cuBLAS that cannot get a workspace (cuDNN then says it found no algorithm).
+# Memory running out besides torch.OutOfMemoryError: a raw cudaMalloc, cuDNN or cuBLAS without a workspace.
 _OUT_OF_MEMORY = (
     "out of memory",
     "cudamalloc",
@@ -147,8 +145,8 @@ class MemoryProbe:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure(self, pl_module: Any, precision_plugin: Any, batch: Any) -> float:
-        """The peak of a training step on ``batch`` after an unmeasured one, as a fraction of the budget (on GPU
-        the reserved peak's fraction goes to ``self.reserved``); ``inf`` when the memory ran out."""
+        """The peak of a training step on ``batch`` as a fraction of the budget (GPU: the reserved peak's in
+        ``self.reserved``); ``inf`` when the memory ran out."""
         self.reserved = math.nan
         try:
             if not self._warm:  # kernels, workspaces and caches set up on first use are no batch's memory

@@ -1,5 +1,4 @@
-"""The search for the per-device batch whose peak memory lands in a target band (pure).
-See docs/diagnostics.md."""
+"""The search for the per-device batch whose peak memory lands in a target band (pure). See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def _line_guess(points: list[tuple[int, float]], target: float) -> int | None:
 def search_batch_size(
     measure: Callable[[int], float], start: int, low: float, high: float, max_batch: int, max_probes: int = 8
 ) -> Search:
-    """Probe per-device batches with ``measure`` (at most ``max_probes`` times, within ``[1, max_batch]``) for
-    one whose fraction lies in ``[low, high]``. Otherwise: the largest batch measured at or below ``high``, or
-    1 when even that was above it."""
+    """Probe batches in ``[1, max_batch]`` with ``measure`` for one whose fraction is in ``[low, high]``; else
+    the largest batch measured at or below ``high``, or 1."""
     check_int("max_batch", max_batch)
     check_int("max_probes", max_probes)
     target = (low + high) / 2
@@ -86,8 +84,7 @@ def search_batch_size(
 def decide_batch_size(
     search: Search, low: float, high: float, per_rank: list[float], budget: str, reserved: list[float] | None = None
 ) -> Decision:
-    """The Decision for ``search``: the batch, what every rank measured for it (allocated, and the allocator's
-    reserved peak where known), the band and the probes."""
+    """The Decision for ``search``: the batch, what every rank measured for it, the band and the probes."""
     shares = ", ".join(f"{f:.3f}" for f in per_rank)
     if reserved and all(math.isfinite(r) for r in reserved):
         shares += f" allocated ({', '.join(f'{r:.3f}' for r in reserved)} reserved)"

@@ -1,6 +1,4 @@
-"""The optimizers' param groups as :class:`~lightning_solo.callbacks.WarmupScaledLR` drives them: the user's lr
-× the schedule's factor from the start of each batch through the optimizer's update, the user's lr otherwise.
-See docs/lr-scaling.md."""
+"""The param groups as WarmupScaledLR drives them: the user's lr × a factor around each step. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -9,8 +7,7 @@ from typing import Any
 
 
 class ScaledParamGroups:
-    """The ``factor()`` applied to, and taken off, every param group of ``optimizers``; ``user_lrs``: per
-    optimizer, per param group, the lr as the user configured it or their scheduler moved it."""
+    """``factor()`` applied to and taken off every param group; ``user_lrs``: the user's lr per optimizer, group."""
 
     def __init__(self, optimizers: Sequence[Any], user_lrs: list[list[float]], factor: Callable[[], float]) -> None:
         self.optimizers, self.user_lrs, self.factor = list(optimizers), user_lrs, factor
@@ -51,8 +48,7 @@ class ScaledParamGroups:
         self.applied[i] = False
 
     def unapply_outside_step(self, optimizer: Any) -> None:
-        """Hand ``optimizer``'s groups back to the user's lr unless it is inside its step (see
-        ``WarmupScaledLR.on_before_optimizer_step``); ``optimizer`` may be Lightning's wrapper."""
+        """``optimizer``'s groups (it may be Lightning's wrapper) back to the user's lr unless inside its step."""
         for i, opt in enumerate(self.optimizers):
             if (opt is optimizer or getattr(optimizer, "optimizer", None) is opt) and not self.in_step[i]:
                 self.unapply(i)
@@ -79,8 +75,7 @@ class ScaledParamGroups:
 
 
 def lr_names(optimizers: Sequence[Any]) -> list[list[str]]:
-    """LearningRateMonitor's names for each param group: lr-SGD, lr-SGD-1 for a second SGD, /pg2 or the group's
-    ``name``."""
+    """LearningRateMonitor's names for each param group: lr-SGD, lr-SGD-1, lr-SGD/pg2 or the group's ``name``."""
     names: list[list[str]] = []
     seen: dict[str, int] = {}
     for opt in optimizers:

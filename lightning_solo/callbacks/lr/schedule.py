@@ -1,5 +1,4 @@
-"""The learning-rate multiplier of :class:`~lightning_solo.callbacks.WarmupScaledLR` as pure math, and the
-options it is built from. See docs/lr-scaling.md."""
+"""WarmupScaledLR's lr multiplier as pure math, and the options it is built from. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 
-from lightning_solo.core.checks import check_int, check_number
+from lightning_solo.core.checks import check_int
 from lightning_solo.core.decision import Decision
 
 RULES = ("linear", "sqrt", "none")
@@ -24,17 +23,13 @@ def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
 
 def scale_factor(rule: str, global_batch: int, reference_batch: int) -> float:
     """How much the lr grows when the global batch grows from ``reference_batch`` to ``global_batch``."""
-    _check_choice("lr scaling rule", rule, RULES)
-    check_int("reference_batch_size", reference_batch)
-    check_number("global batch size", global_batch)
     ratio = global_batch / reference_batch
     return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The multiplier applied to the base lr at each optimizer step. ``milestones`` are optimizer steps;
-    ``start_factor`` is relative to the unscaled lr, capped at ``scale`` so that warmup never lowers the lr."""
+    """The base lr's multiplier per optimizer step; ``start_factor`` capped at ``scale`` (warmup never lowers it)."""
 
     scale: float
     warmup_steps: int
@@ -44,28 +39,6 @@ class LRSchedule:
     min_factor: float = 0.0
     milestones: Sequence[int] = field(default_factory=tuple)
     gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        _check_choice("decay", self.decay, DECAYS)
-        if self.scale <= 0:
-            raise ValueError(f"scale must be positive, got {self.scale!r}")
-        if self.total_steps <= 0:
-            raise ValueError(f"total_steps must be positive, got {self.total_steps!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if self.warmup_steps > self.total_steps:
-            raise ValueError(
-                f"warmup ({self.warmup_steps} steps) is longer than the run ({self.total_steps} optimizer steps); "
-                "shorten the warmup or train longer"
-            )
-        if not self.start_factor >= 0.0:
-            raise ValueError(f"start_factor must be >= 0, got {self.start_factor!r}")
-        if not 0.0 <= self.min_factor <= 1.0:
-            raise ValueError(f"min_factor must be in [0, 1], got {self.min_factor!r}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma!r}")
-        if list(self.milestones) != sorted(self.milestones) or any(m < 0 for m in self.milestones):
-            raise ValueError(f"milestones must be increasing optimizer steps >= 0, got {list(self.milestones)!r}")
 
     @property
     def start(self) -> float:
@@ -90,8 +63,7 @@ class LRSchedule:
 
 @dataclass(frozen=True)
 class ScheduleOptions:
-    """WarmupScaledLR's schedule arguments, checked when made (a bad value fails at construction). ``warmup``: the
-    one of ``warmup_epochs``/``warmup_steps``/``warmup_fraction`` given, if any; none means 5% of the run."""
+    """WarmupScaledLR's schedule arguments, checked when made; ``warmup``: the one warmup argument given, if any."""
 
     rule: str = "linear"
     reference_batch_size: int = 256
@@ -120,8 +92,12 @@ class ScheduleOptions:
             raise ValueError(f"decay_milestones are increasing fractions of the run in (0, 1), got {milestones!r}")
         if self.decay == "step" and not milestones:
             raise ValueError("decay='step' needs decay_milestones, e.g. [0.33, 0.67, 0.89] (fractions of the run)")
-        # The decay and the factors, checked as LRSchedule checks them.
-        LRSchedule(1.0, 0, 1, self.start_factor, self.decay, self.min_lr_factor, gamma=self.decay_gamma)
+        if not self.start_factor >= 0.0:
+            raise ValueError(f"start_factor must be >= 0, got {self.start_factor!r}")
+        if not 0.0 <= self.min_lr_factor <= 1.0:
+            raise ValueError(f"min_lr_factor must be in [0, 1], got {self.min_lr_factor!r}")
+        if not 0.0 < self.decay_gamma <= 1.0:
+            raise ValueError(f"decay_gamma must be in (0, 1], got {self.decay_gamma!r}")
 
     @property
     def warmup_kind(self) -> tuple[str, float]:
@@ -188,8 +164,7 @@ def warmup_length(kind: str, amount: float, total_steps: int, steps_per_epoch: i
 
 
 def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
-    """The optimizer steps of the whole fit, counted from where the loop stands. ``open_ended_ok``: a run with
-    no fixed length is fine (warmup in steps, no decay) and counts as endless."""
+    """The optimizer steps of the whole fit from where the loop stands; endless if ``open_ended_ok``, else raises."""
     total = trainer.estimated_stepping_batches
     if math.isinf(total):
         if not open_ended_ok:
@@ -200,8 +175,7 @@ def total_optimizer_steps(trainer: pl.Trainer, open_ended_ok: bool) -> int:
         return 2**62
     batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
     if max_epochs is not None and max_epochs >= 0 and not math.isinf(batches):
-        # After a resume at another world size the steps already done had other epoch lengths, and SoloDDP
-        # restarts the interrupted epoch on the new shards.
+        # After a resume at another world size, done steps had other epoch lengths; the epoch restarts on new shards.
         per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         by_epochs = (

@@ -1,5 +1,4 @@
-"""WarmupScaledLR: the learning rate scaled to the global batch, with gradual warmup (Goyal et al. 2017).
-See docs/lr-scaling.md."""
+"""WarmupScaledLR: the learning rate scaled to the global batch, with gradual warmup. See docs/lr-scaling.md."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from lightning_solo.core.decision import Decision, DecisionLog
 
 
 class WarmupScaledLR(DecisionLog, Callback):
-    """Scale every param group's lr to the global batch and warm up to it; resume- and world-size-safe
-    (arguments: docs/lr-scaling.md)."""
+    """Scale every param group's lr to the global batch and warm up to it (arguments: docs/lr-scaling.md)."""
 
     def __init__(
         self,
@@ -55,7 +53,6 @@ class WarmupScaledLR(DecisionLog, Callback):
         check_int("per_device_batch_size", per_device_batch_size, optional=True)
         self.per_device_batch_size = per_device_batch_size
         self.log_lr = log_lr
-
         self.decisions: dict[str, Decision] = {}
         self.schedule: LRSchedule | None = None
         self.global_batch: int | None = None
@@ -73,8 +70,7 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # LearningRateMonitor reads param_group["lr"] at batch start; it must run after we set it there.
-        # pop/insert moves us to an earlier, already visited slot, so the hook loop skips no callback.
+        # Before any LearningRateMonitor (it reads the lr at batch start); an earlier slot: the hook loop skips none.
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         monitors = [i for i, cb in enumerate(callbacks) if isinstance(cb, LearningRateMonitor)]
         me = next(i for i, cb in enumerate(callbacks) if cb is self)
@@ -156,8 +152,7 @@ class WarmupScaledLR(DecisionLog, Callback):
     ) -> None:
         if self._groups is not None:
             self._groups.apply_all()
-        # Only on the batches the loggers write, as LearningRateMonitor does: a logged float becomes a tensor on the
-        # device, a blocking host-to-device copy on GPUs, which on every batch would stall the host each step.
+        # Only on the batches the loggers write: each logged float is a blocking host-to-device copy on GPUs.
         if self._log and lightning_compat.should_update_logs(trainer):
             for opt, names in zip(trainer.optimizers, self._names):
                 for g, name in zip(opt.param_groups, names):
@@ -165,16 +160,14 @@ class WarmupScaledLR(DecisionLog, Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # Outside optimizer.step (AMP's GradScaler path, which may skip the step): the user's lr back, so that a
-        # scheduler stepping after a skipped step never sees the factor; the step's pre-hook applies it again.
+        # The user's lr back outside optimizer.step (a GradScaler may skip it); the step's pre-hook applies it again.
         if self._groups is not None:
             self._groups.unapply_outside_step(optimizer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._groups is not None:
+        if self._groups is not None:  # the hooks go at teardown
             self._groups.unapply_all()
-            self._groups.remove()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -214,8 +207,7 @@ class WarmupScaledLR(DecisionLog, Callback):
         steps_per_epoch: int | None = None,
         base_lr: float | None = None,
     ) -> Path:
-        """PNG of the lr over the run: the schedule of the last fit, or the one for ``global_batch`` and
-        ``total_steps`` (to see a planned run before training)."""
+        """PNG of the lr over the run: the last fit's schedule, or the one for ``global_batch`` and ``total_steps``."""
         if global_batch is None and total_steps is None and self.schedule is not None:
             schedule, steps_per_epoch = self.schedule, steps_per_epoch or self.steps_per_epoch
         elif global_batch is None or total_steps is None:

@@ -1,5 +1,4 @@
-"""The ranks' gathered facts compared (pure, so every rank reaches the same verdict): what must agree and does
-not, and ranks that share one device."""
+"""The ranks' gathered facts compared (pure: every rank reaches the same verdict). See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ _VERSION_FIX = "Install the same versions on every node (one container image or 
 
 
 def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[str] = ()) -> list[Finding]:
-    """An error per fact whose value is not the same on every rank (``facts[r]`` is rank r's), naming each
-    value's ranks. The ranks off the most common value are named as the odd ones (on a tie, those off rank 0's
-    value). A fact missing on a rank counts as ``None``; ``ignore`` names facts to skip."""
+    """An error per fact (``facts[r]``: rank r's) not the same on every rank; the ranks off the most common
+    value (on a tie, rank 0's) are the odd ones. A missing fact counts as ``None``."""
     keys = sorted({k for f in facts for k in f} - set(ignore))
     found = []
     for key in keys:
@@ -34,7 +32,7 @@ def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[
             by_value[rank_facts.get(key)].append(rank)
         if len(by_value) < 2:
             continue
-        # the reference (most ranks, then rank 0's) last; the odd values before it, rarest first
+        # rarest first; the reference (most ranks, then rank 0's) last
         groups = sorted(by_value.items(), key=lambda item: (len(item[1]), -item[1][0]))
         values = "; ".join(f"{value!r} on {ranks_text(ranks)}" for value, ranks in groups)
         odd = sorted(r for _, ranks in groups[:-1] for r in ranks)
@@ -46,8 +44,7 @@ def disagreements(facts: Sequence[Mapping[str, str | None]], ignore: Collection[
 
 
 def shared_devices(ranks: Sequence[RankFacts]) -> list[Finding]:
-    """An error for ranks on one host that use the same GPU, or claim the same local rank on an accelerator
-    (CPU processes share the host's cores whatever their local rank: loopback "nodes" on one host are fine)."""
+    """An error for ranks on one host that use the same GPU, or the same local rank on an accelerator."""
     found = []
     local_rank = lambda f: f.local_rank if f.device != "cpu" else None  # noqa: E731
     for what, key in (("GPU", lambda f: f.device_id), ("LOCAL_RANK", local_rank)):

@@ -1,5 +1,4 @@
-"""The diagnostics' collectives on the default group, called on every rank alike: every rank's object, every
-rank's row of numbers; without a process group, this rank's value alone."""
+"""The diagnostics' collectives on the default group; without a process group, this rank's value alone."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def gather_rows(mine: torch.Tensor) -> torch.Tensor:
     mine = mine.reshape(-1)
     if world_size() == 1:
         return mine[None]
-    # Flat: gloo's all_gather_into_tensor wants the output 1-D.
     out = torch.empty(world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
     # torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)  # out flat: gloo's need
     return out.reshape(world_size(), -1)

@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from lightning_solo.diagnostics.checks.finding import Finding
 
-# NCCL/torch-distributed variables that change behaviour (protocol, transport, timeouts): every rank needs the
-# same. The logging ones may differ.
+# Variables that change NCCL/gloo behaviour must agree; the logging ones may differ.
 _AGREED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_")
 _MAY_DIFFER = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
 # Interface names are per host (eth0 on one node, ens5 on another is fine).
@@ -79,8 +78,7 @@ def local_facts(device: torch.device, findings: Sequence[Finding] = ()) -> RankF
 def _nccl_version() -> str | None:
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
         return None
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    return ".".join(map(str, torch.cuda.nccl.version()))
 
 
 def _driver_version() -> str | None:

@@ -1,5 +1,4 @@
-"""Finding: one problem a check found, said with its fix, and the ranks it was found on. Errors stop a run;
-warnings are printed (``Preflight(strict=True)`` makes them errors)."""
+"""Finding: one problem a check found, with its fix and the ranks it was found on."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The launcher's variables (torchrun, SLURM, Lightning's own) and the process-group backend, checked: pure
-functions of a mapping (``os.environ`` in use, a dict in tests)."""
+"""The launcher's variables (torchrun, SLURM, Lightning's) and the process-group backend, checked (pure)."""
 
 from __future__ import annotations
 
@@ -18,23 +17,19 @@ _SLURM_PAIRS = (("SLURM_PROCID", "RANK"), ("SLURM_NTASKS", "WORLD_SIZE"), ("SLUR
 def check_launch_env(
     env: Mapping[str, str], *, placement: Mapping[str, int] | None = None, gpus_visible: int | None = None
 ) -> list[Finding]:
-    """Problems with the distributed variables in ``env``: not integers, out of range, missing partners,
-    disagreeing with SLURM's, or with ``placement`` (what the running process group says: ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``NODE_RANK`` -> int). ``gpus_visible``: this node's GPU count, when on GPU."""
+    """Problems with the distributed variables in ``env``, also against ``placement`` (the process group's
+    ``RANK``, ``WORLD_SIZE``, ... -> int) and ``gpus_visible`` (this node's GPUs, on GPU)."""
     found: list[Finding] = []
     values: dict[str, int] = {}
 
     def bad(name: str, message: str) -> None:
         found.append(Finding(f"env.{name}", message, error=True))
 
-    for name in _COUNTS:
-        raw = env.get(name)
-        if raw is None:
-            continue
-        if not raw.strip().isdigit():
-            bad(name, f"{name}={raw!r} is not a non-negative integer")
+    for name in (n for n in _COUNTS if n in env):
+        if env[name].strip().isdigit():
+            values[name] = int(env[name])
         else:
-            values[name] = int(raw)
+            bad(name, f"{name}={env[name]!r} is not a non-negative integer")
 
     rank, world, local = values.get("RANK"), values.get("WORLD_SIZE"), values.get("LOCAL_RANK")
     local_world = values.get("LOCAL_WORLD_SIZE")
@@ -82,8 +77,7 @@ def check_launch_env(
 
 
 def check_backend(backend: str | None, device_type: str) -> Finding | None:
-    """An error when the process-group ``backend`` cannot carry ``device_type`` tensors, a warning when it is
-    a slow choice for them; ``None`` when it suits."""
+    """An error when ``backend`` cannot carry ``device_type`` tensors, a warning when it is slow for them."""
     if not backend:
         return None
     per_device = dict(p.split(":", 1) for p in backend.split(",") if ":" in p) if ":" in backend else None

@@ -1,6 +1,4 @@
-"""Warnings, each with its fix, about a training setup that works but wastes the devices.
-
-See docs/diagnostics.md."""
+"""Warnings, each with its fix, about a training setup that works but wastes the devices. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from lightning_solo._compat.torch import BatchNormBase
 from lightning_solo.core.batch_size import per_device_batch_size
 from lightning_solo.ddp.strategy import SoloDDP
+from lightning_solo.ddp.syncbn import SoloSyncBatchNorm
 from lightning_solo.diagnostics.checks.finding import Finding
 
 
@@ -102,7 +101,7 @@ def read_setup(trainer: pl.Trainer, min_gpu_batch: int = 16) -> TrainingSetup:
         sharded=(_sharded(loader.sampler) or _sharded(loader.batch_sampler)) if loader is not None else None,
         data_parallel=tuple(n or "the model" for n, m in model.named_modules() if isinstance(m, nn.DataParallel)),
         unsynced_batchnorm=sum(
-            isinstance(m, BatchNormBase) and not isinstance(m, nn.SyncBatchNorm) and not _solo_synced(m)
+            isinstance(m, BatchNormBase) and not isinstance(m, (nn.SyncBatchNorm, SoloSyncBatchNorm))
             for m in model.modules()
         ),
         sync_batchnorm_threshold=trainer.strategy.sync_batchnorm_threshold
@@ -119,17 +118,10 @@ def cores_per_process(local_processes: int) -> int:
 
 
 def _sharded(sampler) -> bool:
-    """A sampler, or one it wraps (``.sampler``), that splits by rank: a ``DistributedSampler`` or anything with
-    ``num_replicas`` and ``rank``."""
+    """A sampler, or one it wraps (``.sampler``), that splits by rank (has ``num_replicas`` and ``rank``)."""
     seen = 0
     while sampler is not None and seen < 8:
         if isinstance(sampler, DistributedSampler) or (hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")):
             return True
         sampler, seen = getattr(sampler, "sampler", None), seen + 1
     return False
-
-
-def _solo_synced(module: nn.Module) -> bool:
-    from lightning_solo.ddp.syncbn.layer import SoloSyncBatchNorm
-
-    return isinstance(module, SoloSyncBatchNorm)

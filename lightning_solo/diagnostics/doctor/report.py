@@ -1,6 +1,4 @@
-"""The doctor's report: every rank's sums gathered (one collective), turned into per-rank times, throughput,
-the straggler and the verdict; printed as a table, kept as a dict (``doctor.json``), drawn as a chart
-(``doctor.png``, with matplotlib: the ``plot`` extra). See docs/diagnostics.md."""
+"""The doctor's report from every rank's sums: table, ``doctor.json`` and ``doctor.png``. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -28,15 +26,13 @@ from lightning_solo.diagnostics.doctor.timing import (
 )
 from lightning_solo.diagnostics.doctor.verdict import RankTimes, Setup, diagnose, setting_call
 
-# A rank's own work, by the watchdog's heartbeat (SoloDDP): seconds in each phase since the last report. Backward
-# is left out: it holds DDP's all-reduce, where the others wait for a straggler.
+# A rank's own work by SoloDDP's heartbeat; not backward, which holds the all-reduce where ranks wait for a straggler.
 OWN_PHASES = (hb.DATA_WAIT, hb.TRAINING_STEP, hb.OPTIMIZER_STEP, hb.VALIDATION, hb.CHECKPOINT_SAVE)
 EXTRA = ("peak_memory_mib", "memory_total_mib", "idle_cores", *(f"phase_s:{p}" for p in OWN_PHASES))
 
 
 def straggler_phase(phase_s: list[dict[str, float]], rank: int, steps: int) -> tuple[str, float] | None:
-    """Pure: the phase of ``rank``'s own work most over the other ranks' median, in ms per step, or ``None``
-    (one rank, no heartbeat, nothing over)."""
+    """The phase of ``rank``'s own work most over the other ranks' median, in ms per step, or ``None``."""
     others = [p for i, p in enumerate(phase_s) if i != rank]
     if not others or steps <= 0 or not any(phase_s[rank].values()):
         return None
@@ -51,23 +47,19 @@ def straggler_phase(phase_s: list[dict[str, float]], rank: int, steps: int) -> t
 def gather_ranks(
     window: Sums, total: Sums, bins: list[Sums], extra: dict[str, float], device: torch.device
 ) -> list[dict[str, Any]]:
-    """Every rank's window, total, ``extra`` and bins. A collective: every rank calls it at the same step (the
-    bins are the same length everywhere: they close at the same optimizer steps)."""
+    """Every rank's window, total, ``extra`` and bins; a collective, called by every rank at the same step."""
     row = [*window.values(), *total.values(), *(float(extra.get(k, 0.0)) for k in EXTRA)]
     row += [value for bin_ in bins for value in bin_.values()]
     n, head = len(FIELDS), 2 * len(FIELDS) + len(EXTRA)
-    out = []
-    for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist():
-        rest = values[head:]
-        out.append(
-            {
-                "window": values[:n],
-                "total": values[n : 2 * n],
-                **dict(zip(EXTRA, values[2 * n : head])),
-                "bins": [rest[i : i + n] for i in range(0, len(rest), n)],
-            }
-        )
-    return out
+    return [
+        {
+            "window": values[:n],
+            "total": values[n : 2 * n],
+            **dict(zip(EXTRA, values[2 * n : head])),
+            "bins": [values[i : i + n] for i in range(head, len(values), n)],
+        }
+        for values in gather_rows(torch.tensor(row, dtype=torch.float64, device=device)).tolist()
+    ]
 
 
 def rank_times(sums: list[float]) -> RankTimes:
@@ -204,13 +196,11 @@ def format_table(report: dict[str, Any], title: str = "TrainingDoctor") -> str:
     return "\n".join(lines)
 
 
-def write_json(content: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
+def write_json(content: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(content, indent=1, default=str))
     tmp.replace(path)  # a reader never sees half a report
-    return path
 
 
 PARTS = (("data_ms", "data wait"), ("compute_ms", "forward+backward"), ("comm_ms", "exposed comm"),

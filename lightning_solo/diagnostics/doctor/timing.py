@@ -1,5 +1,4 @@
-"""One rank's time split (data wait, forward+backward, optimizer, the communication DDP could not hide), summed
-per optimizer step into chart bins and running totals. See docs/diagnostics.md."""
+"""One rank's time split per optimizer step, in chart bins and running totals. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class Sums:
 
     def add(self, other: Sums, pending: bool = True) -> None:
         """Add ``other``'s sums, and its CUDA intervals unless ``pending`` is False (read back into both later)."""
-        for i, value in enumerate(other.v):
-            self.v[i] += value
+        self.v = [a + b for a, b in zip(self.v, other.v)]
         self.loss = self.loss + other.loss
         if pending:
             self.pending += other.pending
@@ -52,9 +50,7 @@ class ExposedComm:
         self.iterations = 0  # DDP iterations read so far, over every wrapper followed
 
     def watch(self, model: Any) -> None:
-        """Follow ``model`` (cheap: an identity check per batch). A new DDP wrapper (SoloDDP re-wraps when the
-        unused-parameter policy or the comm hook changes) gets the sample rate; one replaced without
-        :meth:`read_out` is read out now. Also starts timing SyncBN's collectives."""
+        """Follow ``model``: a new DDP wrapper gets the sample rate, the one it replaced is read out."""
         SYNCBN_WAIT.listen(self)
         if model is self._ddp or not isinstance(model, DistributedDataParallel):
             return
@@ -64,8 +60,7 @@ class ExposedComm:
         torch_compat.set_ddp_runtime_logging_sample_rate(model, self.sample_rate)
 
     def read_out(self, ddp: DistributedDataParallel) -> None:
-        """Keep what ``ddp`` recorded since the last read for the next one, and stop following it: SoloDDP calls
-        this (``add_rewrap_listener``) right before it drops the wrapper to build the next."""
+        """Keep what ``ddp`` recorded for the next read and stop following it (SoloDDP's rewrap listener)."""
         if ddp is not self._ddp:
             return
         n, ns = self._recorded(ddp)
@@ -77,13 +72,8 @@ class ExposedComm:
         self._ddp = None
         SYNCBN_WAIT.unlisten(self)
 
-    def syncbn_wait(self) -> tuple[float, list[tuple[Any, Any]]]:
-        """SyncBN's collective waits since the last call: host seconds and CUDA (start, end) events."""
-        return SYNCBN_WAIT.take() if self in SYNCBN_WAIT else (0.0, [])
-
     def mean_since_last_read(self) -> float:
-        """Seconds of exposed communication per synchronised iteration since the last call (the previous
-        value when DDP recorded none since)."""
+        """Exposed communication seconds per iteration since the last call (the previous value if none since)."""
         n, ns = self._recorded(self._ddp) if self._ddp is not None else self._base  # between wrappers: (0, 0)
         count, total = n - self._base[0] + self._carry[0], ns - self._base[1] + self._carry[1]
         self._base, self._carry = (n, ns), (0, 0.0)
@@ -121,8 +111,7 @@ def recorded_iterations(iteration: int, rate: int) -> int:
 
 
 class StepTimer:
-    """One rank's time split from the batch and optimizer hooks: CUDA events on CUDA, else the host clock. Bins
-    of ``bin_steps`` optimizer steps (DDP's data is read once per bin) double in width past ``max_bins``."""
+    """One rank's time split (CUDA events, else the host clock) in bins of ``bin_steps``, doubled past ``max_bins``."""
 
     def __init__(
         self, device: torch.device, comm: ExposedComm | None = None, bin_steps: int = 16, max_bins: int = 256
@@ -189,7 +178,7 @@ class StepTimer:
 
     def _take_syncbn_wait(self) -> None:
         """SyncBN's waits since the last batch: communication, inside forward+backward."""
-        seconds, events = self.comm.syncbn_wait()
+        seconds, events = SYNCBN_WAIT.take() if self.comm in SYNCBN_WAIT else (0.0, [])
         if self.recording:
             self._open.v[COMM] += seconds
             self._open.pending += [(start, end, COMM) for start, end in events]

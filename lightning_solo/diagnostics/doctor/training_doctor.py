@@ -38,8 +38,7 @@ _RSS_EVERY = 64  # steps between RSS samples on CPU (psutil: 50-200 µs)
 
 
 def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
-    """How often DDP's reducer times an iteration: every one on CPU (host timestamps, free); DDP's own 1 in 100
-    on CUDA, where its timer waits for the previous backward's events at each sampled iteration (a host sync)."""
+    """How often DDP's reducer times an iteration: every one on CPU; DDP's 1 in 100 on CUDA (its timer syncs)."""
     if requested is not None:
         return Decision("ddp_runtime_logging_sample_rate", requested, "given to TrainingDoctor")
     if device.type == "cuda":
@@ -48,8 +47,7 @@ def decide_sample_rate(requested: int | None, device: torch.device) -> Decision:
 
 
 class TrainingDoctor(DecisionLog, L.Callback):
-    """Measures the time split on every rank and says what bounds the run and what to change (arguments:
-    docs/diagnostics.md)."""
+    """What bounds the run and what to change, measured on every rank (arguments: docs/diagnostics.md)."""
 
     def __init__(
         self,
@@ -75,8 +73,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        standalone = any(isinstance(cb, LossWatch) for cb in callbacks)
+        standalone = any(isinstance(cb, LossWatch) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._watch = None if standalone else self.loss_watch
         if self._watch is not None:
             self._watch.on_train_start(trainer, pl_module)
@@ -86,7 +83,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         except Exception:  # noqa: BLE001 - a loader Lightning cannot size: warm up in full
             expected = math.inf
         rate = self._decide(decide_sample_rate(self.ddp_sample_rate, pl_module.device)).value
-        # Chart bins of 16 steps (DDP's logging data, ~0.1 ms to read, once per bin), narrower for short runs.
+        # Chart bins of 16 steps (DDP's logging data is read once per bin), narrower for short runs.
         bin_steps = max(1, min(16, int(expected) // 64)) if math.isfinite(expected) else 16
         self._timer = StepTimer(pl_module.device, ExposedComm(rate), bin_steps=bin_steps)
         self._timer.comm.watch(trainer.strategy.model)  # then at every batch end
@@ -145,7 +142,6 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The driven loss watch's trend (kept over a resume); the reports once the fit ended (a forked fit's).
         state: dict[str, Any] = {"loss_watch": self._watch.state_dict()} if self._watch is not None else {}
         if self.report is not None:
             state["results"] = {"report": self.report, "reports": self.reports, "files": self.files}
@@ -160,7 +156,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
     @property
     def advice(self) -> list[str]:
-        """The loss watch's advice, when this doctor drives it (the run summary prints it)."""
+        """The advice of the loss watch this doctor drives."""
         return self._watch.advice if self._watch is not None else []
 
     @override
@@ -171,7 +167,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         self._timer.comm.release()  # the DDP wrapper is not ours to keep
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, which: str, final: bool = False) -> dict:
-        """Gather every rank's sums (a collective, at the same step everywhere), judge, log, write (rank 0)."""
+        """Gather every rank's sums (a collective), judge, log and write (rank 0)."""
         window = self._timer.take_window()
         self._sample_rss()
         extra = {**self._memory(trainer, pl_module), **self._phases(trainer, which)}
@@ -185,7 +181,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         return report
 
     def _write(self, root: Path, report: dict, gathered: list[dict[str, Any]], final: bool) -> None:
-        """Rank 0: doctor.json (the reports so far and the per-bin series) and, at the end, doctor.png."""
+        """doctor.json (the reports so far and the per-bin series) and, at the end, doctor.png."""
         steps = [self._first_step + end for end in self._timer.bin_ends]
         content: dict[str, Any] = {
             "final": report if final else None,
@@ -203,7 +199,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
         write_json(content, root / self.filename)
 
     def _phases(self, trainer: L.Trainer, which: str) -> dict[str, float]:
-        """This rank's seconds in each phase by SoloDDP's heartbeat, since the last report ("window") or in all."""
+        """This rank's seconds per phase by SoloDDP's heartbeat, since the last report ("window") or in all."""
         strategy = trainer.strategy
         beat = strategy.heartbeats().get(trainer.global_rank) if isinstance(strategy, SoloDDP) else None
         if beat is None:
@@ -217,7 +213,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
             self._rss = max(self._rss, self._process.memory_info().rss)
 
     def _memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
-        """This rank's peak and total memory, and its idle cores (the fullest, the scarcest rank counts)."""
+        """This rank's peak and total memory, and its idle cores."""
         device = pl_module.device
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -246,7 +242,7 @@ class TrainingDoctor(DecisionLog, L.Callback):
 
 
 def _samples(batch: Any) -> int:
-    """The batch's size: the first dimension of the batch or its first tensor (fast paths first)."""
+    """The batch's size: the first dimension of its first tensor; 1 when it holds none."""
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return len(first)

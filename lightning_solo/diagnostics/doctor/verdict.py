@@ -1,5 +1,4 @@
-"""The doctor's verdict (pure): measured times per rank → what bounds the run and the remedies, best first.
-See docs/diagnostics.md."""
+"""The doctor's verdict (pure): times per rank → what bounds the run and the remedies. See docs/diagnostics.md."""
 
 from __future__ import annotations
 
@@ -61,9 +60,6 @@ class Remedy:
     value: Any
     action: str
     gain: float  # expected saving, as a fraction of the step
-
-    def __str__(self) -> str:
-        return f"{setting_call(self.setting, self.value)}: {self.action} (expected gain ~{self.gain:.0%} of the step)"
 
 
 def setting_call(setting: str | None, value: Any) -> str:
@@ -167,7 +163,7 @@ def _comm_remedies(share: float, optimizer_share: float, setup: Setup) -> list[R
 
 
 def _compression_may_pay(setup: Setup) -> bool:
-    """Compression hooks are advised only on GPUs, without a hook yet, and unless "auto" measured them slower."""
+    """On GPUs without a hook yet, unless "auto" measured compression slower."""
     if setup.device != "cuda" or setup.comm_hook is not None:
         return False
     if setup.hook_times_ms:
@@ -179,9 +175,7 @@ def _compression_may_pay(setup: Setup) -> bool:
 def _straggler_remedies(
     share: float, slowest: int, behind: float, ranks: Sequence[RankTimes], typical: RankTimes, setup: Setup
 ) -> list[Remedy]:
-    if len(ranks) < 2:
-        return []
-    slow = ranks[slowest]
+    slow = ranks[slowest]  # one rank: no excess, a share of 0 (no remedy)
     excess = {f: getattr(slow, f) - getattr(typical, f) for f in ("data_ms", "compute_ms", "optimizer_ms")}
     where = max(excess, key=excess.__getitem__)
     if where == "data_ms":
