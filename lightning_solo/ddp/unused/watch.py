@@ -97,8 +97,10 @@ def quiet_search_note(group: Any) -> None:
     if _noted or group is None:
         return
     _noted = True
+    with torch.random.fork_rng(devices=[]):  # the layer's initialisation leaves the user's random stream alone
+        layer = torch.nn.Linear(1, 1)
     tiny = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Linear(1, 1), process_group=group, find_unused_parameters=True, init_sync=False
+        layer, process_group=group, find_unused_parameters=True, init_sync=False
     )
     sys.stderr.flush()
     with tempfile.TemporaryFile() as held:
