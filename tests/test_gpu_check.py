@@ -101,14 +101,14 @@ def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
     out = tmp_path / "t.md"
     checks = [
         Check("rng", ddp.check_rng, budget_s=20),
-        Check("asleep", lambda device: (time.sleep(60), (True, ""))[1], budget_s=0.5),  # 1 s on CPU (twice)
-        Check("rng_fresh", ddp.check_rng, budget_s=0.5, fresh=True),  # no interpreter starts in 1 s
+        Check("asleep", lambda device: (time.sleep(60), (True, ""))[1], budget_s=0.5),  # 1.5 s on CPU (three times)
+        Check("rng_fresh", ddp.check_rng, budget_s=0.5, fresh=True),  # no interpreter starts in 1.5 s
     ]
     assert main(checks, HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
     table = out.read_text()
     assert "| rng | PASS |" in table, table
     for name in ("asleep", "rng_fresh"):
-        assert f"| {name} | TIMEOUT |" in table and "killed after 1 s (process group)" in table, table
+        assert f"| {name} | TIMEOUT |" in table and "killed after 2 s (process group)" in table, table
 
 
 def _child(pid: int, marker: str, deadline: float) -> int:
@@ -167,7 +167,7 @@ def test_a_bundle_runs_its_checks_in_one_process_a_row_each(tmp_path):
     # One interpreter for several checks: a check that raises is its own FAIL row and the next one runs in the same
     # process (it sees no process group left by the one before); at the bundle's limit the rows already reported
     # keep their result and the rest are TIMEOUT. A check without a CPU form is a SKIP row in its place.
-    from benchmarks.gpu_checks import HELPERS, ddp
+    from benchmarks.gpu_checks import HELPERS
     from benchmarks.gpu_checks.harness import Bundle, Check, main
 
     pids = []
@@ -177,6 +177,14 @@ def test_a_bundle_runs_its_checks_in_one_process_a_row_each(tmp_path):
 
         pids.append(os.getpid())  # in the child: printed instead, see below
         return not dist.is_initialized(), f"pid {os.getpid()}"
+
+    def leaves_a_group(device):
+        import tempfile
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+        return True, "a gloo group left behind"
 
     def boom(device):
         raise ValueError("a broken check")
@@ -188,16 +196,16 @@ def test_a_bundle_runs_its_checks_in_one_process_a_row_each(tmp_path):
     out = tmp_path / "t.md"
     bundle = Bundle(
         "b",
-        (Check("nccl1", ddp.check_nccl1), Check("boom", boom), Check("gpu_only", pid, cpu=False),
+        (Check("group", leaves_a_group), Check("boom", boom), Check("gpu_only", pid, cpu=False),
          Check("after", pid), Check("asleep", asleep), Check("never", pid)),
-        budget_s=10,  # 20 s on CPU
+        budget_s=3,  # 9 s on CPU
     )  # fmt: skip
     assert main([bundle], HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
     table = out.read_text()
     rows = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[1:] == [["| nccl1", "PASS"], ["| boom", "FAIL"], ["| gpu_only", "SKIP"], ["| after", "PASS"],
+    assert rows[1:] == [["| group", "PASS"], ["| boom", "FAIL"], ["| gpu_only", "SKIP"], ["| after", "PASS"],
                         ["| asleep", "TIMEOUT"], ["| never", "TIMEOUT"]], table  # fmt: skip
-    assert "ValueError: a broken check" in table and "backend gloo" in table
+    assert "ValueError: a broken check" in table and "killed after 9 s (process group)" in table
     assert not pids  # every check ran in the child, not here
 
 

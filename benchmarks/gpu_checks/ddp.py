@@ -151,9 +151,9 @@ def check_fork(device: str) -> tuple[bool | None, str]:
     if device != "cuda":
         return None, "needs CUDA"
     torch.zeros(1, device="cuda")  # what a notebook cell does before fit
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
     try:
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
         trainer.fit(_Tiny(), _tiny_loader())
     except Exception as err:  # noqa: BLE001 - what the user would see
         refused = f"refused: {type(err).__name__}: {err}"

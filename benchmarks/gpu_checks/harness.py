@@ -166,8 +166,11 @@ def check_results(checks: Sequence[Check], device: str) -> None:
         except Exception:  # noqa: BLE001 - one row's failure, with its traceback in the log
             traceback.print_exc()
             ok, detail = False, "raised: " + traceback.format_exc(limit=-3)[-600:]
-        finally:
+        try:
             _fresh_state(device)
+        except Exception:  # noqa: BLE001 - the device is in an error state: this row fails, the next ones say more
+            traceback.print_exc()
+            ok, detail = False, f"{detail}; then the cleanup after it raised: {traceback.format_exc(limit=-1)[-300:]}"
         took = round(time.monotonic() - start, 1)
         result = {"check": check.name, "ok": None if ok is None else bool(ok), "detail": detail, "seconds": took}
         print(RESULT + json.dumps(result), flush=True)
