@@ -209,17 +209,17 @@ def test_a_bundle_runs_its_checks_in_one_process_a_row_each(tmp_path):
     assert not pids  # every check ran in the child, not here
 
 
-def test_device_syncs_counts_the_runtime_synchronisations_and_device_to_host_copies():
+def test_device_syncs_counts_the_runtime_synchronisations_copies_and_value_reads():
     from types import SimpleNamespace
 
     from benchmarks.gpu_checks.common import device_syncs
 
-    names = ["aten::add", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize_v3020",
+    names = ["aten::add", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize_v3020",
              "cudaMemcpyAsync", "Memcpy DtoH (Device -> Pageable)", "Memcpy HtoD (Pageable -> Device)",
              "Memcpy DtoH (Device -> Pinned)", "cudaStreamWaitEvent", "cudaLaunchKernel"]  # fmt: skip
     prof = SimpleNamespace(events=lambda: [SimpleNamespace(name=n) for n in names])
-    assert device_syncs(prof) == (3, 2)
-    assert device_syncs(SimpleNamespace(events=list)) == (0, 0)
+    assert device_syncs(prof) == (3, 2, 1)
+    assert device_syncs(SimpleNamespace(events=list)) == (0, 0, 0)
 
 
 @pytest.mark.slow

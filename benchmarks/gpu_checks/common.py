@@ -154,9 +154,10 @@ def runner_callbacks(out: Path, batch: int) -> list:
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
 
 
-def device_syncs(prof) -> tuple[int, int]:
-    """(synchronisations, device-to-host copies) in a finished ``torch.profiler.profile``: the CUDA runtime's
-    stream/event/device synchronize calls and the ``Memcpy DtoH`` copies. (0, 0) on CPU by construction."""
+def device_syncs(prof) -> tuple[int, int, int]:
+    """(synchronisations, device-to-host copies, value reads) in a finished ``torch.profiler.profile``: the CUDA
+    runtime's stream/event/device synchronize calls, the ``Memcpy DtoH`` copies ((0, 0) on CPU by construction), and
+    the reads of a tensor's value into Python (``aten::_local_scalar_dense``: ``.item()``, ``bool()``; any device)."""
     names = [e.name for e in prof.events()]
     syncs = sum(n.startswith(call) for n in names for call in SYNC_CALLS)  # a versioned name too: ..._v3020
-    return syncs, sum(n.startswith("Memcpy DtoH") for n in names)
+    return syncs, sum(n.startswith("Memcpy DtoH") for n in names), names.count("aten::_local_scalar_dense")
