@@ -171,8 +171,11 @@ def check_flight_recorder(device: str) -> tuple[bool, str]:
     from lightning_solo.ddp.watchdog.flight_recorder import TRACE_BUFFER_SIZE, clause, summarize
 
     nccl = device == "cuda"
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(TRACE_BUFFER_SIZE))  # before the group: read once
-    with one_rank_group(device):
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the older name too: whichever torch reads
+    env = {name: str(TRACE_BUFFER_SIZE) for name in names if name not in os.environ}
+    os.environ.update(env)  # before the group (read once); gone after, for the bundle's next checks
+    with one_rank_group(device), contextlib.ExitStack() as restore:
+        restore.callback(lambda: [os.environ.pop(name) for name in env])
         x = torch.ones(4, device=device)
         for _ in range(2):
             dist.all_reduce(x)
