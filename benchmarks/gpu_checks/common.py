@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -112,15 +113,18 @@ def two_ranks(helper: str, fn, device: str, *args: str) -> str | None:
         codes = [rank.exitcode for rank in forked]
         return f"a rank failed: exit codes {codes}" if any(codes) else None
     cmd = [sys.executable, str(SCRIPT), "--check", helper, "--device", device]
-    procs = [
-        subprocess.Popen([*cmd, *(x for a in (str(r), port, *args) for x in ("--arg", a))], cwd=ROOT,
-                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]  # fmt: skip
-    logs = [p.communicate()[0] for p in procs]
-    for r, log in enumerate(logs):  # into the check's log
-        print(f"--- rank {r} ---\n{log}", flush=True)
-    return "a rank failed: " + " | ".join(log[-600:] for log in logs) if any(p.returncode for p in procs) else None
+    with tempfile.TemporaryDirectory() as tmp:  # files, not pipes: a rank blocked on a full pipe would stall both
+        logs = [Path(tmp) / f"rank{r}.log" for r in (0, 1)]
+        procs = []
+        for r, log in enumerate(logs):
+            with log.open("w") as out:
+                procs.append(subprocess.Popen([*cmd, *(x for a in (str(r), port, *args) for x in ("--arg", a))],
+                                              cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+        codes = [p.wait() for p in procs]
+        texts = [log.read_text(errors="replace") for log in logs]
+    for r, text in enumerate(texts):  # into the check's log
+        print(f"--- rank {r} ---\n{text}", flush=True)
+    return "a rank failed: " + " | ".join(text[-600:] for text in texts) if any(codes) else None
 
 
 def runner_callbacks(out: Path, batch: int) -> list:
