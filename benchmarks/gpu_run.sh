@@ -8,11 +8,13 @@
 #    Hydra app and the tests' helpers; pytest, pluggy, iniconfig, pygments for stage 0) into /tmp/site, without
 #    the network, and the checkout itself with --no-deps into /tmp/site/checkout (a check that it installs
 #    offline; the checkout is what runs); the machine's torch, Lightning and torchmetrics stay.
-# 2. Stage 0 (about 20 s): versions; tests/test_compat.py against this machine's torch and Lightning; a one-rank
-#    NCCL group (cuda) and a gloo group, each an all-reduce.
+# 2. Stage 0 (about 20 s on a GPU host): versions; tests/test_compat.py against this machine's torch and Lightning
+#    (at most 60 s; 180 s on CPU, a shared machine's); a one-rank NCCL group (cuda) and a gloo group, each an
+#    all-reduce.
 # 3. benchmarks/gpu_check.py within what is left of --budget (default 570 s on cuda: one 600 s command).
-# Everything goes under $OUT (default /tmp/gpu_run): gpu_run.log (all of it), versions.txt, stage0_*.log,
-# gpu_check.md (the table), logs/NAME.log (each check's whole output). Exit status 1 when anything failed.
+# Everything goes under $OUT (default /tmp/gpu_run), four files (the device returns at most 8): gpu_run.log (all of
+# it), versions.txt, gpu_check.md (the table) and logs.tar.gz (stage0_*.log and logs/NAME.log, each check's whole
+# output, packed at the end, also when the run is interrupted). Exit status 1 when anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRAVEL=(hydra-core omegaconf antlr4-python3-runtime pytest pluggy iniconfig pygments)
@@ -35,10 +37,16 @@ while (($#)); do
         *) passthrough+=("$1"); shift ;;
     esac
 done
-budget=${budget:-$([[ $device == cuda ]] && echo 570 || echo 1500)}
+budget=${budget:-$([[ $device == cuda ]] && echo 570 || echo 1700)}
 OUT=${OUT:-/tmp/gpu_run}
 mkdir -p "$OUT/logs"
 exec > >(tee "$OUT/gpu_run.log") 2>&1
+pack() {  # the logs as one file: what comes back from the device is at most 8 files
+    tar czf "$OUT/logs.tar.gz" -C "$OUT" logs $(cd "$OUT" && ls stage0_*.log 2> /dev/null) \
+        && rm -rf "$OUT/logs" "$OUT"/stage0_*.log
+}
+trap pack EXIT
+trap 'exit 143' TERM HUP INT
 start=$SECONDS
 failed=0
 step() { echo "== $1 ($((SECONDS - start)) s)"; }
@@ -80,8 +88,9 @@ for name in ("lightning", "torchvision", "torchmetrics", "hydra-core", "omegacon
 EOF
 
 step "stage 0: tests/test_compat.py on this torch and Lightning"
-timeout 60 python3 -m pytest -o addopts="" -p no:cacheprovider -q tests/test_compat.py > "$OUT/stage0_compat.log" 2>&1 \
-    || failed=1
+compat_limit=$([[ $device == cuda ]] && echo 60 || echo 180)
+timeout "$compat_limit" python3 -m pytest -o addopts="" -p no:cacheprovider -q tests/test_compat.py \
+    > "$OUT/stage0_compat.log" 2>&1 || { failed=1; echo "test_compat: failed or past its $compat_limit s"; }
 tail -n 3 "$OUT/stage0_compat.log"
 
 step "stage 0: a one-rank NCCL group and a gloo group"

@@ -1,11 +1,13 @@
 """benchmarks/gpu_check.py runs its figures only where a GPU is; here: it parses, without CUDA it says so and stops,
-its harness kills a check's whole process group at its limit, its table states the targets, and every check with
-a CPU form runs its logic on CPU at tiny sizes; gpu_run.sh, the device's one command, runs end to end on CPU."""
+its harness kills a check's whole process group at its limit and runs a bundle of checks in one process, a row each,
+its table states the targets; gpu_run.sh, the device's one command, runs end to end on CPU with the multi-rank
+scenario. Every check's CPU form: ``bash benchmarks/gpu_run.sh --device cpu`` (benchmarks/README.md)."""
 
 import importlib.util
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -15,21 +17,21 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
-def test_help_lists_every_check(capsys):
+def test_help_lists_every_check_and_the_limits_fit_the_budget(capsys):
     gpu_check = _load()
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for check in gpu_check.CHECKS:
-        assert f"``{check.name}``" in out
-    # correctness first, benchmarks last, each in registry order
-    from benchmarks.gpu_checks.harness import ordered
+    from benchmarks.gpu_checks.harness import rows_of
 
-    kinds = [c.benchmark for c in ordered(gpu_check.CHECKS)]
-    assert kinds == sorted(kinds) and {"defaults_cost", "precision"} <= {
-        c.name for c in gpu_check.CHECKS if c.benchmark
-    }
+    rows = rows_of(gpu_check.CHECKS)
+    for check in rows:
+        assert f"``{check.name}``" in out
+    assert len({c.name for c in rows}) == len(rows)
+    # defaults_cost right after stage 0, the multi-rank scenario next; the limits add up to the 540 s budget
+    assert [c.name for c in rows[:2]] == ["defaults_cost", "multirank"]
+    assert sum(entry.budget_s for entry in gpu_check.CHECKS) <= 540
 
 
 def _load():
@@ -99,14 +101,14 @@ def test_a_timeout_is_a_row_and_the_table_is_written_at_once(tmp_path):
     out = tmp_path / "t.md"
     checks = [
         Check("rng", ddp.check_rng, budget_s=20),
-        Check("asleep", lambda device: (time.sleep(60), (True, ""))[1], budget_s=0.5),  # 1 s on CPU (twice)
-        Check("rng_fresh", ddp.check_rng, budget_s=0.5, fresh=True),  # no interpreter starts in 1 s
+        Check("asleep", lambda device: (time.sleep(60), (True, ""))[1], budget_s=0.5),  # 1.5 s on CPU (three times)
+        Check("rng_fresh", ddp.check_rng, budget_s=0.5, fresh=True),  # no interpreter starts in 1.5 s
     ]
     assert main(checks, HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
     table = out.read_text()
     assert "| rng | PASS |" in table, table
     for name in ("asleep", "rng_fresh"):
-        assert f"| {name} | TIMEOUT |" in table and "killed after 1 s (process group)" in table, table
+        assert f"| {name} | TIMEOUT |" in table and "killed after 2 s (process group)" in table, table
 
 
 def _child(pid: int, marker: str, deadline: float) -> int:
@@ -159,43 +161,65 @@ def test_precision_table_states_the_targets():
     assert "best 5100, MET" in table and "worst 0.80x, MISSED" in table  # 16-mixed, contiguous: 24000 / 30000
 
 
-def _cpu_checks() -> list[str]:
-    return [check.name for check in _load().CHECKS if check.cpu]
-
-
-# Four runs of a quarter of the checks each, so that the suite's workers share them; together: every check.
-_SHARES = 4
-
-
 @pytest.mark.multiproc
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("share", range(_SHARES))
-def test_every_check_with_a_cpu_form_passes_on_cpu(tmp_path, share):
-    # nccl1 runs on gloo here, scaler on real fp16 on CPU, syncbn_fn with the portable kernels: the logic of each.
-    gpu_check = _load()
-    names = _cpu_checks()[share::_SHARES]
+@pytest.mark.timeout(120)
+def test_a_bundle_runs_its_checks_in_one_process_a_row_each(tmp_path):
+    # One interpreter for several checks: a check that raises is its own FAIL row and the next one runs in the same
+    # process (it sees no process group left by the one before); at the bundle's limit the rows already reported
+    # keep their result and the rest are TIMEOUT. A check without a CPU form is a SKIP row in its place.
+    from benchmarks.gpu_checks import HELPERS
+    from benchmarks.gpu_checks.harness import Bundle, Check, main
+
+    pids = []
+
+    def pid(device):
+        import torch.distributed as dist
+
+        pids.append(os.getpid())  # in the child: printed instead, see below
+        return not dist.is_initialized(), f"pid {os.getpid()}"
+
+    def leaves_a_group(device):
+        import tempfile
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+        return True, "a gloo group left behind"
+
+    def boom(device):
+        raise ValueError("a broken check")
+
+    def asleep(device):
+        time.sleep(60)
+        return True, ""
+
     out = tmp_path / "t.md"
-    args = ["--device", "cpu", "--budget", "600", "--only", ",".join(names), "--out", str(out)]
-    assert gpu_check.main(args) == 0, out.read_text()
+    bundle = Bundle(
+        "b",
+        (Check("group", leaves_a_group), Check("boom", boom), Check("gpu_only", pid, cpu=False),
+         Check("after", pid), Check("asleep", asleep), Check("never", pid)),
+        budget_s=3,  # 9 s on CPU
+    )  # fmt: skip
+    assert main([bundle], HELPERS, "", ["--device", "cpu", "--budget", "60", "--out", str(out)]) == 1
     table = out.read_text()
-    for name in names:
-        assert f"| {name} | PASS |" in table, table
-    expected = {
-        "scaler": ["weights held True", "skipped_steps 1"],
-        "syncbn_cuda": ["during fit: BatchNorm2d synced", "after: BatchNorm2d"],
-        "notebook": ["CUDA initialised here False"],
-        "autobatch": ["said too big True"],
-    }
-    for name in names:
-        for text in expected.get(name, []):
-            assert text in table, table
+    rows = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [["| group", "PASS"], ["| boom", "FAIL"], ["| gpu_only", "SKIP"], ["| after", "PASS"],
+                        ["| asleep", "TIMEOUT"], ["| never", "TIMEOUT"]], table  # fmt: skip
+    assert "ValueError: a broken check" in table and "killed after 9 s (process group)" in table
+    assert not pids  # every check ran in the child, not here
 
 
-def test_the_shares_cover_every_check_with_a_cpu_form():
-    names = _cpu_checks()
-    assert sorted(n for share in range(_SHARES) for n in names[share::_SHARES]) == sorted(names)
-    assert {check.name for check in _load().CHECKS if not check.cpu} == {"fork"}  # the one without a CPU form
+def test_device_syncs_counts_the_runtime_synchronisations_copies_and_value_reads():
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_checks.common import device_syncs
+
+    names = ["aten::add", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize_v3020",
+             "cudaMemcpyAsync", "Memcpy DtoH (Device -> Pageable)", "Memcpy HtoD (Pageable -> Device)",
+             "Memcpy DtoH (Device -> Pinned)", "cudaStreamWaitEvent", "cudaLaunchKernel"]  # fmt: skip
+    prof = SimpleNamespace(events=lambda: [SimpleNamespace(name=n) for n in names])
+    assert device_syncs(prof) == (3, 2, 1)
+    assert device_syncs(SimpleNamespace(events=list)) == (0, 0, 0)
 
 
 @pytest.mark.slow
@@ -208,13 +232,22 @@ def test_gpu_run_goes_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "SITE": str(tmp_path / "site")}
     proc = subprocess.run(
-        ["bash", str(SCRIPT.parent / "gpu_run.sh"), "--device", "cpu", "--only", "nccl1"],
+        ["bash", str(SCRIPT.parent / "gpu_run.sh"), "--device", "cpu", "--only", "multirank,flight_recorder,nccl1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=390,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "| nccl1 | PASS |" in (out / "gpu_check.md").read_text()
-    assert "RESULT " in (out / "logs" / "nccl1.log").read_text()  # the whole output, its result line too
-    assert "passed" in (out / "stage0_compat.log").read_text()
-    assert "groups: OK" in (out / "stage0_groups.log").read_text()
+    table = (out / "gpu_check.md").read_text()
+    for name in ("multirank", "flight_recorder", "nccl1"):
+        assert f"| {name} | PASS |" in table, table
+    # the multi-rank scenario: both arms at both batches, SoloDDP's barrier monitored, the fast path at 128
+    assert "| 16 | SoloDDP() | 17 | True | monitored | True |" in table, table
+    assert "| 128 | SoloDDP() | 17 | False | monitored | False |" in table, table
+    assert "| 128 | DDPStrategy() | 17 |" in table and "nothing in flight" in table, table
+    # what comes back from the device: at most 8 files; the logs packed into one
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.md", "gpu_run.log", "logs.tar.gz", "versions.txt"]
+    with tarfile.open(out / "logs.tar.gz") as logs:
+        text = {m.name: logs.extractfile(m).read().decode() for m in logs.getmembers() if m.isfile()}
+    assert "RESULT " in text["logs/single.log"] and "RESULT " in text["logs/multirank.log"]  # each whole output
+    assert "passed" in text["stage0_compat.log"] and "groups: OK" in text["stage0_groups.log"]
     assert "torch " in (out / "versions.txt").read_text() and "the checkout installs" in proc.stdout
     assert (tmp_path / "site" / "checkout" / "lightning_solo" / "conf" / "config.yaml").is_file()

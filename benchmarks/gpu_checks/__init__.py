@@ -1,28 +1,37 @@
-"""The checks of ``benchmarks/gpu_check.py``, one :class:`~benchmarks.gpu_checks.harness.Check` per row, in the
-order they run (correctness first, benchmarks last). A new check: a function ``(device) -> (ok, detail)`` in the
-module of its group, and one line here."""
+"""The checks of ``benchmarks/gpu_check.py`` in the order they run, each a row of the table; a
+:class:`~benchmarks.gpu_checks.harness.Bundle` runs its small single-process checks in one interpreter. A new check:
+a function ``(device) -> (ok, detail)`` in the module of its group, and one line here. The limits (seconds on a
+GPU, twice on CPU) add up to 540."""
 
-from benchmarks.gpu_checks import ddp, memory, perf, syncbn
-from benchmarks.gpu_checks.harness import Check
+from benchmarks.gpu_checks import ddp, memory, multirank, perf, syncbn
+from benchmarks.gpu_checks.harness import Bundle, Check
 
 CHECKS = (
-    Check("nccl1", ddp.check_nccl1, 45),
-    Check("scaler", ddp.check_scaler, 45),
-    Check("rng", ddp.check_rng, 30),
-    Check("syncbn_fn", syncbn.check_syncbn_fn, 75),
-    Check("syncbn_cuda", syncbn.check_syncbn_cuda, 45),
-    Check("syncbn", syncbn.check_syncbn, 60),
-    Check("fork", ddp.check_fork, 60, cpu=False),
-    Check("notebook", ddp.check_notebook, 90, fresh=True),  # its parent process must be a clean interpreter
-    Check("rewrap", ddp.check_rewrap, 90),
-    Check("comm", ddp.check_comm, 45),
-    Check("resume", ddp.check_resume, 60),
-    Check("autobatch", memory.check_autobatch, 60),
-    Check("fsdp", memory.check_fsdp, 75),
-    Check("preflight", ddp.check_preflight, 45),
-    Check("compile", ddp.check_compile, 120),
-    Check("defaults_cost", perf.check_defaults_cost, 150, benchmark=True),
-    Check("precision", perf.check_precision, 150, benchmark=True),
+    Check("defaults_cost", perf.check_defaults_cost, 115),
+    Check("multirank", multirank.check_multirank, 70),
+    Bundle(
+        "single",
+        (
+            Check("flight_recorder", ddp.check_flight_recorder),  # first: the recorder reads its size once
+            Check("autobatch", memory.check_autobatch),  # early: the device's memory still clean
+            Check("nccl1", ddp.check_nccl1),
+            Check("scaler", ddp.check_scaler),
+            Check("rng", ddp.check_rng),
+            Check("syncbn_cuda", syncbn.check_syncbn_cuda),
+            Check("comm", ddp.check_comm),
+            Check("resume", ddp.check_resume),
+            Check("fsdp", memory.check_fsdp),
+            Check("preflight", ddp.check_preflight),
+            Check("syncbn_fn", syncbn.check_syncbn_fn),
+            Check("fork", ddp.check_fork, cpu=False),  # last: it leaves CUDA initialised
+        ),
+        120,
+    ),
+    Check("syncbn", syncbn.check_syncbn, 35),
+    Check("rewrap", ddp.check_rewrap, 40),
+    Check("notebook", ddp.check_notebook, 45, fresh=True),  # its parent process must be a clean interpreter
+    Check("compile", ddp.check_compile, 55),
+    Check("precision", perf.check_precision, 60),
 )
 #: Processes a check starts (``--check NAME --arg ...``): not rows of the table.
-HELPERS = {"fork-child": ddp.fork_child, "rewrap-rank": ddp.rewrap_rank}
+HELPERS = {"rewrap-rank": ddp.rewrap_rank, "multirank-rank": multirank.multirank_rank}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -22,12 +21,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from benchmarks.gpu_checks.common import (
     accelerator,
     fit_solo,
+    join_as_rank,
     one_rank_group,
     regression_loader,
     rel_err,
-    run_helper,
+    two_ranks,
 )
-from benchmarks.gpu_checks.harness import ROOT, SCRIPT, child_env
+from benchmarks.gpu_checks.harness import ROOT, child_env
 from lightning_solo import SoloDDP
 from lightning_solo.testing import free_port
 
@@ -145,26 +145,57 @@ def _tiny_loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
 
 
-def fork_child(device: str) -> None:
-    """A notebook that touched CUDA, then fits with fork: SoloDDP must refuse, naming CUDA."""
-    torch.zeros(1, device="cuda")  # what a notebook cell does before fit
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
-    try:
-        trainer.fit(_Tiny(), _tiny_loader())
-    except Exception as err:  # noqa: BLE001 - what the user would see
-        print(f"REFUSED {type(err).__name__}: {err}", flush=True)
-        return
-    print("NOT REFUSED", flush=True)
-
-
 def check_fork(device: str) -> tuple[bool | None, str]:
+    """In a process that has used CUDA (a notebook after a cell touched it), ``SoloDDP(start_method="fork")``
+    refuses before forking, naming CUDA."""
     if device != "cuda":
         return None, "needs CUDA"
-    code, out = run_helper("fork-child", device, limit=120)
-    refused = next((line for line in out.splitlines() if line.startswith("REFUSED")), None)
-    ok = refused is not None and "CUDA" in refused and "Cannot re-initialize" not in out
-    return ok, (refused or f"no clear refusal (exit {code}); output tail: {out[-400:]}")[:300]
+    torch.zeros(1, device="cuda")  # what a notebook cell does before fit
+    try:
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=SoloDDP(start_method="fork"), max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+        trainer.fit(_Tiny(), _tiny_loader())
+    except Exception as err:  # noqa: BLE001 - what the user would see
+        refused = f"refused: {type(err).__name__}: {err}"
+        return "CUDA" in refused and "Cannot re-initialize" not in refused, refused[:300]
+    return False, "not refused: the fit forked after CUDA was initialised"
+
+
+def check_flight_recorder(device: str) -> tuple[bool, str]:
+    """A one-rank group (nccl on CUDA), three collectives, then this rank's flight-recorder record dumped (torch's
+    JSON, as the watchdog dumps it at a hang) and parsed: the last collective, its number and nothing in flight."""
+    import json
+    import time
+
+    from lightning_solo._compat.torch import flight_recorder_json
+    from lightning_solo.ddp.watchdog.flight_recorder import TRACE_BUFFER_SIZE, clause, summarize
+
+    nccl = device == "cuda"
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the older name too: whichever torch reads
+    env = {name: str(TRACE_BUFFER_SIZE) for name in names if name not in os.environ}
+    os.environ.update(env)  # before the group (read once); gone after, for the bundle's next checks
+    with one_rank_group(device), contextlib.ExitStack() as restore:
+        restore.callback(lambda: [os.environ.pop(name) for name in env])
+        x = torch.ones(4, device=device)
+        for _ in range(2):
+            dist.all_reduce(x)
+        dist.broadcast(x, 0)
+        if nccl:
+            torch.cuda.synchronize()
+        deadline = time.monotonic() + 10
+        while True:  # NCCL's watchdog thread marks completion a moment after the kernels end
+            dump = flight_recorder_json(nccl)
+            summary = summarize(dump)
+            pending = any(last["pending"] for last in summary.values())
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    entries = json.loads(dump).get("entries", [])
+    last = next(iter(summary.values()), None)
+    words = clause({0: summary}) or ""
+    ok = last is not None and "broadcast" in last["op"] and last["seq"] >= 3 and not pending
+    ok = ok and words.startswith("flight recorder: nothing in flight")
+    return ok, f"{'nccl' if nccl else 'gloo'}: {len(entries)} entries, {len(dump)} B; last {last}; {words}"
 
 
 def check_notebook(device: str) -> tuple[bool, str]:
@@ -226,8 +257,7 @@ class _Branchy(L.LightningModule):
 
 def rewrap_rank(device: str, rank: str, port: str, out: str) -> None:
     """One of two ranks, started as an external process (the way torchrun/SLURM start them)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=rank, NODE_RANK=rank,
-                      LOCAL_RANK="0")  # fmt: skip
+    join_as_rank(rank, port)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 4, generator=g))
     model, steps = _Branchy(), 40 if device == "cuda" else 16  # re-wraps at steps 4 and 11
@@ -252,37 +282,10 @@ def rewrap_rank(device: str, rank: str, port: str, out: str) -> None:
 def check_rewrap(device: str) -> tuple[bool, str]:
     """2 processes on the one GPU (gloo: NCCL refuses two ranks on one device), re-wrapping DDP twice while
     the previous optimizer step is still queued: replicas bit-identical, no memory kept by the old wrappers."""
-    port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        if device == "cpu":
-            # Forked from this check's process, which has run no torch op: the same ranks without two interpreter
-            # start-ups (~7 s each on 2 cores). On a GPU each rank is a fresh process, as torchrun starts them.
-            forked = [
-                multiprocessing.get_context("fork").Process(target=rewrap_rank, args=(device, str(r), str(port), out))
-                for r in (0, 1)
-            ]
-            for rank in forked:
-                rank.start()
-            for rank in forked:
-                rank.join()  # the check's own limit kills the group
-            if any(rank.exitcode for rank in forked):
-                return False, f"a rank failed: exit codes {[rank.exitcode for rank in forked]}"
-        else:
-            cmd = [sys.executable, str(SCRIPT), "--check", "rewrap-rank", "--device", device]
-            procs = [
-                subprocess.Popen(
-                    [*cmd, "--arg", str(r), "--arg", str(port), "--arg", out],
-                    cwd=ROOT,
-                    env=child_env(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                for r in (0, 1)
-            ]
-            logs = [p.communicate()[0] for p in procs]  # the check's own limit kills the group
-            if any(p.returncode for p in procs):
-                return False, "a rank failed: " + " | ".join(log[-600:] for log in logs)
+        failed = two_ranks("rewrap-rank", rewrap_rank, device, out)
+        if failed:
+            return False, failed
         r0, r1 = (torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in (0, 1))
     identical = torch.equal(r0["params"], r1["params"])
     rewrapped = all(r["find_unused"] is True and "switched" in r["reason"] for r in (r0, r1))

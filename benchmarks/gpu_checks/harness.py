@@ -40,14 +40,24 @@ MIN_START_S = 15  # less left than this: a process start and a fit do not fit, t
 class Check:
     """One row of the table: ``run(device)`` in a child process for at most ``budget_s`` seconds.
 
-    ``cpu=False``: no CPU form (SKIP under ``--device cpu``). ``benchmark=True``: a figure, run after every
-    correctness check. ``fresh=True``: a fresh interpreter on CPU too (a check about the process it runs in)."""
+    ``cpu=False``: no CPU form (SKIP under ``--device cpu``). ``fresh=True``: a fresh interpreter on CPU too (a
+    check about the process it runs in)."""
 
     name: str
     run: Callable[[str], tuple[bool | None, str]]
-    budget_s: float
+    budget_s: float = 0
     cpu: bool = True
-    benchmark: bool = False
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Small single-process checks run one after another in one child process (one interpreter start, one
+    ``budget_s`` for them all), one row each; a check that raises is a FAIL row and the next one runs."""
+
+    name: str
+    checks: tuple[Check, ...]
+    budget_s: float
     fresh: bool = False
 
 
@@ -144,37 +154,82 @@ def run_forked(fn: Callable[[], None], limit: float) -> tuple[int | None, str]:
     return None if timed_out else status, b"".join(chunks).decode(errors="replace")
 
 
-def check_result(check: Check, device: str) -> None:
-    """Run ``check`` here and print its RESULT line (the child's side of :func:`run_check`)."""
-    ok, detail = check.run(device)
-    print(RESULT + json.dumps({"ok": None if ok is None else bool(ok), "detail": detail}), flush=True)
+def check_results(checks: Sequence[Check], device: str) -> None:
+    """Run ``checks`` here, one after another, each printing its RESULT line (the child's side of
+    :func:`run_check`); in a bundle, one that raises is reported and the next one runs."""
+    import gc
+
+    for check in checks:
+        start = time.monotonic()
+        try:
+            ok, detail = check.run(device)
+        except Exception:  # noqa: BLE001 - one row's failure, with its traceback in the log
+            traceback.print_exc()
+            ok, detail = False, "raised: " + traceback.format_exc(limit=-3)[-600:]
+        try:
+            _fresh_state(device)
+        except Exception:  # noqa: BLE001 - the device is in an error state: this row fails, the next ones say more
+            traceback.print_exc()
+            ok, detail = False, f"{detail}; then the cleanup after it raised: {traceback.format_exc(limit=-1)[-300:]}"
+        took = round(time.monotonic() - start, 1)
+        result = {"check": check.name, "ok": None if ok is None else bool(ok), "detail": detail, "seconds": took}
+        print(RESULT + json.dumps(result), flush=True)
+        gc.collect()
 
 
-def run_check(check: Check, device: str, limit: float, log: Path | None = None) -> dict:
-    """One check in a fresh interpreter (forked from this one on CPU); returns {check, status, detail, seconds}.
-    ``log``: the check's whole output is written there."""
+def _fresh_state(device: str) -> None:
+    """What a fresh interpreter would give the next check of a bundle: no process group, the device's cache empty."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_check(
+    entry: Check | Bundle, device: str, limit: float, log: Path | None = None, checks: Sequence[Check] | None = None
+) -> list[dict]:
+    """One check or bundle (``checks``: those of its checks, default all) in a fresh interpreter (forked from this
+    one on CPU); a row {check, status, detail, seconds} per check. ``log``: the whole output is written there."""
     start = time.monotonic()
-    if device == "cpu" and not check.fresh:
-        code, out = run_forked(lambda: check_result(check, device), limit)
+    checks = checks or rows_of([entry])
+    names = ",".join(c.name for c in checks)
+    if device == "cpu" and not entry.fresh:
+        code, out = run_forked(lambda: check_results(checks, device), limit)
     else:
-        code, out = run_group([sys.executable, str(SCRIPT), "--check", check.name, "--device", device], limit)
+        cmd = [sys.executable, str(SCRIPT), "--check", entry.name, "--only", names, "--device", device]
+        code, out = run_group(cmd, limit)
     if log is not None:
         log.write_text(out)
-    line = next((x for x in out.splitlines() if x.startswith(RESULT)), None)
-    if code is None:
-        status, detail = "TIMEOUT", f"killed after {limit:.0f} s (process group); output tail: {out[-300:]}"
-    elif line is None:
-        status, detail = "FAIL", f"exit {code}; output tail: {out[-800:]}"
-    else:
-        result = json.loads(line[len(RESULT) :])
-        status = {True: "PASS", False: "FAIL", None: "SKIP"}[result["ok"]]
-        detail = result["detail"]
-    return {
-        "check": check.name,
-        "status": status,
-        "detail": detail,
-        "seconds": round(time.monotonic() - start, 1),
-    }
+    results = {}
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):  # a line another process's output broke into is no result
+            if line.startswith(RESULT):
+                result = json.loads(line[len(RESULT) :])
+                results[result["check"]] = result
+    tail = out[-800:].replace("\n", " ⏎ ")
+    rows = []
+    for check in checks:
+        if check.name in results:
+            result = results[check.name]
+            status = {True: "PASS", False: "FAIL", None: "SKIP"}[result["ok"]]
+            rows.append({"check": check.name, "status": status, "detail": result["detail"],
+                         "seconds": result["seconds"]})  # fmt: skip
+        elif code is None:
+            detail = f"killed after {limit:.0f} s (process group); output tail: {tail[-300:]}"
+            rows.append({"check": check.name, "status": "TIMEOUT", "detail": detail, "seconds": None})
+        else:
+            rows.append({"check": check.name, "status": "FAIL", "detail": f"exit {code}; output tail: {tail}",
+                         "seconds": None})  # fmt: skip
+    # The time no result accounts for (start-up, the check that did not finish) goes to the first unfinished row.
+    left = time.monotonic() - start - sum(r["seconds"] or 0 for r in rows)
+    target = next((r for r in rows if r["seconds"] is None), rows[0])
+    for row in rows:
+        row["seconds"] = round((row["seconds"] or 0) + (left if row is target else 0), 1)
+    return rows
 
 
 def render(rows: list[dict], device: str) -> str:
@@ -189,12 +244,13 @@ def render(rows: list[dict], device: str) -> str:
     return "\n".join([*lines, "", *tables]) + "\n"
 
 
-def ordered(checks: Sequence[Check]) -> list[Check]:
-    """Correctness checks first, benchmarks last, each in registry order."""
-    return [c for c in checks if not c.benchmark] + [c for c in checks if c.benchmark]
+def rows_of(entries: Sequence[Check | Bundle]) -> list[Check]:
+    """Every check, one per row, in the order they run."""
+    return [c for e in entries for c in (e.checks if isinstance(e, Bundle) else (e,))]
 
 
-def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: str, argv=None) -> int:
+def main(entries: Sequence[Check | Bundle], helpers: dict[str, Callable[..., None]], doc: str, argv=None) -> int:
+    checks = rows_of(entries)
     names = [c.name for c in checks]
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -212,11 +268,12 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
     if args.check in helpers:  # a process a check starts (a rank, a notebook parent)
         helpers[args.check](args.device, *args.arg)
         return 0
-    if args.check:
-        check_result(next(c for c in checks if c.name == args.check), args.device)
+    wanted = args.only.split(",")
+    if args.check:  # a check or bundle, in the process run_check started
+        entry = next(e for e in entries if e.name == args.check)
+        check_results([c for c in rows_of([entry]) if c.name in wanted], args.device)
         return 0
 
-    wanted = args.only.split(",")
     unknown = sorted(set(wanted) - set(names))
     if unknown:
         p.error(f"unknown check(s) {unknown}; accepted: {names}")
@@ -236,21 +293,25 @@ def main(checks: Sequence[Check], helpers: dict[str, Callable[..., None]], doc: 
         args.logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     started = time.monotonic()
-    for check in ordered([c for c in checks if c.name in wanted]):
+    for entry in entries:
+        inner = [c for c in rows_of([entry]) if c.name in wanted]
+        runnable = [c for c in inner if args.device == "cuda" or c.cpu]
+        skipped = {c.name: "no CPU form" for c in inner if c not in runnable}
         left = args.budget - (time.monotonic() - started)
-        if args.device == "cpu" and not check.cpu:
-            row = {"check": check.name, "status": "SKIP", "detail": "no CPU form", "seconds": 0}
-        elif left < MIN_START_S:
-            row = {"check": check.name, "status": "SKIP", "detail": f"the {args.budget:.0f} s budget is spent",
-                   "seconds": 0}  # fmt: skip
-        else:
-            # A shared CPU starts processes and fits more slowly than a GPU host: twice the limit there.
-            limit = check.budget_s * (2 if args.device == "cpu" else 1)
-            log = args.logs / f"{check.name}.log" if args.logs else None
-            row = run_check(check, args.device, min(limit, left), log)
-        rows.append(row)
-        print(f"{check.name}: {row['status']} ({row['seconds']} s)", flush=True)
-        if out:  # after every check: a run killed later still reports what it found
+        if runnable and left < MIN_START_S:
+            skipped.update({c.name: f"the {args.budget:.0f} s budget is spent" for c in runnable})
+        ran = {}
+        if runnable and left >= MIN_START_S:
+            # A shared CPU starts processes and fits more slowly than a GPU host: three times the limit there.
+            limit = entry.budget_s * (3 if args.device == "cpu" else 1)
+            log = args.logs / f"{entry.name}.log" if args.logs else None
+            ran = {row["check"]: row for row in run_check(entry, args.device, min(limit, left), log, runnable)}
+        rows_now = [ran.get(c.name) or {"check": c.name, "status": "SKIP", "detail": skipped[c.name], "seconds": 0}
+                    for c in inner]  # fmt: skip
+        for row in rows_now:
+            rows.append(row)
+            print(f"{row['check']}: {row['status']} ({row['seconds']} s)", flush=True)
+        if out and rows_now:  # after every check: a run killed later still reports what it found
             out.write_text(render(rows, args.device))
     print("\n" + render(rows, args.device))
     unverified = [r for r in rows if r["status"] in ("FAIL", "TIMEOUT") or "budget is spent" in r["detail"]]

@@ -1,5 +1,5 @@
-"""The benchmarks, run last: the cost of the defaults (ResNet-50 bf16 channels_last: a plain loop, SoloDDP,
-the runner's callbacks), and the precision benchmark."""
+"""The benchmarks: the cost of the defaults (ResNet-50 bf16 channels_last: a plain loop, stock DDPStrategy, SoloDDP,
+the runner's callbacks), run first, and the precision benchmark, run last."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import lightning_solo  # noqa: F401 - first: Lightning then loads with the GC pa
 # isort: split
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.gpu_checks.common import now, trainer
-from benchmarks.gpu_checks.harness import ROOT
+from benchmarks.gpu_checks.common import now, runner_callbacks, trainer
+from benchmarks.gpu_checks.harness import ROOT, child_env
 from lightning_solo import SoloDDP
 from lightning_solo.testing import HostSyncRecorder
 
@@ -81,22 +82,21 @@ def check_precision(device: str) -> tuple[bool, str]:
         script = str(ROOT / "benchmarks" / "bench_precision.py")
         options = ["--device", device, "--rounds", "1", "--json", out.name, "--channels-last"]
         bench = [sys.executable, script, *options, *_precision_args(device)]
-        proc = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True)  # the check's limit kills it
+        # child_env: its workers import lightning_solo from this checkout (a check forked on CPU has no such env)
+        proc = subprocess.run(bench, cwd=ROOT, env=child_env(), capture_output=True, text=True)
         if proc.returncode:
             return False, f"bench_precision.py failed: {proc.stderr[-600:]}"
         return precision_table({"channels_last": json.loads(Path(out.name).read_text())}, device)
 
 
-# arch, image size, batch, warm-up steps (the last `recorded` of them counted for host syncs), timed steps,
-# recorded steps, rounds. The callbacks measure on their first 8 steps (ResourceMonitor's pace, the unused-
-# parameter window and its re-wrap): the counted steps come after.
+# arch, image size, batches (the second small, where per-step overhead shows), warm-up steps (the last `recorded`
+# of them counted for host syncs), timed steps, recorded steps, rounds. The callbacks measure on their first 8 steps
+# (ResourceMonitor's pace, the unused-parameter window and its re-wrap): the counted steps come after.
 # CPU: 4 images of 32 px, so that BatchNorm's last stage sees 4 values per channel (2 diverged now and then).
-_SIZES = {"cuda": ("resnet50", 224, 256, 12, 15, 3, 2), "cpu": ("resnet18", 32, 4, 10, 2, 2, 1)}
-_SLOWER = {
-    "SoloDDP()": 1.05,
-    "SoloDDP(find_unused_parameters=False)": 1.05,
-    "SoloDDP() + runner callbacks": 1.10,
-}
+_SIZES = {"cuda": ("resnet50", 224, (256, 16), 11, 8, 3, 2), "cpu": ("resnet18", 32, (4,), 10, 2, 2, 1)}
+STOCK = "DDPStrategy()"
+#: ms per step against stock Lightning's DDPStrategy at the same batch (GPU only).
+_SLOWER = {"SoloDDP()": 1.05, "SoloDDP(find_unused_parameters=False)": 1.05, "SoloDDP() + runner callbacks": 1.10}
 
 
 def _network(arch: str, device: str) -> torch.nn.Module:
@@ -159,44 +159,25 @@ class _Measure(L.Callback):
             self.seconds = now(self.device) - self.start
 
 
-def _runner_callbacks(out: Path, batch: int) -> list:
-    """The runner's default callbacks, built from its composed config as ``python -m lightning_solo.run`` does
-    (the checkpoint monitors nothing here: no validation; the loader is pre-batched, so WarmupScaledLR is told the
-    batch), and RunSummary, which the runner adds."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from lightning_solo.app.run import instantiate_group
-    from lightning_solo.app.run_summary import RunSummary
-
-    overrides = [
-        "callbacks.checkpoint.monitor=null",
-        "callbacks.checkpoint.save_top_k=1",
-        f"callbacks.warmup_scaled_lr.per_device_batch_size={batch}",
-        f"hydra.runtime.output_dir={out}",
-    ]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
-            HydraConfig().set_config(cfg)
-            return [*instantiate_group(cfg.callbacks), RunSummary()]
-    finally:
-        GlobalHydra.instance().clear()
-
-
 def check_defaults_cost(device: str) -> tuple[bool, str]:
-    """ResNet-50 bf16 channels_last, the same batch every step: a plain loop, bare ``SoloDDP()``,
-    ``SoloDDP(find_unused_parameters=False)`` and ``SoloDDP()`` with the runner's default callbacks, interleaved
-    rounds. ms per step (median) and host syncs per step (on steps nothing is logged at), each against its bound:
-    time ≤ 1.05x the plain loop (1.10x with the callbacks; on GPU only), syncs ≤ 1 (the fast path's documented
-    read)."""
-    arch, size, batch, warmup, timed, recorded, rounds = _SIZES[device]
+    """ResNet-50 bf16 channels_last, the same batch every step, at batch 256 and at 16 (where per-step overhead
+    shows): a plain loop, stock ``DDPStrategy()``, bare ``SoloDDP()``, ``SoloDDP(find_unused_parameters=False)`` and
+    ``SoloDDP()`` with the runner's default callbacks, interleaved rounds. ms per step (median) against stock's
+    (≤ 1.05x, 1.10x with the callbacks; on GPU only) and host syncs per step on steps nothing is logged at (≤ 1: the
+    fast path's documented read)."""
+    arch, size, batches, warmup, timed, recorded, rounds = _SIZES[device]
+    torch.backends.cudnn.benchmark = device == "cuda"
+    ok, tables = True, []
+    for batch in batches:
+        batch_ok, table = _defaults_cost_at(device, arch, size, batch, warmup, timed, recorded, rounds)
+        ok, tables = ok and batch_ok, [*tables, table]
+    return ok, "\n\n".join(tables)
+
+
+def _defaults_cost_at(device, arch, size, batch, warmup, timed, recorded, rounds) -> tuple[bool, str]:
     torch.manual_seed(0)
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=device)
-    torch.backends.cudnn.benchmark = device == "cuda"
 
     def plain() -> tuple[float, list[int]]:
         net = _network(arch, device)
@@ -222,14 +203,14 @@ def check_defaults_cost(device: str) -> tuple[bool, str]:
             per_step.append(len(recorder.events) - sum(per_step))
         return seconds, per_step
 
-    def lightning(solo: dict, callbacks: bool) -> tuple[float, list[int]]:
+    def lightning(strategy, callbacks: bool) -> tuple[float, list[int]]:
         from lightning.pytorch.loggers import CSVLogger
 
         measure = _Measure(device, (x, y), warmup, timed, recorded)
         with tempfile.TemporaryDirectory() as out:
-            extra = _runner_callbacks(Path(out), batch) if callbacks else []
+            extra = runner_callbacks(Path(out), batch) if callbacks else []
             # A logger writing every 50 steps, as the runner's: every measured step is one nothing is logged at.
-            fit = trainer(device, warmup + timed + 1, [*extra, measure], SoloDDP(**solo),
+            fit = trainer(device, warmup + timed + 1, [*extra, measure], strategy(),
                           precision="bf16-mixed", logger=CSVLogger(out), log_every_n_steps=50,
                           enable_checkpointing=callbacks, default_root_dir=out)  # fmt: skip
             fit.fit(
@@ -240,9 +221,12 @@ def check_defaults_cost(device: str) -> tuple[bool, str]:
 
     variants = {
         "plain loop": plain,
-        "SoloDDP()": lambda: lightning({}, False),
-        "SoloDDP(find_unused_parameters=False)": lambda: lightning({"find_unused_parameters": False}, False),
-        "SoloDDP() + runner callbacks": lambda: lightning({}, True),
+        STOCK: lambda: lightning(DDPStrategy, False),
+        "SoloDDP()": lambda: lightning(SoloDDP, False),
+        "SoloDDP(find_unused_parameters=False)": lambda: lightning(
+            lambda: SoloDDP(find_unused_parameters=False), False
+        ),
+        "SoloDDP() + runner callbacks": lambda: lightning(SoloDDP, True),
     }
     seconds: dict[str, list[float]] = {k: [] for k in variants}
     syncs: dict[str, int] = dict.fromkeys(variants, 0)
@@ -251,18 +235,18 @@ def check_defaults_cost(device: str) -> tuple[bool, str]:
             took, per_step = run()
             seconds[name].append(took / timed * 1e3)
             syncs[name] = max(syncs[name], *per_step)
-    base = statistics.median(seconds["plain loop"])
+    base, stock = statistics.median(seconds["plain loop"]), statistics.median(seconds[STOCK])
     lines = [f"{arch} bf16 channels_last, batch {batch}, {size}px, {timed} timed steps, {rounds} round(s), {device}",
-             "| setup | ms/step | vs plain | bound | host syncs/step (max) | bound | verdict |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| setup | ms/step | vs plain | vs stock | bound | host syncs/step (max) | bound | verdict |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     ok = True
     for name in variants:
         ms = statistics.median(seconds[name])
         bound = _SLOWER.get(name)
-        fast = bound is None or device != "cuda" or ms <= bound * base
-        quiet = syncs[name] <= 1
+        fast = bound is None or device != "cuda" or ms <= bound * stock
+        quiet = name in ("plain loop", STOCK) or syncs[name] <= 1
         ok = ok and fast and quiet
-        shown = f"≤ {bound:.2f}x" + ("" if device == "cuda" else " (GPU only)") if bound else "-"
-        lines.append(f"| {name} | {ms:.1f} | {ms / base:.3f}x | {shown} | {syncs[name]} | ≤ 1 | "
-                     f"{'PASS' if fast and quiet else 'FAIL'} |")  # fmt: skip
+        shown = f"≤ {bound:.2f}x stock" + ("" if device == "cuda" else " (GPU only)") if bound else "-"
+        lines.append(f"| {name} | {ms:.1f} | {ms / base:.3f}x | {ms / stock:.3f}x | {shown} | {syncs[name]} | "
+                     f"{'-' if name in ('plain loop', STOCK) else '≤ 1'} | {'PASS' if fast and quiet else 'FAIL'} |")  # fmt: skip
     return ok, "\n".join(lines)
