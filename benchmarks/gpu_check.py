@@ -9,7 +9,7 @@ seconds per check) is rewritten after every check, so a run killed part-way stil
 
 * ``defaults_cost`` (benchmark, first): ResNet-50 bf16 channels_last at batch 256 and 16: a plain loop, stock
   ``DDPStrategy()``, bare ``SoloDDP()``, ``SoloDDP(find_unused_parameters=False)`` and ``SoloDDP()`` with the
-  runner's default callbacks: ms and host syncs per step (≤ 1.05x stock, 1.10x with the callbacks; ≤ 1 sync on a
+  runner's default callbacks: ms and host syncs per step (≤ 1.05x stock, 1.10x with the callbacks; ≤ stock's syncs on a
   quiet step).
 * ``multirank``: 2 processes on the one GPU (gloo on CUDA tensors: NCCL refuses two ranks on one device), the
   runner's callbacks, a BatchNorm model at per-device batch 16 (SyncBN on) and 128: ``SoloDDP()`` against stock
