@@ -132,6 +132,9 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     own (plain CPU data), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
+    optimizers = trainer.optimizers if fitting else []
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs] if fitting else []
+    carried = ("decisions", "advice") if isinstance(trainer.strategy, _Carried) else ()  # what it decided, advised
     return {
         "fit_loop": pack(trainer.fit_loop.state_dict(), "the fit loop's progress") if fitting else None,
         "callbacks": [
@@ -142,23 +145,9 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
             )
             for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ],
-        # What a fit in one process leaves in trainer.optimizers and lr_scheduler_configs (their state_dicts).
-        "optimizers": [
-            pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(trainer.optimizers)
-        ]
-        if fitting
-        else [],
-        "lr_schedulers": [
-            pack(config.scheduler.state_dict(), f"lr scheduler {i}.state_dict()")
-            for i, config in enumerate(trainer.lr_scheduler_configs)
-        ]
-        if fitting
-        else [],
-        "strategy": {  # what the fit decided and advised
-            name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in ("decisions", "advice")
-        }
-        if isinstance(trainer.strategy, _Carried)
-        else {},
+        "optimizers": [pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(optimizers)],
+        "lr_schedulers": [pack(s.state_dict(), f"lr scheduler {i}.state_dict()") for i, s in enumerate(schedulers)],
+        "strategy": {name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in carried},
         "loggers": [
             {name: pack(getattr(logger, name, None), f"logger.{name}") for name in lightning_compat.LOGGER_ATTRIBUTES}
             for logger in trainer.loggers
