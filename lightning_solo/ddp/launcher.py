@@ -68,15 +68,15 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         self._already_fit = False  # Lightning refuses a second fit: its parent kept no state; this one does
-        if self._start_method == "fork" and torch.cuda.is_initialized():
-            raise RuntimeError(
-                "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
-                " rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and call"
-                " trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that"
-                " allocate); the ranks move the model to their GPUs themselves."
-            )
-        if self._start_method == "fork":  # a forked rank would hang at its first parallel op (core/openmp.py)
-            openmp.release_thread_pool()
+        if self._start_method == "fork":
+            if torch.cuda.is_initialized():
+                raise RuntimeError(
+                    "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so "
+                    "every rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and "
+                    "call trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that "
+                    "allocate); the ranks move the model to their GPUs themselves."
+                )
+            openmp.release_thread_pool()  # a forked rank would hang at its first parallel op (core/openmp.py)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
