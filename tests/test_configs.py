@@ -13,6 +13,7 @@ from omegaconf.errors import ConfigKeyError
 
 from lightning_solo.app.config_check import ConfigError, check_config
 from lightning_solo.app.preflight import check_devices, check_world_size_env
+from lightning_solo.app.progress_bar import RunProgressBar
 from lightning_solo.app.run import BAD_INPUT_EXIT, check_run_config, progress_bar, report_bad_input
 from lightning_solo.core.cluster import PreflightError
 from tests.helpers import CONF, composed
@@ -76,6 +77,16 @@ def test_the_progress_bar_refreshes_where_the_loggers_write(tmp_path):
         assert progress_bar(cfg, []) == []
     with composed([], tmp_path) as cfg:
         assert progress_bar(cfg, [TQDMProgressBar(refresh_rate=3)]) == []  # the user's own bar stays the only one
+
+
+def test_the_progress_bar_shows_the_training_loss():
+    import lightning as L
+
+    bar = RunProgressBar()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[bar], enable_checkpointing=False)
+    assert "train/loss" not in bar.get_metrics(trainer, None)
+    trainer.callback_metrics["train/loss"] = torch.tensor(0.123456)  # logged without prog_bar=True
+    assert bar.get_metrics(trainer, None)["train/loss"] == "0.123"
 
 
 @pytest.mark.parametrize("group", ["model", "data", "parallelism", "callbacks", "logger", "profile"])

@@ -151,20 +151,16 @@ def _matches(value: Any, hint: Any) -> bool:
         return value is None
     if value is None:
         return False
-    if hint is bool:
-        return isinstance(value, bool)
     if hint is int:
         return is_int(value)
     if hint is float:
         return is_number(value)
-    if hint is str:
-        return isinstance(value, str)
     base = origin or hint
     if base in (list, tuple, set, Sequence, typing.Sequence):
         return isinstance(value, (list, tuple))
     if base in (dict, Mapping, typing.Mapping):
         return isinstance(value, dict)
-    if inspect.isclass(base) and isinstance(value, (bool, int, float, str, list, dict)):  # a class-typed option
+    if inspect.isclass(base) and isinstance(value, (bool, int, float, str, list, dict)):  # bool, str or a class
         return isinstance(value, base) or base in (Callable,) or not _is_plain_type(base)
     return True
 

@@ -95,9 +95,8 @@ def progress_bar(cfg: DictConfig, callbacks: list[Any]) -> list[Any]:
     from lightning_solo.app.progress_bar import RunProgressBar
 
     rate = cfg.get("progress_bar_refresh_rate")
-    if rate is None or not cfg.trainer.get("enable_progress_bar", True):
-        return []
-    if any(isinstance(cb, ProgressBar) for cb in callbacks):
+    off = rate is None or not cfg.trainer.get("enable_progress_bar", True)
+    if off or any(isinstance(cb, ProgressBar) for cb in callbacks):
         return []
     return [RunProgressBar(refresh_rate=rate)]
 

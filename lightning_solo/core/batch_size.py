@@ -49,16 +49,14 @@ def per_device_batch_size(trainer: pl.Trainer, given: int | None = None) -> int 
     if loaded is not None:
         return loaded
     source = lightning_compat.fit_data_source(trainer)
-    if source is not None and not isinstance(source, (nn.Module, LightningDataModule)):
-        from_loader = loader_batch_size(source)  # None for a pre-batched loader: the user's word then
-        if from_loader is not None:
-            return from_loader
+    # a pre-batched loader passed to fit has none: the user's word then
+    if not isinstance(source, (nn.Module, LightningDataModule)) and (loaded := loader_batch_size(source)) is not None:
+        return loaded
     if given is not None:
         return given
     datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
     for owner in (datamodule, trainer.lightning_module):
-        size = _declared_batch_size(owner) if owner is not None else None
-        if size is not None:
+        if (size := _declared_batch_size(owner)) is not None:
             return size
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -35,10 +36,6 @@ def rng_state(cuda: bool = True) -> dict[str, Any]:
     if cuda and torch.cuda.is_initialized():  # only this rank's device: another layout has other indices
         device = torch.cuda.current_device()
         state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
-    try:
-        import numpy as np
-    except ImportError:
-        return state
     state["numpy"] = numpy_state(np.random)
     return state
 
@@ -51,6 +48,4 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
-        import numpy as np
-
         set_numpy_state(np.random, state["numpy"])

@@ -34,7 +34,6 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     graph_static = bool(data.get("can_set_static_graph") or torch_compat.ddp_graph_static(ddp))
     unused_bytes = int(data.get("unused_parameter_size") or 0)
 
-    # Unused parameters, and whether static_graph could replace the per-step search.
     phase = unused.phase if unused is not None else Phase.USER
     if unused is not None and phase is Phase.EXCLUDING:
         lines.append(
@@ -61,7 +60,6 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     else:
         lines.append("every synchronised parameter received a gradient: DDP's fast path (find_unused_parameters=False)")
 
-    # Gradient communication: which hook, and whether it is the bottleneck.
     # DDP re-buckets after its first iteration (in gradient-ready order); the rebuilt sizes are the live ones.
     layout = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
     sizes = [int(s) for s in str(layout).split(",") if s.strip()]
@@ -89,7 +87,6 @@ def ddp_advice(ddp: DistributedDataParallel, unused: UnusedParameters | None = N
     else:
         lines.append(f"no comm hook: exact all-reduce{timing}")
 
-    # Buckets: a single bucket cannot overlap its all-reduce with the backward pass.
     if sizes:
         line = f"{len(sizes)} gradient bucket(s) for {total / _MIB:.2f} MiB of gradients, bucket_cap_mb={cap / _MIB:g}"
         if len(sizes) == 1 and comm > overlap and total > 4 * _MIB:

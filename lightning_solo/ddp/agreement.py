@@ -26,8 +26,6 @@ class Agreement:
     def check(self, flagged: bool) -> bool:
         """Start this check's all-reduce of ``flagged`` and read the one started at the previous check: True when
         some rank was flagged then. Call on every rank at the same points; with no group: ``flagged``."""
-        if self.group is None:
-            return flagged
         agreed = self.exchange(float(flagged))
         return agreed is not None and agreed > 0
 

@@ -1,6 +1,4 @@
-"""What may cross from a worker process back to the notebook parent: plain CPU data.
-
-See docs/notebooks.md."""
+"""What may cross from a worker process back to the notebook parent: plain CPU data. See docs/notebooks.md."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat import torch as torch_compat
 from lightning_solo._compat.patch import Patches
-from lightning_solo.core.checks import check_choice, check_int
+from lightning_solo.core.checks import check_choice
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.trial import Trial
 
@@ -32,6 +32,7 @@ _EAGER_METHODS = ("log", "log_dict")
 
 _WAITING, _TRIAL, _SETTLED = "waiting", "trial", "settled"
 _STOCK = Decision("compile", False, "stock: the steps run eagerly")
+_TIMED_STEPS = 3  # "auto"'s timed compiled and eager steps each, interleaved, after the compiling one
 
 
 def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planned_steps: float,
@@ -49,15 +50,11 @@ def decide_compile(compiled_ms: float, eager_ms: float, compile_s: float, planne
 
 
 class CompiledSteps:
-    """The ``compile=`` component of :class:`~lightning_solo.SoloDDP`.
+    """The ``compile=`` component of :class:`~lightning_solo.SoloDDP`: ``setting`` ``False`` (stock: eager, unless
+    the user passed ``torch.compile(model)``), ``True``, ``"auto"``, or a dict of ``torch.compile`` options (``True``
+    with them)."""
 
-    Args:
-        setting: ``False`` (stock: eager, unless the user passed ``torch.compile(model)``), ``True``, ``"auto"``,
-            or a dict of ``torch.compile`` options (``True`` with them).
-        timed_steps: ``"auto"``: timed compiled and eager steps each, interleaved, after the compiling step.
-    """
-
-    def __init__(self, setting: CompileSetting = False, *, timed_steps: int = 3) -> None:
+    def __init__(self, setting: CompileSetting = False) -> None:
         if isinstance(setting, Mapping):
             options = dict(setting)
             if unknown := sorted(set(options) - set(_COMPILE_OPTIONS)):
@@ -67,14 +64,13 @@ class CompiledSteps:
         else:
             hint = " (or a dict of torch.compile options)"
             self.setting, self.options = check_choice("compile", setting, COMPILE_VALUES, hint), {}
-        self.timed_steps = check_int("timed_steps", timed_steps)
         self.decision = _STOCK if self.setting is False else Decision("compile", self.setting, "compiled at setup")
         self.fallback: Decision | None = None
         self._module: Any = None  # the LightningModule whose steps are compiled (by us or by the user)
         self._ours = False  # compiled here: uncompiled at teardown
         self._patches = Patches()  # the module's eager log/log_dict
         self._state = _SETTLED
-        self._trial = Trial(["compile", *(["eager", "compiled"] * self.timed_steps)])  # "auto"'s, per optimizer step
+        self._trial = Trial(["compile", *(["eager", "compiled"] * _TIMED_STEPS)])  # "auto"'s, per optimizer step
         self._after_first = False  # the first compiled training step is done
         self._ran_compiled = False  # a training step of the current optimizer step ran compiled
         self._ordered: weakref.ref | None = None  # the DDP wrapper whose buckets an eager step ordered
@@ -84,7 +80,7 @@ class CompiledSteps:
 
     def fresh(self) -> CompiledSteps:
         """The same settings, nothing measured: every fit decides again."""
-        return CompiledSteps(self.options or self.setting, timed_steps=self.timed_steps)  # type: ignore[arg-type]
+        return CompiledSteps(self.options or self.setting)  # type: ignore[arg-type]
 
     @property
     def compiled(self) -> bool:
@@ -201,7 +197,7 @@ class CompiledSteps:
         times = self._trial.agree(strategy.root_device)  # the slowest rank's, per step
         compiled, eager = statistics.median(times["compiled"]), statistics.median(times["eager"])
         compile_s = max(times["compile"][0] - compiled, 0.0)
-        self.decision = decide_compile(compiled * 1e3, eager * 1e3, compile_s, _planned(strategy), self.timed_steps)
+        self.decision = decide_compile(compiled * 1e3, eager * 1e3, compile_s, _planned(strategy), _TIMED_STEPS)
         self._state = _SETTLED
         if not self.decision.value and self._module is not None:
             self._restore(uncompile=True)  # Lightning's own undo of from_compiled (the user's compile too)

@@ -87,8 +87,6 @@ def _compiled_children(module: torch.nn.Module) -> set[str]:
 
 def _without(key: str, inner: set[str]) -> str:
     """``key`` without the path components that are a compiled submodule's ``_orig_mod``."""
-    if not inner:
-        return key
     parts, path = [], ""
     for part in key.split("."):
         path = f"{path}.{part}" if path else part

@@ -68,15 +68,15 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         self._already_fit = False  # Lightning refuses a second fit: its parent kept no state; this one does
-        if self._start_method == "fork" and torch.cuda.is_initialized():
-            raise RuntimeError(
-                "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so every"
-                " rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and call"
-                " trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that"
-                " allocate); the ranks move the model to their GPUs themselves."
-            )
-        if self._start_method == "fork":  # a forked rank would hang at its first parallel op (core/openmp.py)
-            openmp.release_thread_pool()
+        if self._start_method == "fork":
+            if torch.cuda.is_initialized():
+                raise RuntimeError(
+                    "SoloDDP forks its ranks here (a notebook), but this process has already initialised CUDA, so "
+                    "every rank would die with 'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and "
+                    "call trainer.fit() before anything touches CUDA (no .cuda()/.to('cuda'), no torch.cuda calls that "
+                    "allocate); the ranks move the model to their GPUs themselves."
+                )
+            openmp.release_thread_pool()  # a forked rank would hang at its first parallel op (core/openmp.py)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -132,6 +132,9 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
     own (plain CPU data), so that one that cannot come back loses only itself."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     connector = lightning_compat.logger_connector(trainer)
+    optimizers = trainer.optimizers if fitting else []
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs] if fitting else []
+    carried = ("decisions", "advice") if isinstance(trainer.strategy, _Carried) else ()  # what it decided, advised
     return {
         "fit_loop": pack(trainer.fit_loop.state_dict(), "the fit loop's progress") if fitting else None,
         "callbacks": [
@@ -142,23 +145,9 @@ def capture(trainer: L.Trainer) -> dict[str, Any]:
             )
             for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ],
-        # What a fit in one process leaves in trainer.optimizers and lr_scheduler_configs (their state_dicts).
-        "optimizers": [
-            pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(trainer.optimizers)
-        ]
-        if fitting
-        else [],
-        "lr_schedulers": [
-            pack(config.scheduler.state_dict(), f"lr scheduler {i}.state_dict()")
-            for i, config in enumerate(trainer.lr_scheduler_configs)
-        ]
-        if fitting
-        else [],
-        "strategy": {  # what the fit decided and advised
-            name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in ("decisions", "advice")
-        }
-        if isinstance(trainer.strategy, _Carried)
-        else {},
+        "optimizers": [pack(opt.state_dict(), f"optimizer {i}.state_dict()") for i, opt in enumerate(optimizers)],
+        "lr_schedulers": [pack(s.state_dict(), f"lr scheduler {i}.state_dict()") for i, s in enumerate(schedulers)],
+        "strategy": {name: pack(getattr(trainer.strategy, name), f"strategy.{name}") for name in carried},
         "loggers": [
             {name: pack(getattr(logger, name, None), f"logger.{name}") for name in lightning_compat.LOGGER_ATTRIBUTES}
             for logger in trainer.loggers

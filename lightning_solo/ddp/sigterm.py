@@ -52,7 +52,6 @@ class SigtermAgreement:
         signal handlers are registered (``Strategy.setup`` is)."""
         self._trainer = trainer
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-        # Instance attributes: this trainer only, for this run.
         self._patches.set(loop, "_broadcast_sigterm_tensor", self.check)
         self._patches.set(connector, "_sigterm_notifier_fn", self.note)
         for path, name, here in _LOCAL_STOPS:
@@ -152,9 +151,8 @@ class SigtermAgreement:
         return dataloader
 
     def close(self) -> None:
-        """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too
-        late for the batches to act on (the fit's last ones) lets the fit end, and ``trainer.received_sigterm``
-        says so."""
+        """Wait for the agreement in flight (every rank started it); only where every rank gets here. A SIGTERM too late
+        for the batches to act on (the fit's last ones) lets the fit end, and ``trainer.received_sigterm`` says so."""
         if self._agreement.in_flight and (self._agreement.settle() or self.noted):
             self._trainer._signal_connector.received_sigterm = True
 

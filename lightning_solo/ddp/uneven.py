@@ -105,10 +105,9 @@ _AGREED_CLASSES: dict[type, type] = {}  # a loader's own class -> its subclass w
 
 
 def _agree_length(dataloader: DataLoader, length: int, patches: Patches) -> None:
-    """``len(dataloader)`` is ``length`` until ``patches`` close. The loader stays the user's object, of a subclass
-    of its own class named as it: ``trainer.train_dataloader.dataset``, ``isinstance`` and its iterators are as
-    they were (``DataLoader`` refuses a new sampler once built, and rebuilding it would call a subclass's
-    ``__init__`` again)."""
+    """``len(dataloader)`` is ``length`` until ``patches`` close. The loader stays the user's object, of a subclass of
+    its own class named as it: ``trainer.train_dataloader.dataset``, ``isinstance`` and its iterators are as they
+    were (``DataLoader`` refuses a new sampler once built, and rebuilding it would call a subclass's ``__init__``)."""
     agreed_now = type(dataloader) in _AGREED_CLASSES.values()
     own: type = type(dataloader).__mro__[1] if agreed_now else type(dataloader)
     if (agreed := _AGREED_CLASSES.get(own)) is None:

@@ -1,5 +1,4 @@
-"""Handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data.
-See docs/runner.md."""
+"""Handwritten digits (1,797 real 8×8 grey images, 10 classes): the offline default data. See docs/runner.md."""
 
 from __future__ import annotations
 

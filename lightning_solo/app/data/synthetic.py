@@ -1,5 +1,4 @@
-"""A learnable synthetic image classification set, generated in-process (no download, any size).
-See docs/runner.md."""
+"""A learnable synthetic image classification set, generated in-process (no download, any size). See docs/runner.md."""
 
 from __future__ import annotations
 
