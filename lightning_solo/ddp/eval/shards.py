@@ -1,6 +1,4 @@
-"""Which rows of an evaluation batch are real, under Lightning's own evaluation samplers.
-
-See docs/evaluation.md."""
+"""Which rows of an evaluation batch are real, under Lightning's own evaluation samplers. See docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -40,13 +38,12 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
     epoch = getattr(sampler, "epoch", 0)
     if (cached := _ORDERS.get(sampler)) is not None and cached[0] == epoch:
         return cached[1], cached[2]
+    indices = [int(i) for i in sampler]
     if isinstance(sampler, (UnrepeatedDistributedSamplerWrapper, SequentialSampler)):
-        indices = [int(i) for i in sampler]
         valid = [True] * len(indices)
     else:
         # DistributedSampler pads the dataset order to W·ceil(N/W) and gives rank r positions r, r+W, ...
         # (DistributedSamplerWrapper: N is the user's sampler's length, the indices are what it yields).
-        indices = [int(i) for i in sampler]
         total = len(sampler.dataset)  # type: ignore[arg-type]  # sized: DistributedSampler took its len too
         valid = [sampler.rank + k * sampler.num_replicas < total for k in range(len(indices))]
     _ORDERS[sampler] = (epoch, indices, valid)
