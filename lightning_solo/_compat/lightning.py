@@ -32,8 +32,7 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
 }
-# DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
-# SoloDDP turns into a property.
+# DDPStrategy's attributes SoloDDP reads or sets, ``_layer_sync`` made a property (checked on lightning 2.6.6).
 STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout",
                        "_model_averaging_period", "_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper",
                        "_model_averager")  # fmt: skip

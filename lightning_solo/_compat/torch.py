@@ -1,8 +1,8 @@
-"""Private torch names the pack uses, one accessor each. Checked on torch 2.11.0 and 2.14.1 (tests/test_compat.py
-on each)."""
+"""Private torch names the pack uses, one accessor each, checked on torch 2.11.0 and 2.14.1 (tests/test_compat.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +20,9 @@ DDP_IGNORED_FLAG = "_ddp_ignored"  # set by DDP on each parameter it ignores
 DDP_IGNORE_LIST = "_ddp_params_and_buffers_to_ignore"  # the module attribute DDP reads its ignore list from
 # Keys of DDP's logging data TrainingDoctor reads (lightning_solo/diagnostics/timing.py); the compat test runs DDP.
 DDP_TIMING_KEYS = ("iteration", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time")
-# Functions used as they are (checked on torch 2.11.0 and 2.14.1): DDP's ignore list set on a module, and a bucket's
-# all-reduce in a dtype (``compress_hook(dtype, process_group, bucket)``).
+# Functions used as they are (checked on torch 2.11.0 and 2.14.1): ``compress_hook(dtype, process_group, bucket)``.
 set_params_to_ignore = DistributedDataParallel._set_params_and_buffers_to_ignore_for_model
-compress_hook = default_hooks._compress_hook
+compress_hook: Callable[..., torch.futures.Future] = default_hooks._compress_hook
 
 
 def unregister_parameter(module: torch.nn.Module, name: str) -> None:

@@ -31,8 +31,7 @@ class EvalRows(NamedTuple):
 
 
 def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
-    """This rank's dataset indices in evaluation order and which are real (False: a padding repeat), read off
-    the sampler Lightning put in (or a sequential one on one process); ``None`` for any other sampler."""
+    """This rank's indices in evaluation order and which are real (False: padding repeats); ``None``: other samplers."""
     if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
         return None
     epoch = getattr(sampler, "epoch", 0)
@@ -51,8 +50,7 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
 
 
 def eval_rows(trainer: Any, batch_idx: int, dataloader_idx: int = 0) -> EvalRows | None:
-    """The dataset indices and validity of the current validate/test/predict batch ``batch_idx``; ``None`` when
-    they cannot be known (a custom sampler or batch sampler, an IterableDataset)."""
+    """The dataset indices and validity of the current evaluation batch ``batch_idx``; ``None`` when unknowable."""
     attribute = _LOADERS.get(trainer.state.stage)
     iterables = getattr(trainer, attribute) if attribute else None
     if iterables is None:
