@@ -174,6 +174,10 @@ def test_ddp_timing_keys_exist_and_the_sample_rate_applies():
     data = torch_compat.ddp_logging_data(ddp)
     assert all(key in data for key in torch_compat.DDP_TIMING_KEYS), sorted(data)
     assert data["iteration"] == 2  # iterations 1 and 2 timed so far (each is read at the next forward)
+    hooked = DistributedDataParallel(torch.nn.Linear(2, 1))
+    lightning_compat.register_ddp_comm_hook(hooked, ddp_comm_hook=default_hooks.fp16_compress_hook)
+    hooked(torch.ones(1, 2)).sum().backward()
+    assert torch_compat.ddp_logging_data(hooked)["comm_hook"] == "fp16_compress_hook"
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
     torch_compat.set_group_timeout(timedelta(seconds=7), group)
     assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)

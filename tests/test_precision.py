@@ -13,15 +13,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_solo import SoloDDP
-from lightning_solo.ddp.precision import (
-    CHECKPOINT_KEY,
-    EXTRA_KEY,
-    SoloMixedPrecision,
+from lightning_solo.ddp.precision.plugin import CHECKPOINT_KEY, EXTRA_KEY, SoloMixedPrecision, decide_precision_plugin
+from lightning_solo.ddp.precision.rule import (
     agreed_rule,
     auto_precision,
     auto_rule,
     decide_precision,
-    decide_precision_plugin,
     precision_options,
     scaler_settings,
 )

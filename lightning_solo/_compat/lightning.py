@@ -32,30 +32,16 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
     _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
 }
-# DDPStrategy's instance attributes SoloDDP reads or sets on itself (checked on lightning 2.6.6); ``_layer_sync``
-# SoloDDP turns into a property.
+# DDPStrategy's attributes SoloDDP reads or sets, ``_layer_sync`` made a property (checked on lightning 2.6.6).
 STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout",
                        "_model_averaging_period", "_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper",
                        "_model_averager")  # fmt: skip
 # Logger attributes a notebook parent takes back from the worker (checked on lightning 2.6.6).
 LOGGER_ATTRIBUTES = ("_version",)
-
-
-def register_ddp_comm_hook(
-    model: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None, ddp_comm_wrapper: Any = None
-) -> None:
-    """``lightning.pytorch.overrides.distributed._register_ddp_comm_hook`` (checked on lightning 2.6.6)."""
-    _register_ddp_comm_hook(model, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
-
-
-def augment_message(error: BaseException, pattern: str, new_message: str) -> None:
-    """``lightning.pytorch.utilities.exceptions._augment_message`` (checked on lightning 2.6.6)."""
-    _augment_message(error, pattern, new_message)
-
-
-def is_local_path(path: Any) -> bool:
-    """``lightning.fabric.utilities.cloud_io._is_local_file_protocol`` (checked on lightning 2.6.6)."""
-    return _is_local_file_protocol(path)
+# Functions used as they are (checked on lightning 2.6.6).
+register_ddp_comm_hook = _register_ddp_comm_hook
+augment_message = _augment_message
+is_local_path = _is_local_file_protocol
 
 
 def fit_data_source(trainer: Any) -> Any:
@@ -81,8 +67,7 @@ def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
 
 
 def logger_connector(trainer: Any) -> Any:
-    """``trainer._logger_connector``, whose :data:`LOGGER_CONNECTOR_METRICS` the notebook parent takes back
-    (checked on lightning 2.6.6)."""
+    """``trainer._logger_connector``: a notebook takes back its :data:`LOGGER_CONNECTOR_METRICS` (checked on 2.6.6)."""
     return trainer._logger_connector
 
 
@@ -95,14 +80,12 @@ def attached_trainer(module: Any) -> Any:
 
 
 def should_update_logs(trainer: Any) -> bool:
-    """Whether the loggers write this training batch: ``trainer._logger_connector.should_update_logs`` (checked on
-    lightning 2.6.6)."""
+    """Whether loggers write this batch: ``trainer._logger_connector.should_update_logs`` (checked on 2.6.6)."""
     return bool(trainer._logger_connector.should_update_logs)
 
 
 def inner_batch_sampler(batch_sampler: Any) -> Any:
-    """The batch sampler inside Lightning's ``_IndexBatchSamplerWrapper``, or ``batch_sampler`` itself (checked on
-    lightning 2.6.6)."""
+    """The batch sampler in ``_IndexBatchSamplerWrapper``, or ``batch_sampler`` itself (checked on lightning 2.6.6)."""
     if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
         return batch_sampler._batch_sampler
     return batch_sampler
@@ -131,14 +114,12 @@ def lightning_owns_requeue_signal(trainer: Any, signum: int) -> bool:
 
 
 def hpc_save_path(trainer: Any) -> str:
-    """Where Lightning's SLURM handler saves (the next ``hpc_ckpt_<n>.ckpt``):
-    ``trainer._checkpoint_connector.hpc_save_path`` (checked on lightning 2.6.6)."""
+    """The next ``hpc_ckpt_<n>.ckpt``: ``trainer._checkpoint_connector.hpc_save_path`` (checked on lightning 2.6.6)."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
 def compiled_by_user(module: Any) -> bool:
-    """Whether Lightning compiled ``module`` from a ``fit(torch.compile(model))``: its ``_compiler_ctx`` (checked on
-    lightning 2.6.6)."""
+    """Whether ``module`` came from ``fit(torch.compile(model))``: its ``_compiler_ctx`` (checked on 2.6.6)."""
     return getattr(module, "_compiler_ctx", None) is not None
 
 

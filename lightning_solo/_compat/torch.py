@@ -1,8 +1,8 @@
-"""Private torch names the pack uses, one accessor each. Checked on torch 2.11.0 and 2.14.1 (tests/test_compat.py
-on each)."""
+"""Private torch names the pack uses, one accessor each, checked on torch 2.11.0 and 2.14.1 (tests/test_compat.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +20,9 @@ DDP_IGNORED_FLAG = "_ddp_ignored"  # set by DDP on each parameter it ignores
 DDP_IGNORE_LIST = "_ddp_params_and_buffers_to_ignore"  # the module attribute DDP reads its ignore list from
 # Keys of DDP's logging data TrainingDoctor reads (lightning_solo/diagnostics/timing.py); the compat test runs DDP.
 DDP_TIMING_KEYS = ("iteration", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time")
+# Functions used as they are (checked on torch 2.11.0 and 2.14.1): ``compress_hook(dtype, process_group, bucket)``.
+set_params_to_ignore = DistributedDataParallel._set_params_and_buffers_to_ignore_for_model
+compress_hook: Callable[..., torch.futures.Future] = default_hooks._compress_hook
 
 
 def unregister_parameter(module: torch.nn.Module, name: str) -> None:
@@ -58,19 +61,9 @@ def remove_autograd_hooks(ddp: DistributedDataParallel) -> None:
     ddp._remove_autograd_hooks()
 
 
-def set_params_to_ignore(module: torch.nn.Module, names: list[str]) -> None:
-    """``DDP._set_params_and_buffers_to_ignore_for_model`` (checked on torch 2.11.0 and 2.14.1)."""
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
-
-
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
     """``powerSGD_hook._should_compress(...)[0]``: PowerSGD compresses n×m (checked on torch 2.11.0 and 2.14.1)."""
     return powerSGD_hook._should_compress(n, m, rank, min_compression_rate)[0]
-
-
-def compress_hook(dtype: torch.dtype, process_group: Any, bucket: Any) -> torch.futures.Future:
-    """``default_hooks._compress_hook``: all-reduce a bucket in ``dtype`` (checked on torch 2.11.0 and 2.14.1)."""
-    return default_hooks._compress_hook(dtype, process_group, bucket)
 
 
 def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -133,8 +126,7 @@ def flight_recorder_json(nccl: bool) -> bytes:
 
 
 def dataloader_next_code() -> Any:
-    """The code of ``_BaseDataLoaderIter.__next__``, whose frame holds the iterator as ``self`` (checked on torch
-    2.14.1)."""
+    """The code of ``_BaseDataLoaderIter.__next__``, whose frame holds the iterator as ``self`` (checked on 2.14.1)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     return _BaseDataLoaderIter.__next__.__code__

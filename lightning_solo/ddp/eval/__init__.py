@@ -1,6 +1,5 @@
 """Distributed evaluation under Lightning's own samplers: which rows are padding repeats (shards.py), predictions
-gathered to rank 0 in dataset order (gather.py; the callback is :class:`lightning_solo.callbacks.OrderedPredictions`),
-and exact ``sync_dist`` epoch means (reduce.py)."""
+gathered to rank 0 in dataset order (gather.py), and exact ``sync_dist`` epoch means (reduce.py)."""
 
 from lightning_solo.ddp.eval.gather import gather_rows, write_predictions
 from lightning_solo.ddp.eval.reduce import decide_exact_eval, mean_operand

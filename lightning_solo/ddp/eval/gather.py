@@ -1,5 +1,4 @@
-"""Per-sample results of every rank brought to one process in dataset order (:func:`gather_rows`), and written to
-one file (:func:`write_predictions`). See docs/evaluation.md."""
+"""Every rank's per-sample results on one process in dataset order, written to one file. See docs/evaluation.md."""
 
 from __future__ import annotations
 

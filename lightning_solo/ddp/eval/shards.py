@@ -1,6 +1,4 @@
-"""Which rows of an evaluation batch are real, under Lightning's own evaluation samplers.
-
-See docs/evaluation.md."""
+"""Which rows of an evaluation batch are real, under Lightning's own evaluation samplers. See docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -33,20 +31,18 @@ class EvalRows(NamedTuple):
 
 
 def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
-    """This rank's dataset indices in evaluation order and which are real (False: a padding repeat), read off
-    the sampler Lightning put in (or a sequential one on one process); ``None`` for any other sampler."""
+    """This rank's indices in evaluation order and which are real (False: padding repeats); ``None``: other samplers."""
     if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
         return None
     epoch = getattr(sampler, "epoch", 0)
     if (cached := _ORDERS.get(sampler)) is not None and cached[0] == epoch:
         return cached[1], cached[2]
+    indices = [int(i) for i in sampler]
     if isinstance(sampler, (UnrepeatedDistributedSamplerWrapper, SequentialSampler)):
-        indices = [int(i) for i in sampler]
         valid = [True] * len(indices)
     else:
         # DistributedSampler pads the dataset order to W·ceil(N/W) and gives rank r positions r, r+W, ...
         # (DistributedSamplerWrapper: N is the user's sampler's length, the indices are what it yields).
-        indices = [int(i) for i in sampler]
         total = len(sampler.dataset)  # type: ignore[arg-type]  # sized: DistributedSampler took its len too
         valid = [sampler.rank + k * sampler.num_replicas < total for k in range(len(indices))]
     _ORDERS[sampler] = (epoch, indices, valid)
@@ -54,8 +50,7 @@ def rank_order(sampler: Any) -> tuple[list[int], list[bool]] | None:
 
 
 def eval_rows(trainer: Any, batch_idx: int, dataloader_idx: int = 0) -> EvalRows | None:
-    """The dataset indices and validity of the current validate/test/predict batch ``batch_idx``; ``None`` when
-    they cannot be known (a custom sampler or batch sampler, an IterableDataset)."""
+    """The dataset indices and validity of the current evaluation batch ``batch_idx``; ``None`` when unknowable."""
     attribute = _LOADERS.get(trainer.state.stage)
     iterables = getattr(trainer, attribute) if attribute else None
     if iterables is None:

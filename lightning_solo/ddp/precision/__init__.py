@@ -1,26 +1,7 @@
 """Mixed precision: the rule (rule.py: ``"auto"`` agreed by all ranks, SoloDDP against the Trainer, GradScaler
 settings) and the plugin (plugin.py: :class:`SoloMixedPrecision`, resume-safe, settled once the device is known)."""
 
-from lightning_solo.ddp.precision.plugin import (
-    CHECKPOINT_KEY,
-    EXTRA_KEY,
-    SoloMixedPrecision,
-    decide_precision_plugin,
-    pending_plugin,
-)
-from lightning_solo.ddp.precision.rule import (
-    CAPABILITIES,
-    PRECISIONS,
-    SCALER_DEFAULTS,
-    agreed_rule,
-    auto_precision,
-    auto_rule,
-    decide_precision,
-    device_capability,
-    precision_options,
-    scaler_settings,
-)
+from lightning_solo.ddp.precision.plugin import SoloMixedPrecision, decide_precision_plugin, pending_plugin
+from lightning_solo.ddp.precision.rule import precision_options
 
-__all__ = ["CAPABILITIES", "CHECKPOINT_KEY", "EXTRA_KEY", "PRECISIONS", "SCALER_DEFAULTS", "SoloMixedPrecision",
-           "agreed_rule", "auto_precision", "auto_rule", "decide_precision", "decide_precision_plugin",
-           "device_capability", "pending_plugin", "precision_options", "scaler_settings"]  # fmt: skip
+__all__ = ["SoloMixedPrecision", "decide_precision_plugin", "pending_plugin", "precision_options"]

@@ -1,6 +1,5 @@
-"""Mixed precision that is configurable, resume-safe and never switched behind your back: :class:`SoloMixedPrecision`
-(with SoloDDP or alone, ``Trainer(plugins=[...])``), and how SoloDDP settles it once the device is known.
-See docs/precision.md."""
+""":class:`SoloMixedPrecision` (with SoloDDP or alone, ``Trainer(plugins=[...])``), configurable and resume-safe, and
+how SoloDDP settles the plugin once the device is known. See docs/precision.md."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ EXTRA_KEY = "lightning_solo.precision"  # a checkpoint key (the format), not the
 
 
 class SoloMixedPrecision(DecisionLog, MixedPrecision):
-    """Lightning's :class:`MixedPrecision` (``"16-mixed"`` or ``"bf16-mixed"`` on ``device``) with a configurable,
-    resume-safe GradScaler (``scaler``: torch's defaults for missing settings) and skip counting;
+    """Lightning's :class:`MixedPrecision` with a configurable (``scaler``), resume-safe GradScaler and skip counting;
     ``skip_lr_on_overflow``: hold step-interval LR schedulers on a skipped step (one host sync per step)."""
 
     def __init__(
@@ -154,8 +152,7 @@ def _interval(module: pl.LightningModule, scheduler: Any) -> str:
 
 
 class _PendingPrecision(Precision):
-    """Stands in on the strategy until its device is known; it keeps the connector from building (and on
-    CPU silently bf16-converting) its own plugin from ``Trainer(precision=...)``."""
+    """Stands in until the device is known, so the connector builds no plugin (on CPU: bf16) from the Trainer's flag."""
 
     def __init__(self, precision: str) -> None:
         self.precision = precision  # type: ignore[assignment]  # any requested value, until decided

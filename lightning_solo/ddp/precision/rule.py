@@ -44,8 +44,7 @@ def scaler_settings(scaler: Mapping[str, Any] | None = None) -> dict[str, float 
 
 
 def auto_rule(device_type: str, bf16_supported: bool) -> Decision:
-    """The ``"auto"`` rule: bf16-mixed on a GPU that supports bf16, 16-mixed on a GPU without it, and
-    32-true on CPU and other devices (CPU autocast is rarely faster; ask for it explicitly)."""
+    """``"auto"``: bf16-mixed on a GPU with bf16, 16-mixed on other GPUs, else 32-true (CPU autocast: ask for it)."""
     if device_type == "cuda" and bf16_supported:
         return Decision("precision", "bf16-mixed", "auto: the GPU supports bf16 (no loss scaling needed)")
     if device_type == "cuda":
@@ -58,8 +57,7 @@ CAPABILITIES = ("32-true", "16-mixed", "bf16-mixed")
 
 
 def device_capability(device: torch.device) -> int:
-    """This device's index in :data:`CAPABILITIES`: bf16 on a GPU that has it natively, fp16 on other GPUs,
-    fp32 elsewhere."""
+    """This device's index in :data:`CAPABILITIES`: bf16 on a GPU with native bf16, fp16 on others, fp32 elsewhere."""
     if device.type != "cuda":
         return 0
     with torch.cuda.device(device):
@@ -100,8 +98,7 @@ def auto_precision(device: torch.device, capability: int | None = None) -> Decis
 def decide_precision(
     requested: str | None, trainer_precision: str, device: torch.device, capability: int | None = None
 ) -> Decision:
-    """The run's precision from ``SoloDDP(precision=requested)`` and ``Trainer(precision=...)`` (the rule:
-    docs/precision.md); ``ValueError`` when both are set and disagree."""
+    """The precision from SoloDDP's and the Trainer's (docs/precision.md); ``ValueError`` if both are set and differ."""
     if requested is None:
         return Decision("precision", trainer_precision, "Trainer(precision=...); SoloDDP(precision=None) defers")
     trainer_explicit = None if trainer_precision == _TRAINER_DEFAULT else trainer_precision

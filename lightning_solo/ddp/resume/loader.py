@@ -1,6 +1,5 @@
-"""The training loader made resumable: a sampler that fast-forwards to a position, and samples loaded with RNGs
-seeded from (seed, epoch, index) so augmentation and loader workers do not depend on which batches were skipped.
-See docs/checkpoints.md."""
+"""The training loader made resumable: a sampler that fast-forwards, and samples loaded with RNGs seeded from
+(seed, epoch, index), whatever batches were skipped. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -43,10 +42,9 @@ def _user_sampler(sampler: Any) -> Any:
 
 
 class ResumableSampler(Sampler):
-    """Forwards to ``sampler`` (``tag_epoch``: as :class:`SeededDataset.Key` ``(epoch, index)`` pairs); after
-    :meth:`resume_once` its next iteration sets that epoch and drops the first ``skip_samples`` indices (``len`` is
-    unchanged). ``replay_rng``: each iteration records the RNG states it starts from in ``epoch_rng``, and a resume
-    draws the order again from them, leaving the caller's RNG as it was."""
+    """Forwards to ``sampler`` (``tag_epoch``: as :class:`SeededDataset.Key` pairs); after :meth:`resume_once` its next
+    iteration sets that epoch and drops the first ``skip_samples`` indices (same ``len``). ``replay_rng``: each
+    iteration records its starting RNG states in ``epoch_rng``; a resume draws the order again from them."""
 
     def __init__(
         self, sampler: Sampler | Any, batch_size: int, tag_epoch: bool = False, replay_rng: bool = False
@@ -73,8 +71,7 @@ class ResumableSampler(Sampler):
         epoch_rng: dict[str, Any] | None = None,
         on_start: Callable[[], None] | None = None,
     ) -> None:
-        """Arm the next iteration: ``epoch`` (``None``, or a later ``set_epoch``: Lightning's), the samples to skip
-        (or a function asked when it starts), the ``epoch_rng`` to draw the order from; ``on_start`` runs first."""
+        """Arm the next iteration: ``epoch`` (``None``: Lightning's), the skip (or a callable), the order's RNG."""
         self._plan = (epoch, skip_samples, epoch_rng, on_start)
 
     def __len__(self) -> int:
@@ -106,16 +103,9 @@ class ResumableSampler(Sampler):
             set_rng_state(caller)
         if first is _END:
             return
-        yield from self._tag(itertools.islice(itertools.chain((first,), indices), skip, None))
-
-    def _tag(self, indices: Iterator[Any]) -> Iterator[Any]:
+        indices = itertools.islice(itertools.chain((first,), indices), skip, None)
         # The epoch travels with each index to the (possibly persistent) worker that loads it.
-        return (SeededDataset.Key(self.epoch, i) for i in indices) if self.tag_epoch else indices
-
-
-def _numpy_random() -> Any:
-    numpy = sys.modules.get("numpy")  # only if the program uses numpy: never import it for this
-    return numpy.random if numpy is not None else None
+        yield from (SeededDataset.Key(self.epoch, i) for i in indices) if self.tag_epoch else indices
 
 
 def _seed_of(text: str) -> int:
@@ -123,9 +113,8 @@ def _seed_of(text: str) -> int:
 
 
 class SeededDataset(Dataset):
-    """The user's dataset, as the user sees it, whose training samples load with the torch, Python and numpy RNGs
-    seeded from ``(seed, epoch, index)``, the caller's RNG states put back. Its ``__class__`` property is not a
-    patch: the pack's own class answers ``isinstance`` for the user's; ``type()`` and pickling still say what it is."""
+    """The user's dataset, whose samples load with the torch, Python, numpy RNGs seeded from ``(seed, epoch, index)``.
+    Its ``__class__`` property (not a patch) answers ``isinstance`` for the user's; ``type()`` and pickling do not."""
 
     class Key(NamedTuple):
         """An index from :class:`ResumableSampler`, with the epoch it was drawn in (no user index is one)."""
@@ -170,7 +159,8 @@ class SeededDataset(Dataset):
         batched = getattr(self.dataset, "__getitems__", None)
         if not keys or not isinstance(keys[0], SeededDataset.Key):  # the user's own indices: the user's fetch
             return batched(keys) if batched else [self.dataset[k] for k in keys]
-        cpu, py, np_random = torch.default_generator.get_state(), random.getstate(), _numpy_random()
+        np_random = getattr(sys.modules.get("numpy"), "random", None)  # if the program uses numpy: never imported here
+        cpu, py = torch.default_generator.get_state(), random.getstate()
         np_state = np_random.get_state(legacy=False) if np_random is not None else None
         try:
             if batched:
@@ -231,8 +221,7 @@ def _order(sampler: Any) -> tuple[bool | str, bool, str]:
 
 
 def make_resumable(dataloader: Any, seed: int) -> tuple[Any, Decision]:
-    """The training ``DataLoader`` re-instantiated around a :class:`ResumableSampler` and a :class:`SeededDataset`
-    (as Lightning injects its sampler); one it cannot handle is returned as it is."""
+    """``dataloader`` rebuilt around a :class:`ResumableSampler` and a :class:`SeededDataset`, or as is if it cannot."""
 
     def refuse(why: str) -> tuple[Any, Decision]:
         return dataloader, Decision(

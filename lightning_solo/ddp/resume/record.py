@@ -55,9 +55,8 @@ def _sample_seed(loader: Any) -> int | None:
 def capture(
     trainer: Any, loaders: list[Any], last_step: tuple[Any, int] | None, collective: bool = True
 ) -> dict[str, Any]:
-    """The resume record for the training ``loaders`` as of the last optimizer step (``last_step``: this rank's RNG
-    state and the epoch's batches consumed then); a collective that gathers every rank's RNG, or with
-    ``collective=False`` this rank's only (a resume then restores none)."""
+    """The resume record of the training ``loaders`` at the last optimizer step (``last_step``: this rank's RNG state,
+    batches consumed); a collective gathering every rank's RNG, unless ``collective=False`` (a resume restores none)."""
     world_size = ranks.world_size()
     samplers = [_sampler(loader) for loader in loaders]
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -106,8 +105,7 @@ def step_buffers(trainer: Any) -> dict[str, torch.Tensor] | None:
 def rewind_buffers(
     checkpoint: dict[str, Any], trainer: Any, last_step: tuple[Any, int] | None, buffers: dict[str, torch.Tensor] | None
 ) -> None:
-    """In a checkpoint written inside an accumulation cycle, the buffers of the last optimizer step (the resume
-    replays the cycle's forwards, which would move them a second time)."""
+    """Inside an accumulation cycle: the last optimizer step's buffers in the checkpoint (resumes rerun forwards)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     state = checkpoint.get("state_dict")
     if buffers is None or last_step is None or state is None or int(progress.ready) <= last_step[1]:
@@ -115,26 +113,11 @@ def rewind_buffers(
     state.update({name: value for name, value in buffers.items() if name in state})
 
 
-def saved_rng(record: dict[str, Any] | None) -> dict[str, Any] | None:
-    """This rank's RNG state in ``record``, if the record holds one for every rank."""
-    rng = (record or {}).get("rng") or []
-    world_size = ranks.world_size()
-    return rng[ranks.rank()] if len(rng) == world_size else None
-
-
-def validation_neutral(state: dict[str, Any] | None) -> None:
-    """After a validation inside a fit: the training RNG as the validation found it (``state``), so that its draws
-    do not shift the training stream (a resumed run skips that validation, or runs it elsewhere)."""
-    if state is not None:
-        set_rng_state(state)
-
-
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def quiet_not_resumable_warning(trainer: Any) -> Patches:
-    """Lightning's "your dataloader is not resumable" warning, about a loader these resume, silenced around this
-    trainer's epoch loop's next ``reset`` only (patched once, undone at that call or by closing the patches)."""
+    """Silence Lightning's "dataloader is not resumable" warning for this trainer's epoch loop's next ``reset`` only."""
     loop, patches = trainer.fit_loop.epoch_loop, Patches()
     if "reset" in vars(loop):
         return patches
@@ -186,17 +169,17 @@ def _position(mode: str | None, consumed: int, batches: int) -> int | None:
 
 
 class ResumePlan:
-    """A checkpoint's record applied to this fit's training loaders, each handed over by :meth:`attach`;
-    :meth:`settle` decides once all are in (at the first index drawn or ``on_train_start``). At an epoch boundary
-    this rank's RNG is restored at once; mid-epoch right before the first resumed batch
-    (:attr:`rng_before_first_batch`), after Lightning's fast-forward of a validation due at the saved step."""
+    """A checkpoint's record applied to this fit's training loaders (each given to :meth:`attach`); :meth:`settle`
+    decides once all are in. This rank's RNG comes back at once at an epoch boundary, else right before the first
+    resumed batch (:attr:`rng_before_first_batch`), after Lightning's fast-forward of a validation due then."""
 
     def __init__(self, record: dict[str, Any], trainer: Any, decide: Callable[[Decision], Any]) -> None:
         self.record, self.trainer, self._decide = record, trainer, decide
         self.loaders: list[Any] = []
         self.samplers: list[ResumableSampler | None] = []
         self.skips: list[int] = []
-        self.rng = saved_rng(record)
+        rng = record.get("rng") or []
+        self.rng = rng[ranks.rank()] if len(rng) == ranks.world_size() else None  # this rank's, if every rank's saved
         self.rng_before_first_batch: dict[str, Any] | None = None
         self.settled = self.decided = False
         self.restored = _counters(trainer)

@@ -1,6 +1,5 @@
-"""Exact resume across one strategy's fits: what a checkpoint carries beyond Lightning's, and how a fit continues
-from it. :class:`~lightning_solo.ddp.strategy.SoloDDP` holds one :class:`ExactResume` and calls it from its hooks.
-See docs/checkpoints.md."""
+"""Exact resume across one strategy's fits (:class:`ExactResume`, called from SoloDDP's hooks) and
+``ckpt_path="auto"``. See docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ NO_CHECKPOINT = _NoCheckpoint({"pytorch-lightning_version": lightning.__version_
 
 
 class ExactResume:
-    """The exact-resume state of one strategy, and what its hooks do with it. ``enabled=False``
-    (``SoloDDP(exact_resume=False)``): Lightning's loaders and RNG streams, no resume record."""
+    """A strategy's exact-resume state and hooks; ``enabled=False``: Lightning's loaders and RNG streams, no record."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -136,8 +134,9 @@ class ExactResume:
 
     def after_validation(self, trainer: Any) -> None:
         """A validation inside fit leaves the training RNG as the last training batch's work left it."""
-        if self.enabled and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            resume.validation_neutral(self._batch_end_rng)
+        state = self._batch_end_rng
+        if self.enabled and state is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            resume.set_rng_state(state)
 
     def add_to_checkpoint(self, checkpoint: dict[str, Any], trainer: Any, collective: bool = True) -> None:
         """Put the resume record into ``checkpoint`` during fit. ``collective=False``: this rank's only."""
@@ -157,9 +156,8 @@ class ExactResume:
 
 
 def load_auto_checkpoint(strategy: Any, weights_only: bool | None) -> tuple[dict[str, Any], str | None]:
-    """``fit(ckpt_path="auto")`` under ``strategy`` (a collective): rank 0 picks the newest checkpoint that verifies
-    and broadcasts it, every rank checks it sees the same file. The checkpoint and its path; :data:`NO_CHECKPOINT`,
-    ``None``: none. ``weights_only=None``: the checkpoint IO's setting (``True`` without one)."""
+    """``fit(ckpt_path="auto")`` (a collective): rank 0's choice, checked on every rank; the checkpoint and its path
+    (:data:`NO_CHECKPOINT`, ``None``: none). ``weights_only=None``: the checkpoint IO's setting (else ``True``)."""
     trainer, rank = strategy.lightning_module.trainer, strategy.global_rank
     if weights_only is None:
         weights_only = getattr(strategy.checkpoint_io, "weights_only", True)

@@ -1,7 +1,5 @@
-"""torch's flight recorder, on by default with the watchdog (gloo and NCCL): each rank's last collectives, read into
-the verdict's line when a run stalls (:func:`summarize` a rank's dump, :func:`clause` the words, :func:`deadlock` a
-mismatch). See docs/multi-node.md ("The flight recorder's evidence"); the NCCL path has not run on a GPU here.
-"""
+"""torch's flight recorder, on with the watchdog: each rank's last collectives, read into a stalled run's verdict.
+See docs/multi-node.md ("The flight recorder's evidence"); the NCCL path has not run on a GPU here."""
 
 from __future__ import annotations
 
@@ -39,13 +37,12 @@ def decide_flight_recorder(backend: str | None, environ: Mapping[str, str]) -> t
 
 
 def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
-    """A rank's flight-recorder dump (torch's JSON) as its summary: per process group, its last collective and
-    whether it is still in flight."""
+    """A rank's flight-recorder dump (torch's JSON), per process group: its last collective and whether in flight."""
     # A group's collectives complete in order: its last one tells whether the rank waits there.
     lasts: dict[str, dict[str, Any]] = {}
     for entry in json.loads(dump).get("entries", []):
         pg = str(entry["process_group"][0])
-        if pg not in lasts or _order(entry) > _order(lasts[pg]):
+        if pg not in lasts or int(entry.get("record_id", 0)) > int(lasts[pg].get("record_id", 0)):
             lasts[pg] = entry
     summary = {}
     for pg, e in lasts.items():
@@ -55,10 +52,6 @@ def summarize(dump: str | bytes) -> dict[str, dict[str, Any]]:
             "op": e["profiling_name"], "state": e.get("state", ""), "pending": pending,
         }  # fmt: skip
     return summary
-
-
-def _order(entry: Mapping[str, Any]) -> int:
-    return int(entry.get("record_id", 0))
 
 
 def _label(pg: str, last: PgLast | None) -> str:
@@ -142,16 +135,14 @@ def clause(summaries: Mapping[int, Summary | None], lead: Sequence[int] = ()) ->
 
 
 def _blocks(mine: PgLast, theirs: PgLast | None) -> bool:
-    """A rank in flight in ``mine`` waits for one whose last there is ``theirs``: an earlier one, none, or another
-    collective under the same number."""
+    """Whether a rank in flight in ``mine`` waits on ``theirs``: an earlier one, none, or another op at that number."""
     if theirs is None or theirs["seq"] < mine["seq"]:
         return True
     return theirs["seq"] == mine["seq"] and theirs["op"] != mine["op"]
 
 
 def deadlock(summaries: Mapping[int, Summary | None]) -> tuple[int, ...] | None:
-    """The ranks in a collective mismatch: a cycle of ranks each in flight in a collective the next never entered;
-    ``None`` when the records show none (a rank with no record is no link of one)."""
+    """The ranks in a collective mismatch (a cycle, each in flight in one the next never entered), or ``None``."""
     have = {r: s for r, s in summaries.items() if s is not None}
     edges: dict[int, set[int]] = {r: set() for r in have}
     for a, mine in have.items():

@@ -1,7 +1,5 @@
-"""What a rank is doing, published by its watchdog thread: the global step, the phase, a named collective inside
-it with its sequence number, and how long it has been there. The training thread only assigns one tuple per
-transition (about a microsecond a step); the watchdog thread does the rest (:meth:`HeartbeatWriter.snapshot`).
-"""
+"""What a rank is doing (step, phase, named collective, how long), published by its watchdog thread. The training
+thread assigns one tuple per transition (about a microsecond a step); the watchdog thread does the rest."""
 
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ _WINDOW = 64  # durations kept per group: the median of the recent ones
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """One rank's published state: ``age_s`` in ``phase`` (a writer's phase, or a hook or ``loader start`` read on
-    the training thread's stack), which may last ``allowance_s``; ``collective``: a named one it waits in, ``seq``
-    its number; ``beats``: moves at every publication (a silent rank's stops)."""
+    """One rank's published state: ``age_s`` in ``phase`` (the writer's, or read on the training thread's stack), which
+    may last ``allowance_s``; ``collective`` it waits in, ``seq`` its number; ``beats``: moves at every publication."""
 
     rank: int
     pid: int
@@ -98,8 +95,7 @@ class HeartbeatWriter:
         return previous, since
 
     def leave(self, outer: tuple[str, float], stepped: bool = False) -> None:
-        """Back from a phase to the one around it (after a batch's own work: the data wait). ``stepped``: an optimizer
-        step, which Lightning counts in the global step right after."""
+        """Back to the phase around this one (the data wait after a batch's work); ``stepped``: an optimizer step."""
         step, phase, since, _, seq = self.state
         step += stepped
         previous, previous_since = outer
@@ -129,7 +125,6 @@ class HeartbeatWriter:
         now = self._now()
         self.state = (step, FAILED, now, f"{phase} at step {step}", seq) if failed else (step, DONE, now, None, seq)
 
-    # ------------------------------------------------------------------ the watchdog thread
     def median(self, group: str) -> float | None:
         """The median of ``group``'s recent durations; ``None`` before enough (the first step, a warm-up, excluded)."""
         samples = list(self._durations.get(group, ()))
@@ -159,8 +154,7 @@ REFINABLE = frozenset({SETUP, DATA_WAIT, BATCH_START, OPTIMIZER_STEP, VALIDATION
 
 
 class Observer:
-    """The watchdog thread's side of a heartbeat: the writer's phase, or one read on the training thread's stack with
-    its own clock, allowance and durations; and the time in the collective the rank waits in."""
+    """The watchdog thread's side of a heartbeat: a phase read on the training thread's stack, and collective waits."""
 
     def __init__(self, writer: HeartbeatWriter, clock: Callable[[], float] = time.monotonic) -> None:
         self.writer, self._clock = writer, clock

@@ -1,6 +1,5 @@
 """SoloDDP's watchdog across its fits: the setting and its Decision, the flight recorder's environment, each fit's
-:class:`~lightning_solo.ddp.watchdog.watchdog.Watchdog`, and the phases the strategy's hooks mark. Every method does
-nothing while no watchdog runs, so the hooks call it unconditionally."""
+:class:`Watchdog` and the phases the hooks mark. Every method does nothing while no watchdog runs."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class WatchdogSession:
         )
 
     def prepare_environment(self, backend: str) -> Decision | None:
-        """Switch torch's flight recorder on for ``backend`` (read as the process group is made; put back by
-        :meth:`restore_environment`) unless the user set it; its Decision (None: the watchdog is off)."""
+        """Switch torch's flight recorder on for ``backend`` unless the user set it; its Decision (None: off)."""
         if self.settings is None:
             return None
         recorder, env = decide_flight_recorder(backend, os.environ)

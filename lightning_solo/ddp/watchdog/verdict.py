@@ -1,7 +1,5 @@
-"""The verdict on a stalled run, from every rank's heartbeat: pure (no clock, no store), table-tested. ``END``:
-proof of a hang; ``REPORT``: a rank busy past its allowance; ``SUSPECT``: every rank waits in a collective, the
-flight recorder decides. What each covers: :data:`ENDS`, :data:`REPORTED` (docs/multi-node.md, "When a run hangs").
-"""
+"""The verdict on a stalled run from every rank's heartbeat (pure): ``END`` (proof of a hang), ``REPORT`` (a busy rank)
+or ``SUSPECT`` (every rank waits: the flight recorder judges). What each covers: :data:`ENDS`, :data:`REPORTED`."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ _AFTER_TRAINING = frozenset({"on_train_end", "on_fit_end", "teardown"})
 @dataclass(frozen=True)
 class RankView:
     """One rank as the judge sees it: its latest heartbeat (``None``: none yet), ``age_s`` in that phase by now,
-    ``silent_s`` since its heartbeat moved, whether its process ended, and ``proc``: its state from ``/proc`` once its
-    heartbeat stopped for a few periods (native code holding the interpreter lock: busy, whatever it last said)."""
+    ``silent_s`` since its heartbeat moved, whether it is ``gone``, ``proc``: its state in ``/proc`` once silent."""
 
     rank: int
     beat: Heartbeat | None
@@ -132,8 +129,7 @@ def _verdict(
 
 
 def judge(views: Sequence[RankView], silent_after_s: float = float("inf")) -> Verdict | None:
-    """The verdict, or ``None`` while no rank is past its allowance and none is gone. A heartbeat that has not moved
-    for ``silent_after_s`` (its watchdog cannot run) is reported, as a busy rank."""
+    """The verdict, or ``None`` while no rank is past its allowance (or silent ``silent_after_s``) and none is gone."""
     views = sorted(views, key=lambda v: v.rank)
     active = [v for v in views if v.beat is None or v.beat.phase not in (DONE, FAILED)]
     if gone := [v for v in active if v.gone]:

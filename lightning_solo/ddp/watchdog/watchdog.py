@@ -1,8 +1,5 @@
-"""The watchdog thread: publishes this rank's heartbeat into the store, judges every rank's (ranks 0 and W-1),
-reports a busy rank and ends a run proven hung (dumps, one line, exit status :data:`HANG_EXIT_CODE`).
-
-See docs/multi-node.md ("When a run hangs") for what it judges, leaves and ends, and why it ends with ``os._exit``.
-"""
+"""The watchdog thread: publishes this rank's heartbeat, judges every rank's (ranks 0 and W-1), reports a busy rank
+and ends a run proven hung (dumps, one line, exit status :data:`HANG_EXIT_CODE`). See docs/multi-node.md."""
 
 from __future__ import annotations
 
@@ -64,12 +61,10 @@ class WatchdogSettings:
             return None
         if option is True:
             return cls()
+        known = [f.name for f in fields(cls)]
         if not isinstance(option, Mapping):
-            raise ValueError(
-                f"watchdog must be True, False or a mapping of {[f.name for f in fields(cls)]}, got {option!r}"
-            )
-        known = {f.name for f in fields(cls)}
-        if unknown := set(option) - known:
+            raise ValueError(f"watchdog must be True, False or a mapping of {known}, got {option!r}")
+        if unknown := set(option) - set(known):
             raise ValueError(f"unknown watchdog setting(s) {sorted(unknown)}; known: {sorted(known)}")
         values = {
             k: v if k == "abort" or (k == "abort_after_s" and v is None) else check_number(f"watchdog.{k}", v)
@@ -128,9 +123,8 @@ def peer_failure(exception: BaseException | None) -> bool:
 
 
 class Watchdog:
-    """One fit's watchdog on one rank. ``store``: its own (a prefix store over a clone of the process group's);
-    ``flight_record``: this process's flight-recorder dump; ``timeout_s``: the collective timeout; ``epoch``: the
-    current epoch (a hook in the fit's first epoch gets ``first_s``); ``writer``: the phases SoloDDP's hooks set."""
+    """One fit's watchdog on one rank. ``store``: a prefix store over a clone of the group's; ``flight_record``: this
+    process's dump; ``timeout_s``: the collective timeout; ``epoch``: the current one; ``writer``: the hooks' phases."""
 
     def __init__(
         self,
@@ -166,7 +160,6 @@ class Watchdog:
         self._acted = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ the training thread
     def start(self) -> None:
         self._training_thread = threading.get_ident()
         self._publish()
@@ -227,7 +220,6 @@ class Watchdog:
         seen = dict(self._seen)  # one copy: the thread adds to it
         return {**{r: beat for r, (_, _, beat) in seen.items()}, self.rank: own}
 
-    # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         last = time.monotonic()
         while not self._stop.wait(self.settings.interval_s):
@@ -268,12 +260,8 @@ class Watchdog:
                 sys.stderr.write(rank_prefixed_message(line, self.rank) + "\n")
                 sys.stderr.flush()
 
-    def _signal_all(self) -> None:
-        self._store.add(_SIGNAL, 1)
-
     def _consider(self, verdict: Verdict) -> bool:
-        """Act on a verdict: end the run on proof, at the collective timeout or ``abort_after_s`` (True), else report
-        at 1x, 2x, 4x ... the allowance."""
+        """End the run on proof, at the collective timeout or ``abort_after_s`` (True); else report at 1x, 2x, 4x ..."""
         if verdict.kind == END:
             self._act(verdict)
             return True
@@ -325,7 +313,7 @@ class Watchdog:
                 return  # the other judge reported it
             number = int(self._store.add("report/count", 1))
             self._store.set(f"report/{number}", line)
-            self._signal_all()
+            self._store.add(_SIGNAL, 1)
         except Exception:  # noqa: BLE001 - no store: this rank alone reports
             self._dump_stacks(line)
         with contextlib.suppress(OSError):
@@ -337,7 +325,7 @@ class Watchdog:
         """Every live rank's flight-recorder summary, asked for through the store: only when a stall is suspected."""
         wanted = int(self._store.add("fr/want", 1))
         self._requests_answered = max(self._requests_answered, wanted)
-        self._signal_all()
+        self._store.add(_SIGNAL, 1)
         keys = {r: f"fr/{wanted}/{r}" for r in range(self.world_size) if r != self.rank}
         mine = self._flight_summary()[1]
         return {self.rank: mine, **self._collect(keys, time.monotonic() + FLIGHT_RECORD_WAIT_S, self._verdict_came)}
@@ -475,7 +463,7 @@ class Watchdog:
             try:
                 won = self._store.compare_set(_VERDICT, "", mine).decode() == mine
                 if won:
-                    self._signal_all()
+                    self._store.add(_SIGNAL, 1)
             except Exception:  # noqa: BLE001 - no store: this rank is alone to speak
                 won = True
             if not won:

@@ -1,5 +1,4 @@
-"""What a rank's training thread is doing between the phases SoloDDP's hooks mark: the Lightning hook being called or
-a loader fetching an epoch's first batch, read by the watchdog thread off the training thread's Python stack."""
+"""What a rank's training thread does between SoloDDP's phases, read off its Python stack by the watchdog thread."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ _DEPTH = 200  # frames looked at, innermost first
 
 
 def where(frame: FrameType | None) -> str | None:
-    """The innermost Lightning hook on the stack from ``frame`` (``None`` for a step's own hooks), or
-    :data:`LOADER_START` while a loader makes its iterator (its workers start) or fetches its first batch of an
-    epoch; ``None`` when neither."""
+    """The innermost Lightning hook on the stack (``None`` for a step's own), or :data:`LOADER_START`; else ``None``."""
     for _ in range(_DEPTH):
         if frame is None:
             return None
