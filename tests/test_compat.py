@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+from lightning.pytorch.utilities import CombinedLoader
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,6 +70,8 @@ def test_lightning_reads_exist():
     assert lightning_compat.attached_trainer(L.LightningModule()) is None
     assert lightning_compat.precision_flags(trainer, "default")[0] == "32-true"
     assert hasattr(trainer.fit_loop, "_data_source") and lightning_compat.fit_data_source(trainer) is None
+    trainer.fit_loop._combined_loader = CombinedLoader([[1], [2, 3]], mode="max_size_cycle")
+    assert lightning_compat.combined_loader_mode(trainer) == "max_size_cycle"
     assert hasattr(trainer._checkpoint_connector, "_ckpt_path")
     assert callable(trainer._checkpoint_connector.dump_checkpoint)
     assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path("s3://b/x.ckpt")

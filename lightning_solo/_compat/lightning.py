@@ -49,6 +49,11 @@ def fit_data_source(trainer: Any) -> Any:
     return getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
 
 
+def combined_loader_mode(trainer: Any) -> str | None:
+    """How Lightning combines the training loaders: ``fit_loop._combined_loader._mode`` (checked on lightning 2.6.6)."""
+    return getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_mode", None)
+
+
 def precision_flags(trainer: Any, default: str) -> tuple[str, Any]:
     """``Trainer(precision=...)`` and its precision plugin: ``_accelerator_connector._precision_flag`` /
     ``._precision_plugin_flag`` (checked on lightning 2.6.6); ``default`` and ``None`` on a trainer without them."""

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_solo._compat import lightning as lightning_compat
 from lightning_solo._compat.patch import Patches
 from lightning_solo.core import ranks
 from lightning_solo.core.decision import Decision
@@ -149,12 +150,6 @@ def _rewind(trainer: Any, restored: list[list[int]], batches: int) -> None:
             setattr(counter, name, max(0, value - batches))
 
 
-def _mode(trainer: Any) -> str | None:
-    """How Lightning combines the training loaders: ``CombinedLoader``'s mode."""
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    return getattr(combined, "_mode", None)
-
-
 def _position(mode: str | None, consumed: int, batches: int) -> int | None:
     """The batches of its current pass a loader has given after ``consumed`` batches of the combined epoch."""
     if batches <= 0:
@@ -257,7 +252,9 @@ class ResumePlan:
         epoch, consumed = record["epoch"], record["consumed_batches"]
         ready = self.restored[0][0]  # this epoch's batches Lightning restored
         # One loader: the mode does not matter. Several: Lightning's CombinedLoader is known at the final call only.
-        mode = (_mode(self.trainer) if final and len(self.samplers) > 1 else None) or "max_size_cycle"
+        mode = (
+            lightning_compat.combined_loader_mode(self.trainer) if final and len(self.samplers) > 1 else None
+        ) or "max_size_cycle"
         saved = [self._saved_loader(i) for i in range(len(self.samplers))]
         now_sizes = [s.batch_size if s is not None else None for s in self.samplers]
         restart = None
