@@ -243,7 +243,7 @@ def profile_pieces() -> dict[str, list[float]]:
     replace_everywhere(resume.step_buffers, timed("resume.step_buffers", resume.step_buffers))
     seeded, sampler = resumable_loader.SeededDataset, resumable_loader.ResumableSampler
     seeded.__getitems__ = timed("SeededDataset.__getitems__", seeded.__getitems__)
-    sampler._tag = timed("ResumableSampler._tag", sampler._tag)
+    sampler.__iter__ = timed("ResumableSampler.__iter__", sampler.__iter__)
     return spent
 
 
