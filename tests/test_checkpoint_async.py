@@ -43,7 +43,7 @@ from lightning_solo.checkpoint import (
     verify,
 )
 from lightning_solo.checkpoint.background import HostStaging, decide_async_save
-from tests.helpers import REPO, run_driver
+from tests.helpers import REPO, SCRIPT_ENV, run_driver
 from tests.helpers.modules import TinyModule
 
 
@@ -321,10 +321,7 @@ def test_a_sigterm_stop_waits_for_the_write_in_flight(tmp_path):
     # 2 ranks (popen launcher), a save every 2 steps, each write 2 s; rank 1 gets SIGTERM at step 5, while a write is
     # in flight; the ranks stop together a step or two later.
     script = REPO / "tests" / "scripts" / "async_sigterm_fit.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=SCRIPT_ENV, capture_output=True,
                           text=True, timeout=140)  # fmt: skip
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["ended"] in ("SIGTERMException", "SystemExit"), (result, proc.stderr[-3000:])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -32,7 +31,7 @@ from lightning_solo.fsdp.strategy import (
     decide_wrap,
     group_policy_for,
 )
-from tests.helpers import REPO, composed, run_cli
+from tests.helpers import REPO, SCRIPT_ENV, composed, run_cli
 
 
 class Holder(nn.Module):  # stands for a LightningModule: the strategy shards its children
@@ -145,11 +144,8 @@ def test_fsdp_option_composes(tmp_path):
 @pytest.mark.timeout(180)
 def test_fsdp_trains_on_two_cpu_processes_resumes_and_consolidates(tmp_path):
     script = REPO / "tests" / "scripts" / "fsdp_fit.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
+        [sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=SCRIPT_ENV,
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -192,11 +188,8 @@ def _full(path) -> dict:
 @pytest.mark.timeout(240)
 def test_async_sharded_checkpoints_equal_sync_ones_commit_whole_and_resume_exactly(tmp_path):
     script = REPO / "tests" / "scripts" / "fsdp_async_fit.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(var, None)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=SCRIPT_ENV, capture_output=True,
                           text=True, timeout=230)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())

@@ -17,8 +17,13 @@ from hydra.core.hydra_config import HydraConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # A test file run as a script (its fault-injection driver and the ranks it starts) imports tests.helpers from here.
+# A script a test starts launches its own ranks: it inherits no rank of the test process's environment.
 SCRIPT_ENV = {
-    **os.environ,
+    **{
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+    },
     "OMP_NUM_THREADS": "1",
     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
 }
