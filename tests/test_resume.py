@@ -266,7 +266,7 @@ def _fit_real(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **trainer_kwargs,
+        **{"default_root_dir": run_dir, **trainer_kwargs},  # reports and the watchdog's hang/ stay in the run's folder
     )
     if crash_at_batch is None:
         trainer.fit(model, ckpt_path="auto" if resume else None)
@@ -340,7 +340,6 @@ def test_resume_with_every_default_on_is_exact(tmp_path, bn, local_sgd):
                 watch if bn else TrainingDoctor(warmup_steps=0, chart=None, loss_watch=watch),
             ),
             accumulate_grad_batches=2,
-            default_root_dir=run_dir,  # the doctor's report
         )
 
     reference = fit(str(tmp_path / "reference"))
