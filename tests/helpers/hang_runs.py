@@ -1,5 +1,5 @@
-"""The fault suite's runs of tests/scripts/hang_fit.py (tests/test_watchdog.py: the hung ones;
-tests/test_watchdog_faults.py: the healthy ones): each 2-process run in its own directory and session, waited for
+"""The fault suite's runs of tests/scripts/hang_fit.py (tests/test_watchdog.py, the hung ones and the
+healthy ones): each 2-process run in its own directory and session, waited for
 together, each with its own end's time. :func:`fault_runs` starts them all once per test process: the hung runs
 first, then, once each has stalled (its processes mostly sleep), the healthy pairs, so the suite takes about the
 time of its longest run."""
@@ -50,20 +50,43 @@ def finish_all(runs: dict, limit_s: float = 150) -> dict[str, tuple[subprocess.C
     """``runs``: name -> (its dir, its processes), waited for together; each result's time is its own end's."""
     ended: dict[str, float] = {}
     deadline = time.monotonic() + limit_s
+    late = ""
     try:
         while len(ended) < len(runs) and time.monotonic() < deadline:
             for name, (_, procs) in runs.items():
                 if name not in ended and procs[0].poll() is not None:
                     ended[name] = time.time()
             time.sleep(0.1)
+        late = _stacks({name: run for name, run in runs.items() if name not in ended})
     finally:
         for _, procs in runs.values():
             for each in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(each.pid, signal.SIGKILL)
                 each.wait()
-    assert len(ended) == len(runs), f"still running after {limit_s} s: {set(runs) - set(ended)}"
+    assert len(ended) == len(runs), f"still running after {limit_s} s: {set(runs) - set(ended)}\n{late}"
     return {name: _result(out, procs[0].returncode, ended[name]) for name, (out, procs) in runs.items()}
+
+
+def _stacks(late: dict) -> str:
+    """What each run still running printed last, after its processes dumped their stacks (SIGQUIT: hang_fit.py's
+    faulthandler)."""
+    for _, procs in late.values():
+        for pid in _group(procs[0].pid):  # one at a time: they share the run's output file
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)
+            time.sleep(0.5)
+    return "\n".join(f"--- {name} ---\n{(out / 'output.txt').read_text()[-6000:]}" for name, (out, _) in late.items())
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (Linux's /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(stat.parent.name))
+    return sorted(pids)
 
 
 def finish(out, procs: list[subprocess.Popen], limit_s: float = 150) -> tuple[subprocess.CompletedProcess, float, dict]:

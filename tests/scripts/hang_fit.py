@@ -35,6 +35,7 @@ writes OUT_DIR/end.json when its fit returns or raises (the exception's type and
 """
 
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -63,6 +64,7 @@ WATCHDOG = (
     {"factor": 2.0, "margin_s": 3.0, "first_s": 30.0, "interval_s": 0.25, "grace_s": 5.0, "silent_s": 6.0}
 )  # fmt: skip
 SLOW_S = 70.0 if DEFAULTS else 6.0
+faulthandler.register(signal.SIGQUIT, all_threads=True)  # a run the test gave up on prints its stacks (hang_runs)
 SLOW_STEP, GIL_STEP = 20, 56  # in epochs 1 and 3 (16 batches an epoch)
 ALL = ("epoch_end", "val_epoch_end", "train_end", "checkpoint", "evaluation", "workers", "step", "gil")
 EVENTS = set(os.environ.get("EVENTS", ",".join(ALL)).split(","))
