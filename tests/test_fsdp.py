@@ -1,6 +1,7 @@
 """parallelism=fsdp: SoloFSDP (torch's FSDP2) trains on CPU with gloo in 2 real processes, with WarmupScaledLR and
 SoloCheckpoint; its sharded checkpoints verify, resume, and consolidate into a file a plain model loads with
-weights_only=True, and an exception on one rank during a background write leaves the newest committed one; bf16 FSDP (fp32 BatchNorm) trains there too and agrees with fp32 FSDP and SoloDDP."""
+weights_only=True; an exception on one rank during a background write leaves the newest committed one; bf16
+FSDP (fp32 BatchNorm) trains there too and agrees with fp32 FSDP and SoloDDP."""
 
 from __future__ import annotations
 
