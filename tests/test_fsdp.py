@@ -1,15 +1,18 @@
 """parallelism=fsdp: SoloFSDP (torch's FSDP2) trains on CPU with gloo in 2 real processes, with WarmupScaledLR and
 SoloCheckpoint; its sharded checkpoints verify, resume, and consolidate into a file a plain model loads with
-weights_only=True; bf16 FSDP (fp32 BatchNorm) trains there too and agrees with fp32 FSDP and SoloDDP."""
+weights_only=True; an exception on one rank during a background write leaves the newest committed one; bf16
+FSDP (fp32 BatchNorm) trains there too and agrees with fp32 FSDP and SoloDDP."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from torch import nn
 from lightning_solo.app.config_check import check_config
 from lightning_solo.app.data import DigitsDataModule
 from lightning_solo.app.models import SmallCNN
-from lightning_solo.checkpoint import decide_resume
+from lightning_solo.checkpoint import decide_resume, resolve_ckpt_path
 from lightning_solo.checkpoint.manifest import CheckpointVerificationError
 from lightning_solo.checkpoint.sharded import save_sharded, verify_sharded
 from lightning_solo.fsdp.consolidate import consolidate
@@ -215,6 +218,40 @@ def test_async_sharded_checkpoints_equal_sync_ones_commit_whole_and_resume_exact
     # Resumed from the async `last` (step 8) with ckpt_path="auto": it ends where the uninterrupted run ends.
     assert (resumed["start_step"], resumed["global_step"]) == (8, 12)
     assert resumed["weights"] == sync["weights"]
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "State:\tZ" in status.read()  # a zombie has exited; its reaper may be a container's init
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_an_exception_on_one_rank_during_an_async_sharded_write_keeps_the_newest_committed(tmp_path):
+    # 2 ranks, a save every 2 steps (and `last`), each DCP write 1.5 s late; rank 1 raises at step 5.
+    script = REPO / "tests" / "scripts" / "fsdp_async_fault_fit.py"
+    out, start = tmp_path / "out", time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=SCRIPT_ENV, capture_output=True,
+                          text=True, timeout=110)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "ValueError: boom on rank 1" in proc.stderr, proc.stderr[-4000:]
+    assert elapsed < 75 and all(_exited(int((out / f"pid-{r}").read_text())) for r in (0, 1))
+    raised = json.loads((out / "raised.json").read_text())
+    assert any(".solo-tmp-" in name for name in raised), raised  # a write was in flight when rank 1 raised
+    # Every directory under a final name verifies whole (the write in flight committed whole or not at all).
+    ckpt = out / "ckpt"
+    final = [p for p in ckpt.iterdir() if ".solo-tmp-" not in p.name]
+    steps = {p.name: verify_sharded(p)["global_step"] for p in final}
+    chosen = decide_resume(ckpt).value
+    print(f"\nfsdp async exception: {elapsed:.1f} s, at the raise {raised}, after {sorted(steps.items())}")
+    assert chosen is not None and ".solo-tmp-" not in chosen and resolve_ckpt_path("auto", ckpt) == chosen
+    assert steps[os.path.basename(chosen)] == max(steps.values()) in (2, 4)
+    loaded = _full(chosen)  # the newest committed loads: every tensor of the model and of its optimizer
+    assert loaded.keys() == {"state_dict", "optimizer_0"}
+    assert sorted(loaded["state_dict"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
 
 
 @pytest.mark.cli
