@@ -30,7 +30,7 @@ OVERRIDDEN: dict[type, tuple[str, ...]] = {
     DDPStrategy: ("_configure_launcher", "_register_ddp_hooks", "_setup_model", "_enable_model_averaging"),
     ModelParallelStrategy: ("_configure_launcher",),
     ModelCheckpoint: ("_save_last_checkpoint", "_remove_checkpoint", "_link_checkpoint"),
-    _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results"),
+    _MultiProcessingLauncher: ("_recover_results_in_main_process", "_collect_rank_zero_results", "_wrapping_function"),
 }
 # DDPStrategy's attributes SoloDDP reads or sets, ``_layer_sync`` made a property (checked on lightning 2.6.6).
 STRATEGY_ATTRIBUTES = ("_layer_sync", "_ddp_kwargs", "_start_method", "_launcher", "_timeout",

@@ -8,7 +8,7 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 import lightning as L
 import torch
@@ -40,6 +40,14 @@ _STATE_KEY = "lightning_solo_state"
 
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
+
+
+class _Stopped(NamedTuple):
+    """Rank 0's result when its function ended with ``exception`` (``SystemExit``, such as Lightning's
+    ``SIGTERMException``, or ``KeyboardInterrupt``): the process exits with status 0 and puts no result, and the
+    parent would wait for one for ever. The parent raises it."""
+
+    exception: BaseException
 
 
 def in_notebook() -> bool:
@@ -77,7 +85,21 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
                     "allocate); the ranks move the model to their GPUs themselves."
                 )
             openmp.release_thread_pool()  # a forked rank would hang at its first parallel op (core/openmp.py)
+        # The last fit's processes, joined: a rank forked with them would signal them (Lightning's SIGTERM handler
+        # passes the signal on) and fail there ("can only test a child process").
+        self.procs = []
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(
+        self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, return_queue: Any, *rest: Any
+    ) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, *rest)
+        except (SystemExit, KeyboardInterrupt) as stop:  # may end with status 0 and no result: tell the parent
+            if process_idx == 0:
+                return_queue.put(_Stopped(stop))
+            raise
 
     @override
     def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
@@ -103,6 +125,8 @@ class SoloLauncher(lightning_compat.MultiProcessingLauncher):
     def _recover_results_in_main_process(
         self, worker_output: lightning_compat.WorkerOutput, trainer: L.Trainer
     ) -> None:
+        if isinstance(worker_output, _Stopped):  # e.g. a SIGTERM stop: the fit raises, as in rank 0's process
+            raise worker_output.exception
         if trainer.checkpoint_callback and hasattr(trainer.checkpoint_callback, "best_model_path"):
             trainer.checkpoint_callback.best_model_path = str(worker_output.best_model_path)
         if worker_output.weights_path is not None:
