@@ -176,12 +176,21 @@ def test_trainable_set_changes_mid_fit(tmp_path, case):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_stock_ddp_leaves_an_unfrozen_backbone_unsynchronised(tmp_path):
+def test_stock_ddp_leaves_an_unfrozen_backbone_unsynchronised_and_so_does_the_switch(tmp_path):
+    # Stock: DDP built before the unfreezing never all-reduces the backbone's gradients; its ranks drift apart.
+    # SoloDDP(rewrap_on_trainable_change=False) gives that back, rank for rank (the default re-wraps: above).
     torch.manual_seed(0)
     net = Combo(make_data(EPOCH), variant="used", frozen_backbone=True)
-    records = fit(tmp_path, net, DDPStrategy(start_method="fork"), steps=FINETUNE_STEPS,
-                  callbacks=[_UnfreezeBackbone(epoch=1)])  # fmt: skip
-    assert records[0]["params"]["trunk.0.weight"] != records[1]["params"]["trunk.0.weight"]
+    records = {
+        name: fit(tmp_path / name, copy.deepcopy(net), strategy, steps=FINETUNE_STEPS,
+                  callbacks=[_UnfreezeBackbone(epoch=1)])
+        for name, strategy in (("stock", DDPStrategy(start_method="fork")),
+                               ("off", SoloDDP(start_method="fork", rewrap_on_trainable_change=False)))
+    }  # fmt: skip
+    stock, off = records["stock"], records["off"]
+    assert stock[0]["params"]["trunk.0.weight"] != stock[1]["params"]["trunk.0.weight"]
+    assert [r["params"] for r in off] == [r["params"] for r in stock]
+    assert off[0]["decisions"]["rewrap_on_trainable_change"]["value"] is False
 
 
 class _Wrapped(Callback):

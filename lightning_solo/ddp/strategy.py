@@ -68,6 +68,7 @@ class SoloDDP(DecisionLog, DDPStrategy):
         *,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool | Literal["auto"] = "auto",
+        rewrap_on_trainable_change: bool = True,
         start_method: StartMethod = "auto",
         timeout: timedelta | float | int = timedelta(minutes=30),
         process_group_backend: str | None = None,
@@ -94,7 +95,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         launcher = decide_start_method(start_method)
-        unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")))
+        unused = UnusedParameters(find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph")),
+                                  follow_trainable=rewrap_on_trainable_change)  # fmt: skip
         comm_hooks = comm.make_comm_hook(
             comm_hook, ddp_kwargs, rewraps=unused.in_window, powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter, local_sgd_period=local_sgd_period,
@@ -130,7 +132,8 @@ class SoloDDP(DecisionLog, DDPStrategy):
         self._hooks = StepHooks()
         self._patches = Patches()  # a run's patches of upstream objects, undone at its teardown
         self._rewrap_listeners = Listeners()
-        self._keep(launcher, decide_exact_eval(self._exact_eval), unused.decision, self._watchdog.decision)
+        self._keep(launcher, decide_exact_eval(self._exact_eval), unused.decision, unused.follow_decision,
+                   self._watchdog.decision)  # fmt: skip
         self._keep(self._compile.decision, self._compiled_keys.decision(None))
 
     @property

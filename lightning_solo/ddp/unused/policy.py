@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_solo.core.checks import check_choice, check_int
+from lightning_solo.core.checks import check_bool, check_choice, check_int
 from lightning_solo.core.decision import Decision
 from lightning_solo.ddp.syncbn.layer import backward_collectives
 from lightning_solo.ddp.unused import surgery as ddp_surgery
@@ -43,10 +43,23 @@ class UnusedParameters:
     """SoloDDP's ``find_unused_parameters`` policy: ``setting`` ("auto", True or False), ``window`` (synchronised
     steps of evidence), ``static_graph`` (the user's; "auto" then stays out of the way)."""
 
-    def __init__(self, setting: FindUnused = "auto", *, window: int = 4, static_graph: bool = False) -> None:
+    def __init__(
+        self,
+        setting: FindUnused = "auto",
+        *,
+        window: int = 4,
+        static_graph: bool = False,
+        follow_trainable: bool = True,
+    ) -> None:
         hint = " ('auto': the fast path unless parameters go unused, decided from the first steps)"
         self.setting: FindUnused = check_choice("find_unused_parameters", setting, FIND_UNUSED_VALUES, hint)
         self.window, self.static_graph = check_int("window", window), static_graph
+        self.follow_trainable = check_bool("rewrap_on_trainable_change", follow_trainable)
+        self.follow_decision = Decision(
+            "rewrap_on_trainable_change", follow_trainable,
+            "DDP re-wrapped when parameters are frozen or unfrozen mid-fit, so every trainable one is synchronised"
+            if follow_trainable else "set by the user: as stock, a layer unfrozen mid-fit is not synchronised",
+        )  # fmt: skip
         self.unused_names: list[str] = []  # never received a gradient during the window (excluded)
         self.varying_names: list[str] = []  # without a gradient on some steps or ranks only
         self.unused_bytes = 0
@@ -79,7 +92,9 @@ class UnusedParameters:
 
     def fresh(self) -> UnusedParameters:
         """A policy with the same settings and no evidence: every fit decides from its own steps."""
-        return UnusedParameters(self.setting, window=self.window, static_graph=self.static_graph)
+        return UnusedParameters(
+            self.setting, window=self.window, static_graph=self.static_graph, follow_trainable=self.follow_trainable
+        )
 
     @property
     def in_window(self) -> bool:
@@ -174,7 +189,7 @@ class UnusedParameters:
         """At a batch boundary, on every rank. True: re-wrap now (:meth:`unwrap`, then :meth:`rebuild`)."""
         if not isinstance(ddp, DistributedDataParallel):
             return False
-        if any(p.requires_grad is not was for p, was in self._trainable_flags):
+        if self.follow_trainable and any(p.requires_grad is not was for p, was in self._trainable_flags):
             self._trainable_set_changed(ddp.module)
             return True
         if self.phase is Phase.WINDOW and self._evidence.steps >= self.window:
