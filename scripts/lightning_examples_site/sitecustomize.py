@@ -11,8 +11,8 @@ rank processes that Lightning's launcher starts from it. It then:
 * makes every ``Trainer`` a 2-process CPU run with ``DDPStrategy(**kw)`` (stock) or ``SoloDDP(**kw)`` (solo), ``kw``
   from ``LIGHTNING_EXAMPLES_STRATEGY`` (JSON, default none), with the overrides in ``LIGHTNING_EXAMPLES_TRAINER``
   (JSON) on top of what the example asked for;
-* after each ``Trainer.fit``, on rank 0, saves the module's ``state_dict``, the float ``callback_metrics``, the strategy's class and world size to
-  ``LIGHTNING_EXAMPLES_OUT`` (``torch.save``; the last fit wins).
+* after each ``Trainer.fit``, saves the module's ``state_dict``, the float ``callback_metrics``, the strategy's class and world size to
+  ``LIGHTNING_EXAMPLES_OUT`` (rank 0; other ranks add ``.rank<N>``; ``torch.save``; the last fit wins).
 """
 
 import os
@@ -139,12 +139,15 @@ if os.environ.get("LIGHTNING_EXAMPLES_ARM") in ("stock", "solo"):
 
     def _trainer_fit(self, *args, **kwargs):
         out = _fit(self, *args, **kwargs)
-        if self.global_rank == 0 and os.environ.get("LIGHTNING_EXAMPLES_OUT"):
+        if os.environ.get("LIGHTNING_EXAMPLES_OUT"):
             metrics = {k: float(v) for k, v in self.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
             state = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
             decisions = {k: str(d.value) for k, d in getattr(self.strategy, "decisions", {}).items()}
             setup = {"strategy": type(self.strategy).__name__, "world_size": self.world_size, "decisions": decisions}
-            torch.save({"state_dict": state, "metrics": metrics, **setup}, os.environ["LIGHTNING_EXAMPLES_OUT"])
+            out_file = os.environ["LIGHTNING_EXAMPLES_OUT"] + (
+                "" if self.global_rank == 0 else f".rank{self.global_rank}"
+            )
+            torch.save({"state_dict": state, "metrics": metrics, **setup}, out_file)
         return out
 
     pl.Trainer.__init__, pl.Trainer.fit = _trainer_init, _trainer_fit
