@@ -9,12 +9,16 @@ the installed ``lightning``. Nothing of the examples is copied into this reposit
 as ``python <example> <args>``, twice (arms ``stock`` and ``solo``), each arm in its own working folder.
 ``scripts/lightning_examples_site/sitecustomize.py`` (put on the child's ``PYTHONPATH``) makes both arms offline,
 seeded and comparable: synthetic data where the example would download, a 2-process CPU ``Trainer`` with the
-arm's strategy and the downsizing of :data:`EXAMPLES`, and, after the last ``fit``, rank 0's ``state_dict`` and
+arm's strategy and the downsizing of :data:`EXAMPLES`, and, after the last ``fit``, each rank's ``state_dict`` and
 ``callback_metrics`` saved for the comparison.
 
 An example agrees when both arms exit 0 with the same final weights (``torch.equal``, tensor by tensor) and the
-same logged metrics, or fail with the same last error line. Progress is printed one line per arm; the markdown
-report goes to stdout and ``--out``. Exit status 1 when an example disagrees. :data:`SKIPPED` lists the examples
+same logged metrics, or fail with the same last error line, or stock fails (SoloDDP may run more). Per example
+(:data:`EXAMPLES`): where plain ``DDPStrategy()`` fails, a ``fallback`` stock arm with the kwargs its error asks for
+gives the weights to compare with; where a SoloDDP Decision changes the numbers, a ``solo_off`` arm with its off
+switches must give stock's weights (SoloDDP's defaults must still run); a ``tolerance`` says why it is not zero. Rank
+1's weights are compared with rank 0's in each arm. Progress is printed one line per arm; the markdown report goes
+to stdout and ``--out``. Exit status 1 when an example disagrees. :data:`SKIPPED` lists the examples
 not run and why. Cost on 2 shared CPU cores: 8-26 s an arm, about 7 minutes in all.
 
 Dependencies beyond this project's: the ``LightningCLI`` examples need ``jsonargparse[signatures]``
