@@ -85,18 +85,6 @@ def test_row_compares_with_the_fallback_and_solo_off_arms():
     assert ex.row("x", {"stock": passed, "solo": {**stock, "result": None}})["agree"] is False
 
 
-def test_where_stocks_ranks_diverge_solo_must_pass_with_equal_ranks():
-    diverged = {"outcome": "pass", "seconds": 6.0, "result": {"state_dict": {"w": torch.ones(1)}, "metrics": {},
-                                                             "ranks": "w: max |diff| 2e-05"}}  # fmt: skip
-    same = {"outcome": "pass", "seconds": 6.0, "result": {"state_dict": {"w": torch.zeros(1)}, "metrics": {},
-                                                         "ranks": "equal"}}  # fmt: skip
-    name = "computer_vision_fine_tuning"
-    assert ex.row(name, {"stock": diverged, "solo": same, "solo_off": same})["agree"] is True
-    assert ex.row(name, {"stock": diverged, "solo": diverged, "solo_off": same})["agree"] is False
-    agreeing = {**diverged, "result": {**diverged["result"], "ranks": "equal"}}  # stock's ranks agree: compared
-    assert ex.row(name, {"stock": agreeing, "solo": same, "solo_off": same})["agree"] is False
-
-
 @pytest.mark.multiproc
 @pytest.mark.cli
 @pytest.mark.timeout(120)
