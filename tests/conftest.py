@@ -1,6 +1,7 @@
 import compileall
 import getpass
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -59,13 +60,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 # What makes Lightning believe torchrun or SLURM started this process: a test must leave them as it found them.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)  # a fit's handlers must not outlive it
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
 
 
 @pytest.fixture(autouse=True)
 def _no_leaked_processes():
     before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}
     yield
+    changed = {
+        signum.name: signal.getsignal(signum) for signum in SIGNALS if signal.getsignal(signum) != handlers[signum]
+    }
+    for signum, handler in handlers.items():  # put back first, so that one leak fails one test only
+        if signal.getsignal(signum) != handler:
+            signal.signal(signum, handler)
     leaked = {name: os.environ.get(name) for name in LAUNCH_VARIABLES if os.environ.get(name) != before[name]}
     for name, value in before.items():  # put back first, so that one leak fails one test only
         if value is None:
@@ -73,6 +82,7 @@ def _no_leaked_processes():
         else:
             os.environ[name] = value
     assert not leaked, f"the test left launcher variables set: {leaked}"
+    assert not changed, f"the test left signal handlers installed: {changed}"
     import multiprocessing
 
     import torch.distributed as dist

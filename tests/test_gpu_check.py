@@ -80,8 +80,8 @@ def test_terminating_the_run_kills_the_running_checks_group():
     # (and the GPU it holds) would outlive the run.
     hang = "import subprocess, time; p = subprocess.Popen(['sleep', '120']); print(p.pid, flush=True); time.sleep(120)"
     parent = (
-        "import sys; from benchmarks.gpu_checks.harness import _terminate_as_exit, run_group; _terminate_as_exit(); "
-        f"run_group([sys.executable, '-c', {hang!r}], limit=120)"
+        "import sys; from benchmarks.gpu_checks.harness import _terminate_as_exit, run_group\n"
+        f"with _terminate_as_exit(): run_group([sys.executable, '-c', {hang!r}], limit=120)"
     )
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
     proc = subprocess.Popen([sys.executable, "-c", parent], env=env, stdout=subprocess.PIPE, text=True)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,11 +97,20 @@ def run_group(
     return code, out or ""
 
 
-def _terminate_as_exit() -> None:
-    """SIGTERM/SIGHUP (an outer timeout, a closed terminal) raise SystemExit here, so that run_group's ``finally``
-    kills the running check's group: it is in a session of its own and would outlive this process otherwise."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Meanwhile SIGTERM/SIGHUP (an outer timeout, a closed terminal) raise SystemExit here, so that run_group's
+    ``finally`` kills the running check's group: it is in a session of its own and would outlive this process
+    otherwise. The handlers before are put back after."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: sys.exit(128 + signum)) for sig in _TERMINATE}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_TERMINATE = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _kill_group(pgid: int) -> None:
@@ -285,34 +294,34 @@ def main(entries: Sequence[Check | Bundle], helpers: dict[str, Callable[..., Non
             "GPU is, or pass --device cpu to exercise the logic on CPU."
         )
         return 0
-    _terminate_as_exit()
-    out = args.out or (ROOT / "benchmarks" / "gpu_check.md" if args.device == "cuda" else None)
-    if out:
-        print(f"gpu_check: the table is {out}, rewritten after every check", flush=True)
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    started = time.monotonic()
-    for entry in entries:
-        inner = [c for c in rows_of([entry]) if c.name in wanted]
-        runnable = [c for c in inner if args.device == "cuda" or c.cpu]
-        skipped = {c.name: "no CPU form" for c in inner if c not in runnable}
-        left = args.budget - (time.monotonic() - started)
-        if runnable and left < MIN_START_S:
-            skipped.update({c.name: f"the {args.budget:.0f} s budget is spent" for c in runnable})
-        ran = {}
-        if runnable and left >= MIN_START_S:
-            # A shared CPU starts processes and fits more slowly than a GPU host: three times the limit there.
-            limit = entry.budget_s * (3 if args.device == "cpu" else 1)
-            log = args.logs / f"{entry.name}.log" if args.logs else None
-            ran = {row["check"]: row for row in run_check(entry, args.device, min(limit, left), log, runnable)}
-        rows_now = [ran.get(c.name) or {"check": c.name, "status": "SKIP", "detail": skipped[c.name], "seconds": 0}
-                    for c in inner]  # fmt: skip
-        for row in rows_now:
-            rows.append(row)
-            print(f"{row['check']}: {row['status']} ({row['seconds']} s)", flush=True)
-        if out and rows_now:  # after every check: a run killed later still reports what it found
-            out.write_text(render(rows, args.device))
-    print("\n" + render(rows, args.device))
-    unverified = [r for r in rows if r["status"] in ("FAIL", "TIMEOUT") or "budget is spent" in r["detail"]]
-    return 1 if unverified else 0
+    with _terminate_as_exit():
+        out = args.out or (ROOT / "benchmarks" / "gpu_check.md" if args.device == "cuda" else None)
+        if out:
+            print(f"gpu_check: the table is {out}, rewritten after every check", flush=True)
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+        rows: list[dict] = []
+        started = time.monotonic()
+        for entry in entries:
+            inner = [c for c in rows_of([entry]) if c.name in wanted]
+            runnable = [c for c in inner if args.device == "cuda" or c.cpu]
+            skipped = {c.name: "no CPU form" for c in inner if c not in runnable}
+            left = args.budget - (time.monotonic() - started)
+            if runnable and left < MIN_START_S:
+                skipped.update({c.name: f"the {args.budget:.0f} s budget is spent" for c in runnable})
+            ran = {}
+            if runnable and left >= MIN_START_S:
+                # A shared CPU starts processes and fits more slowly than a GPU host: three times the limit there.
+                limit = entry.budget_s * (3 if args.device == "cpu" else 1)
+                log = args.logs / f"{entry.name}.log" if args.logs else None
+                ran = {row["check"]: row for row in run_check(entry, args.device, min(limit, left), log, runnable)}
+            rows_now = [ran.get(c.name) or {"check": c.name, "status": "SKIP", "detail": skipped[c.name], "seconds": 0}
+                        for c in inner]  # fmt: skip
+            for row in rows_now:
+                rows.append(row)
+                print(f"{row['check']}: {row['status']} ({row['seconds']} s)", flush=True)
+            if out and rows_now:  # after every check: a run killed later still reports what it found
+                out.write_text(render(rows, args.device))
+        print("\n" + render(rows, args.device))
+        unverified = [r for r in rows if r["status"] in ("FAIL", "TIMEOUT") or "budget is spent" in r["detail"]]
+        return 1 if unverified else 0
