@@ -16,7 +16,7 @@ An example agrees when both arms exit 0 with the same final weights (``torch.equ
 same logged metrics, or fail with the same last error line, or stock fails (SoloDDP may run more). Per example
 (:data:`EXAMPLES`): where plain ``DDPStrategy()`` fails, a ``fallback`` stock arm with the kwargs its error asks for
 gives the weights to compare with; where a SoloDDP Decision changes the numbers, a ``solo_off`` arm with its off
-switches must give stock's weights (SoloDDP's defaults must still run); a ``tolerance`` says why it is not zero. Rank
+switches must give stock's weights (SoloDDP's defaults must still run). Rank
 1's weights are compared with rank 0's in each arm. Progress is printed one line per arm; the markdown report goes
 to stdout and ``--out``. Exit status 1 when an example disagrees. :data:`SKIPPED` lists the examples
 not run and why. Cost on 2 shared CPU cores: 8-26 s an arm, about 7 minutes in all.
@@ -84,7 +84,6 @@ class Example:
     fallback: dict = field(default_factory=dict)
     # SoloDDP kwargs that turn off a Decision changing the numbers: a third arm, compared with stock for equality
     solo_off: dict = field(default_factory=dict)
-    tolerance: tuple[float, float, str] = (0.0, 0.0, "")  # atol on weights, rtol on metrics, why
 
 
 UNUSED = {"find_unused_parameters": True}  # what stock DDP's error message tells the user to set
@@ -258,8 +257,7 @@ def row(name: str, arms: dict) -> dict:
     def comparison(key: str, a: dict, b: dict) -> str:
         if a["result"] is None or b["result"] is None:
             return "-"
-        tol = EXAMPLES[name].tolerance[0 if key == "state_dict" else 1]
-        return (compare_states if key == "state_dict" else compare_metrics)(a["result"][key], b["result"][key], tol)
+        return (compare_states if key == "state_dict" else compare_metrics)(a["result"][key], b["result"][key])
 
     weights, metrics = comparison("state_dict", ref, solo), comparison("metrics", ref, solo)
     agree = verdict(ref["outcome"], solo["outcome"], weights, metrics)
@@ -305,11 +303,6 @@ def markdown(rows: list[dict], command: str, version: str) -> str:
         out.append("| " + " | ".join(cell(c) for c in cells) + f" | {r['seconds']} |")
     ran = {r["example"] for r in rows}
     notes = [f"- {name}: {ex.note}" for name, ex in EXAMPLES.items() if ex.note and name in ran]
-    notes += [
-        f"- {n}: tolerance {ex.tolerance[:2]}: {ex.tolerance[2]}"
-        for n, ex in EXAMPLES.items()
-        if n in ran and ex.tolerance[2]
-    ]
     if notes:
         out += ["", "Downsizing beyond a few steps and small batches:", "", *notes]
     out += ["", "Not run:", "", *(f"- `{path}`: {why}" for path, why in SKIPPED.items())]

@@ -41,7 +41,8 @@ class Phase(StrEnum):
 
 class UnusedParameters:
     """SoloDDP's ``find_unused_parameters`` policy: ``setting`` ("auto", True or False), ``window`` (synchronised
-    steps of evidence), ``static_graph`` (the user's; "auto" then stays out of the way)."""
+    steps of evidence), ``static_graph`` (the user's; "auto" then stays out of the way), ``follow_trainable``
+    (re-wrap DDP when parameters are frozen or unfrozen mid-fit: SoloDDP's ``rewrap_on_trainable_change``)."""
 
     def __init__(
         self,
